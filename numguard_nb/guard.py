@@ -1,0 +1,751 @@
+"""The Guard: hooks on every module call, forward and backward, that find where inf/nan is produced.
+
+How it stays fast and harmless:
+- statistics are small vectors computed on the tensor's device (`stats.device_stats`) and read
+  with one transfer at the end of each top-level forward and each backward (`sync=False`);
+- backward is watched with tensor hooks (on outputs, inputs and parameters), never with
+  `register_full_backward_hook`, which wraps tensors in views and breaks in-place modules;
+- hooks keep only names and indices, never tensors; per-pass caches hold weak references;
+- every module hook and parameter hook is removed on detach, which `with` guarantees.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import itertools
+import math
+import weakref
+from functools import partial
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+from torch import nn
+
+from . import stats as _stats
+from .report import (
+    BACKWARD, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST, OUTPUT,
+    PARAM, TRACE, Frame, Report, TensorRow,
+)
+
+__all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite value was produced; `.report` says where, and what led to it."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        super().__init__(f"{report.summary()} (see .report for the frames leading to it)")
+
+
+class BatchLimitReached(RuntimeError):
+    """Raised when the model is called for a batch past `abort_after_batch`."""
+
+
+_LIMIT_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+
+def _graph_task_id() -> int:
+    """Id of the autograd graph task running this hook (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _Slot:
+    """A row before the pass is read back: what the value was, and where its stats sit."""
+
+    __slots__ = ("role", "category", "kind", "dtype", "shape", "index", "seq")
+
+    def __init__(self, role, category, kind, dtype=None, shape=None, index=None, seq=0):
+        self.role = role
+        self.category = category
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.index = index  # position of the stats vector in the pass, None without stats
+        self.seq = seq  # arrival order, used to order backward events
+
+
+class _Call:
+    """One module call in one phase, as recorded during the pass (names and indices only)."""
+
+    __slots__ = (
+        "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
+        "slots", "seq", "is_root", "raised", "backward", "__weakref__",
+    )
+
+    def __init__(self, module_id, name, cls, phase, batch_number, call_index, is_root):
+        self.module_id = module_id
+        self.module_name = name
+        self.module_class = cls
+        self.phase = phase
+        self.batch_number = batch_number
+        self.call_index = call_index
+        self.slots: list = []
+        self.seq = 0
+        self.is_root = is_root
+        self.raised = False
+        self.backward: Optional[_Call] = None  # the backward counterpart of a forward call
+
+
+class _Pass:
+    """State of one forward or backward pass: its calls and its pending device statistics."""
+
+    __slots__ = ("calls", "vectors", "values", "cache", "seq")
+
+    def __init__(self):
+        self.calls: list = []
+        self.vectors: list = []  # stats vectors still on the device
+        self.values: list = []  # stats read back to the host, same indexing
+        self.cache: dict = {}  # id(tensor) -> (weakref, version, index): one summary per tensor
+        self.seq = itertools.count()
+
+    def read_back(self) -> None:
+        """Move every pending statistic to the host: the pass's one synchronisation."""
+        if len(self.values) < len(self.vectors):
+            self.values.extend(_stats.to_host(self.vectors[len(self.values):]))
+
+
+def _normalise_models(model_or_models) -> Dict[str, nn.Module]:
+    if isinstance(model_or_models, nn.Module):
+        return {"": model_or_models}
+    if isinstance(model_or_models, dict):
+        items = list(model_or_models.items())
+    elif isinstance(model_or_models, Iterable) and not isinstance(model_or_models, (str, bytes)):
+        items = [(f"model{i}", m) for i, m in enumerate(model_or_models)]
+    else:
+        items = [("", model_or_models)]
+    for name, module in items:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"Guard needs torch.nn.Module objects, got {type(module).__name__}"
+                f"{' for ' + repr(name) if name else ''}: pass the model (or a list of models)"
+            )
+    if not items:
+        raise ValueError("Guard needs at least one torch.nn.Module to watch")
+    # A model that is a submodule of another is already watched through it.
+    kept = []
+    for name, module in items:
+        if any(module is not other and any(module is sub for sub in other.modules())
+               for _, other in items):
+            continue
+        if any(module is other for _, other in kept):
+            continue
+        kept.append((name, module))
+    if len(kept) == 1:
+        return {"": kept[0][1]}
+    return dict(kept)
+
+
+class Guard:
+    """Watch a model's forward and backward passes and stop at the first inf/nan produced.
+
+    >>> with Guard(model) as guard:
+    ...     loss = model(**batch).loss
+    ...     loss.backward()
+
+    raises `NonFiniteError` (a FloatingPointError) with `.report` naming the module that produced
+    the first non-finite value, with the `max_frames` frames leading up to it.
+
+    Args:
+        model_or_models: a module, a list of modules, or a dict of name -> module (names are then
+            used as prefixes; a loss module can be watched alongside the model).
+        max_frames: frames kept in the report, leading up to the culprit.
+        trace_batches: batch numbers (0-indexed calls of the first model) whose every frame is
+            recorded in `guard.traces[batch]`, without stopping on inf/nan.
+        abort_after_batch: raise `BatchLimitReached` when batch `abort_after_batch + 1` starts.
+        backward: also watch gradients (module outputs, inputs, parameters).
+        sync: read statistics in every hook and raise there (slower; for when the process would
+            crash before the pass ends).
+        allow_inf: True, or module-name globs, for modules that legitimately produce +-inf.
+        limit_dtype: e.g. torch.float16: values beyond its largest finite value count as an
+            overflow (predicted) and non-zero values below its smallest are flagged as underflow.
+        on_trace: called with each traced batch's report after each of its passes.
+        on_detect: called with the report before `NonFiniteError` is raised; if it returns an
+            exception, that exception is raised instead.
+    """
+
+    def __init__(
+        self,
+        model_or_models,
+        *,
+        max_frames: int = 21,
+        trace_batches: Iterable[int] = (),
+        abort_after_batch: Optional[int] = None,
+        backward: bool = True,
+        sync: bool = False,
+        allow_inf: Union[bool, str, Iterable[str]] = False,
+        limit_dtype=None,
+        on_trace=None,
+        on_detect=None,
+    ):
+        self.models = _normalise_models(model_or_models)
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+            raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
+        try:
+            self.trace_batches = frozenset(int(b) for b in trace_batches)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"trace_batches must be batch numbers like [1, 3], got {trace_batches!r}"
+            ) from None
+        if any(b < 0 for b in self.trace_batches):
+            raise ValueError(f"trace_batches are 0-indexed batch numbers, got {sorted(self.trace_batches)}")
+        if abort_after_batch is not None and (
+            isinstance(abort_after_batch, bool) or not isinstance(abort_after_batch, int)
+            or abort_after_batch < 0
+        ):
+            raise ValueError(
+                f"abort_after_batch must be None or a batch number >= 0, got {abort_after_batch!r}"
+            )
+        self.max_frames = max_frames
+        self.abort_after_batch = abort_after_batch
+        self.backward = bool(backward)
+        self.sync = bool(sync)
+        self.allow_inf = self._parse_allow_inf(allow_inf)
+        self.limit_dtype = self._parse_limit_dtype(limit_dtype)
+        self._limit_max = float(torch.finfo(self.limit_dtype).max) if self.limit_dtype else None
+        # Smallest positive value the limit dtype holds (subnormal): below it, a value flushes to 0.
+        self._limit_tiny = (
+            float(torch.finfo(self.limit_dtype).smallest_normal) * float(torch.finfo(self.limit_dtype).eps)
+            if self.limit_dtype else None
+        )
+        self.on_trace = on_trace
+        self.on_detect = on_detect
+
+        self.detection: Optional[Report] = None  # set when a non-finite value was found
+        self.traces: Dict[int, Report] = {}
+        self.batch_number = 0  # the batch being run (or last run)
+        self._batches_started = 0
+        self._handles: list = []
+        self._tensor_handles: list = []
+        self._attached = False
+        self._names: Dict[int, str] = {}
+        self._roots: Dict[int, nn.Module] = {}
+        self._primary_root_id: Optional[int] = None
+        self._param_owner: Dict[int, tuple] = {}
+        self._recent: collections.deque = collections.deque(maxlen=max_frames)
+        self._reset_pass_state()
+
+    # ---- options --------------------------------------------------------------------------
+    @staticmethod
+    def _parse_allow_inf(allow_inf):
+        if allow_inf is True or allow_inf is False:
+            return allow_inf
+        if isinstance(allow_inf, str):
+            return (allow_inf,)
+        try:
+            globs = tuple(allow_inf)
+        except TypeError:
+            raise ValueError(
+                f"allow_inf must be True/False or module-name globs like ['*.attn*'], got {allow_inf!r}"
+            ) from None
+        if not all(isinstance(g, str) for g in globs):
+            raise ValueError(f"allow_inf globs must be strings, got {allow_inf!r}")
+        return globs
+
+    @staticmethod
+    def _parse_limit_dtype(limit_dtype):
+        if limit_dtype is None:
+            return None
+        if isinstance(limit_dtype, str):
+            key = limit_dtype.replace("torch.", "").lower()
+            if key not in _LIMIT_DTYPES:
+                raise ValueError(
+                    f"limit_dtype {limit_dtype!r} is not a float dtype: use float16, bfloat16 or float32"
+                )
+            return _LIMIT_DTYPES[key]
+        if isinstance(limit_dtype, torch.dtype) and limit_dtype.is_floating_point:
+            return limit_dtype
+        raise ValueError(
+            f"limit_dtype must be a floating torch dtype such as torch.float16, got {limit_dtype!r}"
+        )
+
+    def _inf_allowed(self, module_name: str) -> bool:
+        if self.allow_inf is True or self.allow_inf is False:
+            return self.allow_inf
+        return any(fnmatch.fnmatchcase(module_name, g) for g in self.allow_inf)
+
+    # ---- attach / detach ------------------------------------------------------------------
+    def attach(self) -> "Guard":
+        """Register the hooks (idempotent). Prefer `with Guard(...)`, which always detaches."""
+        if self._attached:
+            return self
+        self._reset_pass_state()
+        try:
+            for prefix, root in self.models.items():
+                self._roots[id(root)] = root
+                if self._primary_root_id is None:
+                    self._primary_root_id = id(root)
+                for name, module in root.named_modules():
+                    if id(module) in self._names:
+                        continue
+                    full = name if not prefix else (f"{prefix}.{name}" if name else prefix)
+                    self._names[id(module)] = full
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+                    )
+                    self._handles.append(
+                        module.register_forward_hook(self._post_hook, with_kwargs=True)
+                    )
+                    # Runs only when forward raised: closes the call the normal hook never saw.
+                    self._handles.append(
+                        module.register_forward_hook(self._post_hook_on_error, always_call=True)
+                    )
+                    if self.backward:
+                        for pname, param in module.named_parameters(recurse=False):
+                            if param.requires_grad and id(param) not in self._param_owner:
+                                self._param_owner[id(param)] = (module, pname)
+                                self._handles.append(
+                                    param.register_hook(partial(self._on_param_grad, module, pname))
+                                )
+        except BaseException:
+            self.detach()
+            raise
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook this guard registered (idempotent)."""
+        for handle in itertools.chain(self._handles, self._tensor_handles):
+            handle.remove()
+        self._handles.clear()
+        self._tensor_handles.clear()
+        self._names.clear()
+        self._roots.clear()
+        self._param_owner.clear()
+        self._primary_root_id = None
+        self._attached = False
+        self._reset_pass_state()
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def __enter__(self) -> "Guard":
+        return self.attach()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        """Forget a pass that never finished (e.g. interrupted with Ctrl-C)."""
+        self._reset_pass_state()
+
+    def _reset_pass_state(self) -> None:
+        self._stack: List[_Call] = []
+        self._closed_normally: Optional[_Call] = None
+        self._forward: Optional[_Pass] = None
+        self._backward_passes: Dict[int, _Pass] = {}  # autograd graph task id -> its pass
+        self._call_counts: Dict[int, int] = {}
+        self._first_calls: Dict[int, _Call] = {}
+        self._tracing = False
+
+    # ---- the latest report ----------------------------------------------------------------
+    @property
+    def report(self) -> Report:
+        """The detection report if there was one, else a report of the last frames seen."""
+        if self.detection is not None:
+            return self.detection
+        return self._make_report(list(self._recent), None, LATEST, "", "")
+
+    # ---- forward --------------------------------------------------------------------------
+    def _pre_hook(self, module, args, kwargs):
+        module_id = id(module)
+        stack = self._stack
+        if stack and module_id in self._roots and stack[0].module_id == module_id:
+            self._reset_pass_state()  # a root re-entered itself: the last pass was interrupted
+        if not stack:
+            self._begin_forward(module_id)
+        index = self._call_counts.get(module_id, 0)
+        self._call_counts[module_id] = index + 1
+        call = _Call(
+            module_id, self._names.get(module_id, "?"), type(module).__name__, FORWARD,
+            self.batch_number, index, module_id in self._roots,
+        )
+        if index == 0:
+            self._first_calls[module_id] = call
+        pass_ = self._forward
+        watch_grads = self.backward and torch.is_grad_enabled()
+        with torch.no_grad():
+            for pname, param in module._parameters.items():
+                if param is not None:
+                    self._add(pass_, call, pname, PARAM, param, False)
+            for i, value in enumerate(args):
+                for role, leaf in _stats.walk(value, f"input[{i}]"):
+                    self._add(pass_, call, role, INPUT, leaf, watch_grads)
+            for key, value in kwargs.items():
+                for role, leaf in _stats.walk(value, f"input[{key}]"):
+                    self._add(pass_, call, role, INPUT, leaf, watch_grads)
+        stack.append(call)
+
+    def _post_hook(self, module, args, kwargs, output):
+        call = self._pop_call(id(module))
+        if call is None:
+            return
+        self._closed_normally = call
+        pass_ = self._forward
+        watch_grads = self.backward and torch.is_grad_enabled()
+        with torch.no_grad():
+            for role, leaf in _stats.walk(output, "output"):
+                self._add(pass_, call, role, OUTPUT, leaf, watch_grads)
+        self._finish_call(call)
+
+    def _post_hook_on_error(self, module, args, output):
+        # Runs after every call; the call is still open only when forward itself raised.
+        closed = self._closed_normally
+        if closed is not None and closed.module_id == id(module):
+            self._closed_normally = None
+            return
+        if self._stack and self._stack[-1].module_id == id(module):
+            call = self._pop_call(id(module))
+            call.raised = True
+            self._finish_call(call, raising=True)
+
+    def _pop_call(self, module_id) -> Optional[_Call]:
+        stack = self._stack
+        while stack:
+            call = stack.pop()
+            if call.module_id == module_id:
+                return call
+        return None  # hooks attached mid-call, or state reset: nothing to close
+
+    def _finish_call(self, call: _Call, raising: bool = False) -> None:
+        pass_ = self._forward
+        call.seq = next(pass_.seq)
+        pass_.calls.append(call)
+        if self.sync and not raising and not self._tracing:
+            pass_.read_back()
+            culprit = self._forward_culprit(pass_, [call])
+            if culprit is not None:
+                self._detect(pass_, FORWARD, *culprit)
+        if not self._stack:
+            self._end_forward(raising)
+
+    def _begin_forward(self, module_id) -> None:
+        if self._backward_passes and _graph_task_id() == -1:
+            self._backward_passes.clear()  # backward passes that raised before their end
+        if module_id == self._primary_root_id:
+            batch = self._batches_started
+            if self.abort_after_batch is not None and batch > self.abort_after_batch:
+                raise BatchLimitReached(
+                    f"numguard: stopped before batch {batch} because abort_after_batch="
+                    f"{self.abort_after_batch} (batches 0..{self.abort_after_batch} ran)"
+                )
+            self._batches_started += 1
+            self.batch_number = batch
+            self._call_counts.clear()
+            self._first_calls.clear()
+            self._tracing = batch in self.trace_batches
+        self._forward = _Pass()
+        if len(self._tensor_handles) > 4096:
+            # Handles on freed graphs are dead; keep the list bounded over long runs.
+            self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
+
+    def _end_forward(self, raising: bool) -> None:
+        pass_ = self._forward
+        self._forward = None
+        pass_.read_back()
+        if self._tracing:
+            self._record_trace(pass_)
+            return
+        culprit = None if raising else self._forward_culprit(pass_, pass_.calls)
+        if culprit is not None:
+            self._detect(pass_, FORWARD, *culprit)
+        self._remember(pass_)
+
+    # ---- values ---------------------------------------------------------------------------
+    def _add(self, pass_: _Pass, call: _Call, role, category, value, watch_grads) -> None:
+        """Summarise one value of a call; for gradients-to-be, hook the tensor."""
+        if not isinstance(value, torch.Tensor):
+            kind = "none" if value is None else "not a tensor"
+            call.slots.append(_Slot(role, category, kind))
+            return
+        index = self._summarise(pass_, value)
+        kind = "tensor" if index is not None else ("empty" if value.numel() == 0 else "unsupported")
+        call.slots.append(_Slot(role, category, kind, value.dtype, tuple(value.shape), index))
+        if watch_grads and value.requires_grad and category != PARAM:
+            grad_category = GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT
+            handle = value.register_hook(
+                partial(self._on_grad, call, "grad_" + role, grad_category)
+            )
+            self._tensor_handles.append(handle)
+
+    def _summarise(self, pass_: _Pass, t: torch.Tensor) -> Optional[int]:
+        if t.numel() == 0:
+            return None
+        inference = t.is_inference()  # inference tensors have no version counter to cache on
+        if not inference:
+            key = id(t)
+            hit = pass_.cache.get(key)
+            version = t._version
+            if hit is not None and hit[0]() is t and hit[1] == version:
+                return hit[2]
+        vec = _stats.device_stats(t, nonzero_min=self.limit_dtype is not None)
+        if vec is None:
+            return None
+        index = len(pass_.vectors)
+        pass_.vectors.append(vec)
+        if not inference:
+            pass_.cache[key] = (weakref.ref(t), version, index)
+        return index
+
+    # ---- backward -------------------------------------------------------------------------
+    def _backward_state(self) -> _Pass:
+        task = _graph_task_id()
+        pass_ = self._backward_passes.get(task)
+        if pass_ is None:
+            pass_ = self._backward_passes[task] = _Pass()
+            # Read everything back once, when the engine finishes this backward pass.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                partial(self._end_backward, task)
+            )
+        return pass_
+
+    def _on_grad(self, forward_call: _Call, role, category, grad):
+        if not self._attached or grad is None:
+            return None
+        self._record_grad(forward_call, role, category, grad)
+        return None
+
+    def _on_param_grad(self, module, pname, grad):
+        if not self._attached or grad is None:
+            return None
+        forward_call = self._first_calls.get(id(module))
+        if forward_call is None:
+            return None
+        self._record_grad(forward_call, pname + ".grad", GRAD_PARAM, grad)
+        return None
+
+    def _record_grad(self, forward_call: _Call, role, category, grad) -> None:
+        pass_ = self._backward_state()
+        call = forward_call.backward
+        if call is None:
+            call = forward_call.backward = _Call(
+                forward_call.module_id, forward_call.module_name, forward_call.module_class,
+                BACKWARD, forward_call.batch_number, forward_call.call_index,
+                forward_call.is_root,
+            )
+            call.seq = next(pass_.seq)
+            pass_.calls.append(call)
+        with torch.no_grad():
+            index = self._summarise(pass_, grad)
+        kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
+        slot = _Slot(role, category, kind, grad.dtype, tuple(grad.shape), index, next(pass_.seq))
+        call.slots.append(slot)
+        if self.sync and not self._tracing:
+            pass_.read_back()
+            culprit = self._backward_culprit(pass_, [slot], {id(slot): call})
+            if culprit is not None:
+                self._detect(pass_, BACKWARD, *culprit)
+
+    def _end_backward(self, task) -> None:
+        pass_ = self._backward_passes.pop(task, None)
+        if pass_ is None or not self._attached:
+            return
+        # The graph this pass ran on has been consumed: its tensor hooks need no removal.
+        self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
+        pass_.read_back()
+        if self._tracing:
+            self._record_trace(pass_)
+            return
+        slots = sorted(
+            (slot for call in pass_.calls for slot in call.slots), key=lambda s: s.seq
+        )
+        owner = {id(slot): call for call in pass_.calls for slot in call.slots}
+        culprit = self._backward_culprit(pass_, slots, owner)
+        if culprit is not None:
+            self._detect(pass_, BACKWARD, *culprit)
+        self._remember(pass_)
+
+    # ---- detection ------------------------------------------------------------------------
+    def _kinds(self, pass_: _Pass, slot: _Slot) -> frozenset:
+        """What is wrong with one value: a subset of {'nan', 'inf'} (overflow counts as inf)."""
+        if slot.index is None:
+            return frozenset()
+        values = pass_.values[slot.index]
+        abs_min, abs_max = values[0], values[1]
+        if math.isnan(abs_max) or math.isnan(abs_min):
+            return frozenset(("nan",))
+        if abs_max == math.inf:
+            return frozenset(("inf",))
+        if self._limit_max is not None and abs_max > self._limit_max and slot.dtype is not None \
+                and slot.dtype.is_floating_point:
+            return frozenset(("inf",))
+        return frozenset()
+
+    def _forward_culprit(self, pass_: _Pass, calls):
+        """(call, bad slots, cause) of the first call that produced a non-finite value."""
+        for call in calls:
+            received = set()
+            bad_params, bad_inputs, produced = [], [], []
+            for slot in call.slots:
+                kinds = self._kinds(pass_, slot)
+                if not kinds:
+                    continue
+                if slot.category == PARAM:
+                    bad_params.append(slot)
+                    received |= kinds
+                elif slot.category == INPUT:
+                    received |= kinds
+                    if call.is_root and "nan" in kinds:
+                        bad_inputs.append(slot)
+            if bad_params:
+                return call, bad_params, "weights"
+            if bad_inputs:
+                return call, bad_inputs, "data"
+            allowed = self._inf_allowed(call.module_name)
+            for slot in call.slots:
+                if slot.category != OUTPUT:
+                    continue
+                new = self._kinds(pass_, slot) - received
+                if allowed:
+                    new = new - {"inf"}
+                if new:
+                    produced.append(slot)
+            if produced:
+                return call, produced, "forward"
+        return None
+
+    def _backward_culprit(self, pass_: _Pass, slots, owner):
+        """The first gradient (in arrival order) made non-finite by the call it belongs to."""
+        for slot in slots:
+            kinds = self._kinds(pass_, slot)
+            if not kinds:
+                continue
+            call = owner[id(slot)]
+            if slot.category == GRAD_OUTPUT:
+                if call.is_root:
+                    return call, [slot], "loss-gradient"
+                continue
+            received = set()
+            for other in call.slots:
+                if other.category == GRAD_OUTPUT and other.seq < slot.seq:
+                    received |= self._kinds(pass_, other)
+            new = kinds - received
+            if self._inf_allowed(call.module_name):
+                new = new - {"inf"}
+            if new:
+                return call, [slot], "backward"
+        return None
+
+    def _detect(self, pass_: _Pass, phase, call: _Call, bad_slots, cause) -> None:
+        """Build the report for a detection and raise it."""
+        culprit_frame = self._frame(pass_, call, flagged={id(s) for s in bad_slots})
+        if phase == FORWARD:
+            led_up = [c for c in pass_.calls if c.seq < call.seq]
+        else:
+            limit = min(s.seq for s in bad_slots)
+            led_up = [c for c in pass_.calls if c is not call and c.seq < limit]
+        led_up = led_up[-self.max_frames:]
+        frames = list(self._recent) + [self._frame(pass_, c) for c in led_up] + [culprit_frame]
+        frames = frames[-self.max_frames:]
+        reason = self._reason(cause, culprit_frame)
+        self.detection = self._make_report(frames, culprit_frame, DETECTION, reason, cause)
+        self._reset_pass_state()
+        error = self.on_detect(self.detection) if self.on_detect is not None else None
+        raise error if error is not None else NonFiniteError(self.detection)
+
+    def _reason(self, cause: str, frame: Frame) -> str:
+        rows = frame.flagged_rows
+        what = "; ".join(f"{row.role} holds {row.problems}" for row in rows)
+        where = f"{frame.label} ({frame.module_class})"
+        call = f"call {frame.call_index} of batch {frame.batch_number}"
+        predicted = any(row.predicted_overflow for row in rows)
+        limit = (
+            f" (beyond {_dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g}: "
+            "predicted overflow)" if predicted else ""
+        )
+        if cause == "weights":
+            return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
+                    "an earlier optimizer step wrote them")
+        if cause == "data":
+            return f"the data fed to {where} in batch {frame.batch_number} holds nan ({what})"
+        if cause == "loss-gradient":
+            return (f"the gradient entering {where} in backward of batch {frame.batch_number} is "
+                    f"already non-finite ({what}): the loss or code outside the guarded modules "
+                    "produced it")
+        if cause == "backward":
+            return (f"{where} produced a non-finite gradient in backward ({call}): {what}, "
+                    f"while the gradient it received was finite{limit}")
+        return (f"{where} produced a non-finite value in forward ({call}): {what}, "
+                f"which its inputs and weights did not hold{limit}")
+
+    # ---- frames and reports ---------------------------------------------------------------
+    def _frame(self, pass_: _Pass, call: _Call, flagged=frozenset()) -> Frame:
+        rows = []
+        for slot in call.slots:
+            row = TensorRow(
+                role=slot.role, category=slot.category, kind=slot.kind,
+                dtype=_dtype_name(slot.dtype) if slot.dtype is not None else None,
+                shape=slot.shape, flagged=id(slot) in flagged,
+            )
+            if slot.index is not None:
+                (row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf,
+                 row.nonzero_abs_min) = _stats.decode(pass_.values[slot.index])
+                self._mark_limits(row, slot)
+            rows.append(row)
+        return Frame(
+            module_name=call.module_name, module_class=call.module_class, phase=call.phase,
+            batch_number=call.batch_number, call_index=call.call_index, rows=rows,
+            raised=call.raised,
+        )
+
+    def _mark_limits(self, row: TensorRow, slot: _Slot) -> None:
+        if self._limit_max is None or not slot.dtype.is_floating_point:
+            return
+        if row.abs_max is not None and not row.nonfinite and row.abs_max > self._limit_max:
+            row.predicted_overflow = True
+        if row.nonzero_abs_min is not None and row.nonzero_abs_min < self._limit_tiny:
+            row.predicted_underflow = True
+
+    def _make_report(self, frames, culprit, kind, reason, cause) -> Report:
+        rank = world = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return Report(
+            frames=frames, first_nonfinite=culprit, batch_number=self.batch_number, kind=kind,
+            reason=reason, cause=cause, rank=rank, world_size=world,
+            limit_dtype=_dtype_name(self.limit_dtype) if self.limit_dtype else None,
+        )
+
+    def _remember(self, pass_: _Pass) -> None:
+        """Keep the pass's last frames as context for a detection in a later pass."""
+        calls = sorted(pass_.calls, key=lambda c: c.seq)[-self.max_frames:]
+        self._recent.extend(self._frame(pass_, c) for c in calls)
+
+    def _record_trace(self, pass_: _Pass) -> None:
+        frames = [self._frame(pass_, c) for c in sorted(pass_.calls, key=lambda c: c.seq)]
+        report = self.traces.get(self.batch_number)
+        if report is None:
+            report = self.traces[self.batch_number] = self._make_report([], None, TRACE, "", "")
+        report.frames.extend(frames)
+        # A trace notes where a non-finite value would have been caught, without stopping.
+        culprit = (self._forward_culprit(pass_, pass_.calls) if frames and frames[0].phase == FORWARD
+                   else self._backward_culprit(
+                       pass_, sorted((s for c in pass_.calls for s in c.slots), key=lambda s: s.seq),
+                       {id(s): c for c in pass_.calls for s in c.slots}))
+        if culprit is not None and report.first_nonfinite is None:
+            call, bad, cause = culprit
+            position = [c for c in sorted(pass_.calls, key=lambda c: c.seq)].index(call)
+            frame = frames[position]
+            flagged = {s.role for s in bad}
+            for row in frame.rows:
+                row.flagged = row.role in flagged
+            report.first_nonfinite = frame
+            report.cause = cause
+            report.reason = self._reason(cause, frame)
+        if self.on_trace is not None:
+            self.on_trace(report)
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attached else "detached"
+        names = ", ".join(type(m).__name__ for m in self.models.values())
+        return f"<numguard Guard on {names}: {state}, batch {self.batch_number}>"
