@@ -171,6 +171,10 @@ class Guard:
         on_trace: called with each traced batch's report after each of its passes.
         on_detect: called with the report before `NonFiniteError` is raised; if it returns an
             exception, that exception is raised instead.
+        ops: on a detection, re-run the failing step inside the culprit module to name the first
+            ATen op that turned non-finite and the source line that called it.
+        capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
+            to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
     """
 
     def __init__(
@@ -186,6 +190,8 @@ class Guard:
         limit_dtype=None,
         on_trace=None,
         on_detect=None,
+        ops: bool = False,
+        capture: bool = False,
     ):
         self.models = _normalise_models(model_or_models)
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
@@ -219,6 +225,9 @@ class Guard:
         )
         self.on_trace = on_trace
         self.on_detect = on_detect
+        self.ops = bool(ops)
+        self._capture_enabled = bool(capture)
+        self._capture = None  # replay.Capture, made on attach
 
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
@@ -306,6 +315,10 @@ class Guard:
                                 self._handles.append(
                                     param.register_hook(partial(self._on_param_grad, module, pname))
                                 )
+            if self._capture_enabled:
+                from .replay import Capture
+
+                self._capture = Capture(self.models)
         except BaseException:
             self.detach()
             raise
@@ -348,6 +361,11 @@ class Guard:
         self._first_calls: Dict[int, _Call] = {}
         self._tracing = False
 
+    @property
+    def capture(self):
+        """The latest captured call (replayable on CPU), or None without capture=True."""
+        return self._capture.latest if self._capture is not None else None
+
     # ---- the latest report ----------------------------------------------------------------
     @property
     def report(self) -> Report:
@@ -364,6 +382,8 @@ class Guard:
             self._reset_pass_state()  # a root re-entered itself: the last pass was interrupted
         if not stack:
             self._begin_forward(module_id)
+            if self._capture is not None:
+                self._capture.record(self._names[module_id], module, args, kwargs)
         index = self._call_counts.get(module_id, 0)
         self._call_counts[module_id] = index + 1
         call = _Call(

@@ -190,6 +190,13 @@ class Report:
             return f"trace of batch {self.batch_number}: {len(self.frames)} frames, all finite{where}"
         return f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number}){where}"
 
+    def compare(self, other: "Report", factor: float = 10.0):
+        """The first module whose abs max differs by more than `factor` between two reports
+        (e.g. the traces of a batch that worked and one that did not)."""
+        from .compare import compare_reports
+
+        return compare_reports(self, other, factor=factor)
+
     # ---- views -------------------------------------------------------------------------
     def to_text(self) -> str:
         """Hugging Face's DebugUnderflowOverflow text format (plus backward frames, if any)."""
