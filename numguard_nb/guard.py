@@ -15,6 +15,7 @@ import collections
 import fnmatch
 import itertools
 import math
+import sys
 import weakref
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Union
@@ -48,6 +49,21 @@ _LIMIT_DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
 }
+
+
+class _no_grad:
+    """torch.no_grad without its Python-level overhead (it runs in every hook)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        self.prev = torch.is_grad_enabled()
+        if self.prev:
+            torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        if self.prev:
+            torch._C._set_grad_enabled(True)
 
 
 def _graph_task_id() -> int:
@@ -101,11 +117,13 @@ class _Pass:
 
     __slots__ = ("calls", "vectors", "values", "cache", "seq")
 
+    # cache entry: [weakref, version, stats index, gradient targets or None]
+
     def __init__(self):
         self.calls: list = []
         self.vectors: list = []  # stats vectors still on the device
         self.values: list = []  # stats read back to the host, same indexing
-        self.cache: dict = {}  # id(tensor) -> (weakref, version, index): one summary per tensor
+        self.cache: dict = {}  # id(tensor) -> cache entry: one summary (and hook) per tensor
         self.seq = itertools.count()
 
     def read_back(self) -> None:
@@ -240,7 +258,9 @@ class Guard:
         self._roots: Dict[int, nn.Module] = {}
         self._primary_root_id: Optional[int] = None
         self._param_owner: Dict[int, tuple] = {}
-        self._recent: collections.deque = collections.deque(maxlen=max_frames)
+        # The last passes, kept as (pass, its last calls) and turned into frames only when a
+        # report needs them as context: most passes are clean and never shown.
+        self._recent: collections.deque = collections.deque(maxlen=2)
         self._reset_pass_state()
 
     # ---- options --------------------------------------------------------------------------
@@ -372,7 +392,7 @@ class Guard:
         """The detection report if there was one, else a report of the last frames seen."""
         if self.detection is not None:
             return self.detection
-        return self._make_report(list(self._recent), None, LATEST, "", "")
+        return self._make_report(self._recent_frames(), None, LATEST, "", "")
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -394,7 +414,7 @@ class Guard:
             self._first_calls[module_id] = call
         pass_ = self._forward
         watch_grads = self.backward and torch.is_grad_enabled()
-        with torch.no_grad():
+        with _no_grad():
             for pname, param in module._parameters.items():
                 if param is not None:
                     self._add(pass_, call, pname, PARAM, param, False)
@@ -413,7 +433,7 @@ class Guard:
         self._closed_normally = call
         pass_ = self._forward
         watch_grads = self.backward and torch.is_grad_enabled()
-        with torch.no_grad():
+        with _no_grad():
             for role, leaf in _stats.walk(output, "output"):
                 self._add(pass_, call, role, OUTPUT, leaf, watch_grads)
         self._finish_call(call)
@@ -476,7 +496,9 @@ class Guard:
         if self._tracing:
             self._record_trace(pass_)
             return
-        culprit = None if raising else self._forward_culprit(pass_, pass_.calls)
+        culprit = None
+        if not raising and self._has_problem(pass_):
+            culprit = self._forward_culprit(pass_, pass_.calls)
         if culprit is not None:
             self._detect(pass_, FORWARD, *culprit)
         self._remember(pass_)
@@ -488,34 +510,37 @@ class Guard:
             kind = "none" if value is None else "not a tensor"
             call.slots.append(_Slot(role, category, kind))
             return
-        index = self._summarise(pass_, value)
+        entry = self._summarise(pass_, value)
+        index = entry[2]
         kind = "tensor" if index is not None else ("empty" if value.numel() == 0 else "unsupported")
         call.slots.append(_Slot(role, category, kind, value.dtype, tuple(value.shape), index))
         if watch_grads and value.requires_grad and category != PARAM:
-            grad_category = GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT
-            handle = value.register_hook(
-                partial(self._on_grad, call, "grad_" + role, grad_category)
-            )
-            self._tensor_handles.append(handle)
+            target = (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
+            if entry[3] is None:
+                # One hook per tensor (and version), fanned out to every call that saw it.
+                entry[3] = [target]
+                self._tensor_handles.append(value.register_hook(partial(self._on_grad, entry[3])))
+            else:
+                entry[3].append(target)
 
-    def _summarise(self, pass_: _Pass, t: torch.Tensor) -> Optional[int]:
-        if t.numel() == 0:
-            return None
+    def _summarise(self, pass_: _Pass, t: torch.Tensor) -> list:
+        """The cache entry of `t` in this pass, computing its statistics the first time."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
             key = id(t)
-            hit = pass_.cache.get(key)
+            entry = pass_.cache.get(key)
             version = t._version
-            if hit is not None and hit[0]() is t and hit[1] == version:
-                return hit[2]
-        vec = _stats.device_stats(t, nonzero_min=self.limit_dtype is not None)
-        if vec is None:
-            return None
-        index = len(pass_.vectors)
-        pass_.vectors.append(vec)
-        if not inference:
-            pass_.cache[key] = (weakref.ref(t), version, index)
-        return index
+            if entry is not None and entry[0]() is t and entry[1] == version:
+                return entry
+        vec = None if t.numel() == 0 else _stats.device_stats(t, self.limit_dtype is not None)
+        index = None
+        if vec is not None:
+            index = len(pass_.vectors)
+            pass_.vectors.append(vec)
+        if inference:
+            return [None, None, index, None]
+        entry = pass_.cache[key] = [weakref.ref(t), version, index, None]
+        return entry
 
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> _Pass:
@@ -529,42 +554,43 @@ class Guard:
             )
         return pass_
 
-    def _on_grad(self, forward_call: _Call, role, category, grad):
-        if not self._attached or grad is None:
-            return None
-        self._record_grad(forward_call, role, category, grad)
+    def _on_grad(self, targets, grad):
+        if self._attached and grad is not None:
+            self._record_grad(targets, grad)
         return None
 
     def _on_param_grad(self, module, pname, grad):
         if not self._attached or grad is None:
             return None
         forward_call = self._first_calls.get(id(module))
-        if forward_call is None:
-            return None
-        self._record_grad(forward_call, pname + ".grad", GRAD_PARAM, grad)
+        if forward_call is not None:
+            self._record_grad(((forward_call, pname + ".grad", GRAD_PARAM),), grad)
         return None
 
-    def _record_grad(self, forward_call: _Call, role, category, grad) -> None:
+    def _record_grad(self, targets, grad) -> None:
+        """Summarise one gradient once and add it to every call it belongs to."""
         pass_ = self._backward_state()
-        call = forward_call.backward
-        if call is None:
-            call = forward_call.backward = _Call(
-                forward_call.module_id, forward_call.module_name, forward_call.module_class,
-                BACKWARD, forward_call.batch_number, forward_call.call_index,
-                forward_call.is_root,
-            )
-            call.seq = next(pass_.seq)
-            pass_.calls.append(call)
-        with torch.no_grad():
-            index = self._summarise(pass_, grad)
+        with _no_grad():
+            index = self._summarise(pass_, grad)[2]
         kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
-        slot = _Slot(role, category, kind, grad.dtype, tuple(grad.shape), index, next(pass_.seq))
-        call.slots.append(slot)
-        if self.sync and not self._tracing:
-            pass_.read_back()
-            culprit = self._backward_culprit(pass_, [slot], {id(slot): call})
-            if culprit is not None:
-                self._detect(pass_, BACKWARD, *culprit)
+        shape = tuple(grad.shape)
+        for forward_call, role, category in targets:
+            call = forward_call.backward
+            if call is None:
+                call = forward_call.backward = _Call(
+                    forward_call.module_id, forward_call.module_name, forward_call.module_class,
+                    BACKWARD, forward_call.batch_number, forward_call.call_index,
+                    forward_call.is_root,
+                )
+                call.seq = next(pass_.seq)
+                pass_.calls.append(call)
+            slot = _Slot(role, category, kind, grad.dtype, shape, index, next(pass_.seq))
+            call.slots.append(slot)
+            if self.sync and not self._tracing:
+                pass_.read_back()
+                culprit = self._backward_culprit(pass_, [slot], {id(slot): call})
+                if culprit is not None:
+                    self._detect(pass_, BACKWARD, *culprit)
 
     def _end_backward(self, task) -> None:
         pass_ = self._backward_passes.pop(task, None)
@@ -576,6 +602,9 @@ class Guard:
         if self._tracing:
             self._record_trace(pass_)
             return
+        if not self._has_problem(pass_):
+            self._remember(pass_)
+            return
         slots = sorted(
             (slot for call in pass_.calls for slot in call.slots), key=lambda s: s.seq
         )
@@ -586,6 +615,15 @@ class Guard:
         self._remember(pass_)
 
     # ---- detection ------------------------------------------------------------------------
+    def _has_problem(self, pass_: _Pass) -> bool:
+        """Quick scan of a pass: any nan/inf (or, with limit_dtype, any value beyond it)?"""
+        limit = self._limit_max if self._limit_max is not None else sys.float_info.max
+        for values in pass_.values:
+            # `not x <= limit` is true for nan, inf and overflow alike.
+            if not values[1] <= limit or values[0] != values[0]:
+                return True
+        return False
+
     def _kinds(self, pass_: _Pass, slot: _Slot) -> frozenset:
         """What is wrong with one value: a subset of {'nan', 'inf'} (overflow counts as inf)."""
         if slot.index is None:
@@ -665,7 +703,7 @@ class Guard:
             limit = min(s.seq for s in bad_slots)
             led_up = [c for c in pass_.calls if c is not call and c.seq < limit]
         led_up = led_up[-self.max_frames:]
-        frames = list(self._recent) + [self._frame(pass_, c) for c in led_up] + [culprit_frame]
+        frames = self._recent_frames() + [self._frame(pass_, c) for c in led_up] + [culprit_frame]
         frames = frames[-self.max_frames:]
         reason = self._reason(cause, culprit_frame)
         self.detection = self._make_report(frames, culprit_frame, DETECTION, reason, cause)
@@ -737,9 +775,15 @@ class Guard:
         )
 
     def _remember(self, pass_: _Pass) -> None:
-        """Keep the pass's last frames as context for a detection in a later pass."""
+        """Keep the pass's last calls as context for a detection in a later pass."""
+        pass_.vectors = []  # read back already: free the device memory
+        pass_.cache = {}
         calls = sorted(pass_.calls, key=lambda c: c.seq)[-self.max_frames:]
-        self._recent.extend(self._frame(pass_, c) for c in calls)
+        self._recent.append((pass_, calls))
+
+    def _recent_frames(self) -> list:
+        frames = [self._frame(p, c) for p, calls in self._recent for c in calls]
+        return frames[-self.max_frames:]
 
     def _record_trace(self, pass_: _Pass) -> None:
         frames = [self._frame(pass_, c) for c in sorted(pass_.calls, key=lambda c: c.seq)]

@@ -19,6 +19,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 _INF = float("inf")
+# On CPU, amin + amax are about 3x faster than aminmax for these; for half types, the reverse.
+_SEPARATE_MIN_MAX = (torch.float32, torch.float64)
 
 
 def _host_float(device: torch.device) -> torch.dtype:
@@ -26,8 +28,11 @@ def _host_float(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[torch.Tensor]:
-    """Summary vector of `t` on its device (call under no_grad), or None if it has no numbers.
+def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
+    """Summary of `t` as a tuple of 0-d tensors on its device (call under no_grad), or None.
+
+    The tuple is not stacked here: `to_host` stacks a whole pass at once, one op instead of one
+    per tensor.
 
     Never raises: tensors whose dtype or layout has no abs/aminmax (sparse, quantized, meta, fp8
     on some builds) get None and are reported without statistics.
@@ -35,36 +40,44 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[torch.T
     try:
         if t.dtype is torch.bool:
             # bools: min and max as 0/1; they cannot be non-finite.
-            lo, hi = t.all(), t.any()
-            vec = torch.stack((lo, hi, lo)).to(_host_float(t.device))
-            return torch.cat((vec, vec[1:2])) if nonzero_min else vec
+            lo, hi = t.all().to(_host_float(t.device)), t.any().to(_host_float(t.device))
+            return (lo, hi, lo, hi) if nonzero_min else (lo, hi, lo)
         magnitude = t.abs()
-        lo, hi = torch.aminmax(magnitude)
+        if t.dtype in _SEPARATE_MIN_MAX:
+            lo, hi = magnitude.amin(), magnitude.amax()
+        else:
+            lo, hi = torch.aminmax(magnitude)
         if not (t.is_floating_point() or t.is_complex()):
-            vec = torch.stack((lo, hi, lo)).to(_host_float(t.device))
-            return torch.cat((vec, vec[0:1])) if nonzero_min else vec
+            # integers: exact in float64, and never mixed into a float16 stack (65504 max).
+            lo, hi = lo.to(_host_float(t.device)), hi.to(_host_float(t.device))
+            return (lo, hi, lo, lo) if nonzero_min else (lo, hi, lo)
         total = t.sum() if t.is_floating_point() else hi
-        parts = [lo, hi, total]
         if nonzero_min:
-            parts.append(magnitude.masked_fill(magnitude == 0, _INF).amin())
-        return torch.stack(parts)
+            return (lo, hi, total, magnitude.masked_fill(magnitude == 0, _INF).amin())
+        return (lo, hi, total)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
 
+def _stack_to_host(vectors: list, device: torch.device) -> list:
+    width = len(vectors[0])
+    flat = torch.stack([x for vec in vectors for x in vec])  # promotes mixed float dtypes exactly
+    return flat.to("cpu", _host_float(device)).view(-1, width).tolist()
+
+
 def to_host(vectors: list) -> list:
-    """Read many stats vectors with one transfer per device; returns lists of floats."""
+    """Read many `device_stats` tuples with one transfer per device; returns lists of floats."""
     if not vectors:
         return []
-    device = vectors[0].device
-    if all(v.device == device for v in vectors):
-        return torch.stack(vectors).to("cpu", _host_float(device)).tolist()
+    device = vectors[0][0].device
+    if all(vec[0].device == device for vec in vectors):
+        return _stack_to_host(vectors, device)
     values: list = [None] * len(vectors)
     by_device: dict = {}
     for index, vec in enumerate(vectors):
-        by_device.setdefault(vec.device, []).append(index)
+        by_device.setdefault(vec[0].device, []).append(index)
     for dev, indices in by_device.items():
-        host = torch.stack([vectors[i] for i in indices]).to("cpu", _host_float(dev)).tolist()
+        host = _stack_to_host([vectors[i] for i in indices], dev)
         for i, row in zip(indices, host):
             values[i] = row
     return values

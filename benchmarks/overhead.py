@@ -1,0 +1,147 @@
+"""Step time (forward + backward) with and without detectors, interleaved in one process.
+
+    python benchmarks/overhead.py [--steps 20] [--device cpu|cuda] [--models t5,gpt2,mlp]
+
+Compares: no detector; numguard Guard (backward on, and forward only); Guard(ops=True)
+(op localisation armed: it must cost nothing until a detection); Hugging Face's
+DebugUnderflowOverflow (forward only, on an identical copy of the model, since it cannot be
+detached); torch.autograd.detect_anomaly. Configurations run round-robin, step by step, so
+machine noise hits them alike; the table shows the median step time and its ratio to no detector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from numguard_nb import Guard
+
+
+def build_t5(device):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=1024, d_model=256, d_kv=32, d_ff=1024, num_layers=4,
+                      num_decoder_layers=4, num_heads=8, decoder_start_token_id=0, pad_token_id=0)
+    model = T5ForConditionalGeneration(config).to(device)
+    batch = {"input_ids": torch.randint(1, 1024, (8, 128), device=device),
+             "labels": torch.randint(1, 1024, (8, 32), device=device)}
+    return model, batch
+
+
+def build_gpt2(device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=1024, n_positions=256, n_embd=256, n_layer=4, n_head=8)
+    model = GPT2LMHeadModel(config).to(device)
+    ids = torch.randint(0, 1024, (8, 128), device=device)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+class DeepMLP(nn.Module):
+    def __init__(self, width=512, depth=16):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                      for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x, labels):
+        return nn.functional.mse_loss(self.head(self.layers(x)).squeeze(-1), labels)
+
+
+def build_mlp(device):
+    model = DeepMLP().to(device)
+    return model, {"x": torch.randn(256, 512, device=device), "labels": torch.randn(256, device=device)}
+
+
+BUILDERS = {"t5": build_t5, "gpt2": build_gpt2, "mlp": build_mlp}
+
+
+def loss_of(model, batch):
+    out = model(**batch)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def make_configs(model, batch):
+    """name -> (model, context factory)."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    hf_model = copy.deepcopy(model)
+    DebugUnderflowOverflow(hf_model)  # attaches for good: it has no way to detach
+    return {
+        "none": (model, contextlib.nullcontext),
+        "numguard fwd+bwd": (model, lambda: Guard(model)),
+        "numguard fwd only": (model, lambda: Guard(model, backward=False)),
+        "numguard ops=True": (model, lambda: Guard(model, ops=True)),
+        "HF DebugUnderflowOverflow (fwd)": (hf_model, contextlib.nullcontext),
+        "autograd.detect_anomaly": (model, torch.autograd.detect_anomaly),
+    }
+
+
+def step(model, batch, context, device):
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with context():
+        loss = loss_of(model, batch)
+        loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench(name, device, steps, warmup=3):
+    torch.manual_seed(0)
+    model, batch = BUILDERS[name](device)
+    model.eval()  # no dropout: every configuration computes exactly the same thing
+    configs = make_configs(model, batch)
+    times = {key: [] for key in configs}
+    with warnings_silenced():
+        for i in range(warmup + steps):
+            for key, (m, context) in configs.items():
+                elapsed = step(m, batch, context, device)
+                if i >= warmup:
+                    times[key].append(elapsed)
+    base = statistics.median(times["none"])
+    rows = []
+    for key, values in times.items():
+        median = statistics.median(values)
+        rows.append((key, median * 1e3, median / base))
+    return rows
+
+
+@contextlib.contextmanager
+def warnings_silenced():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anomaly mode warns on every step
+        yield
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", default="t5,gpt2,mlp")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {label}, median of {args.steps} interleaved steps\n")
+    print(f"| model | detector | step (ms) | ratio |\n|---|---|---:|---:|")
+    for name in args.models.split(","):
+        for key, ms, ratio in bench(name, device, args.steps):
+            print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
