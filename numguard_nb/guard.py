@@ -39,6 +39,9 @@ class NonFiniteError(FloatingPointError):
         self.report = report
         super().__init__(f"{report.summary()} (see .report for the frames leading to it)")
 
+    def __reduce__(self):  # keeps .report across pickling (multiprocessing, torch.distributed)
+        return type(self), (self.report,)
+
 
 class BatchLimitReached(RuntimeError):
     """Raised when the model is called for a batch past `abort_after_batch`."""
@@ -66,9 +69,12 @@ class _no_grad:
             torch._C._set_grad_enabled(True)
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
 def _graph_task_id() -> int:
     """Id of the autograd graph task running this hook (-1 outside backward)."""
-    return torch._C._current_graph_task_id()
+    return _current_graph_task_id()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

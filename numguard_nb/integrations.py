@@ -1,0 +1,133 @@
+"""Guard a run driven by a Hugging Face ``Trainer`` or by Lightning.
+
+``NumguardCallback`` is a ``transformers.TrainerCallback``: the equivalent of
+``--debug underflow_overflow``, with backward watched too and the report kept::
+
+    callback = NumguardCallback()
+    trainer = Trainer(..., callbacks=[callback])
+    with callback:          # detaches the hooks however train() ends
+        trainer.train()
+    callback.report         # where the first inf/nan came from, or the last frames seen
+
+The Trainer has no event for a run that raises, so the hooks are removed on
+``on_train_end``, when the guard detects inf/nan (just before its
+``NonFiniteError`` propagates), and by ``with callback:`` for any other error;
+a new ``on_train_begin`` also drops hooks a crashed run left behind.
+
+``NumguardLightningCallback`` is a Lightning ``Callback`` doing the same with
+``on_fit_start`` / ``on_fit_end`` / ``on_exception``.
+
+Both classes are built on first access, so importing this module needs neither
+transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
+``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``...).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from torch import nn
+
+from .guard import Guard
+from .report import Report
+
+
+class _GuardedRun:
+    """What both callbacks share: one Guard per run, detached however the run ends."""
+
+    def __init__(self, **guard_options):
+        # Fail at construction on a misspelt option, not when training starts.
+        inspect.signature(Guard).bind(None, **guard_options)
+        self._user_on_detect = guard_options.pop("on_detect", None)
+        self.guard_options = guard_options
+        self.guard: Guard | None = None
+
+    @property
+    def report(self) -> Report | None:
+        """The last run's report: the detection if there was one, else the last frames seen."""
+        return self.guard.report if self.guard is not None else None
+
+    def start(self, model: nn.Module) -> None:
+        self.detach()  # a run that crashed outside `with` may have left its hooks
+        self.guard = Guard(model, on_detect=self._on_detect, **self.guard_options).attach()
+
+    def detach(self) -> None:
+        """Remove the guard's hooks (idempotent); the report stays available."""
+        if self.guard is not None:
+            self.guard.detach()
+
+    def _on_detect(self, report: Report):
+        # The NonFiniteError about to be raised ends the run: leave no hooks behind.
+        self.detach()
+        return self._user_on_detect(report) if self._user_on_detect is not None else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.detach()
+
+
+def _build_trainer_callback() -> type:
+    try:
+        from transformers import TrainerCallback
+    except ImportError as error:
+        raise ImportError("NumguardCallback needs transformers: pip install transformers") from error
+
+    class NumguardCallback(_GuardedRun, TrainerCallback):
+        """Guard the Trainer's model through training, forward and backward; see the module docstring."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.start(model)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.detach()
+
+    return NumguardCallback
+
+
+def _build_lightning_callback() -> type:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError as error:
+            raise ImportError("NumguardLightningCallback needs Lightning: pip install lightning") from error
+
+    class NumguardLightningCallback(_GuardedRun, Callback):
+        """Guard the LightningModule through ``fit``, forward and backward; see the module docstring."""
+
+        def on_fit_start(self, trainer, pl_module):
+            self.start(pl_module)
+
+        def on_fit_end(self, trainer, pl_module):
+            self.detach()
+
+        def on_exception(self, trainer, pl_module, exception):
+            self.detach()
+
+    return NumguardLightningCallback
+
+
+_BUILDERS: dict[str, Callable[[], type]] = {
+    "NumguardCallback": _build_trainer_callback,
+    "NumguardLightningCallback": _build_lightning_callback,
+}
+
+
+def __dir__() -> list[str]:
+    # No __all__: `import *` would build both classes and fail without their packages.
+    return sorted({*globals(), *_BUILDERS})
+
+
+def __getattr__(name: str) -> type:
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = builder()
+    # Module-level names, so that the classes pickle and show up like ordinary ones.
+    cls.__module__, cls.__qualname__ = __name__, name
+    globals()[name] = cls
+    return cls

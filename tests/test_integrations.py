@@ -1,0 +1,188 @@
+"""Tests for numguard_nb.integrations: the Trainer and Lightning callbacks."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from numguard_nb.guard import BatchLimitReached, NonFiniteError
+from numguard_nb.integrations import NumguardCallback
+
+# Subprocesses import numguard_nb from this checkout, wherever pytest runs from.
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+BLOW_UP_BATCH = 2  # 0-indexed: the third forward pass turns inf
+
+
+class BlowUp(nn.Module):
+    """Multiplies by inf on one chosen call, so the culprit module is known."""
+
+    def __init__(self, on_call):
+        super().__init__()
+        self.on_call = on_call
+        self.calls = 0
+
+    def forward(self, hidden):
+        self.calls += 1
+        return hidden * float("inf") if self.calls == self.on_call + 1 else hidden
+
+
+class Classifier(nn.Module):
+    """Hugging Face style: keyword inputs in, a dict with the loss out."""
+
+    def __init__(self, blow_up_batch=None):
+        super().__init__()
+        self.encoder = nn.Linear(4, 8)
+        self.scale = BlowUp(blow_up_batch if blow_up_batch is not None else -1)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, features, labels=None):
+        logits = self.head(torch.tanh(self.scale(self.encoder(features))))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def samples(count=32):
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(count, 4, generator=generator)
+    return [{"features": features[i], "labels": i % 2} for i in range(count)]
+
+
+def assert_no_hooks(model):
+    for name, module in model.named_modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, f"hooks left on {name or 'root'}"
+    for name, parameter in model.named_parameters():
+        assert not parameter._backward_hooks, f"gradient hook left on {name}"
+
+
+def make_trainer(tmp_path, model, callback, max_steps=4):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=max_steps,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return transformers.Trainer(model=model, args=args, train_dataset=samples(), callbacks=[callback])
+
+
+# ------------------------------------------------------------------ transformers.Trainer
+
+
+def test_trainer_stops_at_the_module_that_produced_inf_and_removes_its_hooks(tmp_path):
+    model = Classifier(blow_up_batch=BLOW_UP_BATCH)
+    callback = NumguardCallback()
+    trainer = make_trainer(tmp_path, model, callback)
+
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.train()  # no `with`: detection itself detaches
+
+    report = raised.value.report
+    assert report.first_nonfinite.module_name == "scale"
+    assert report.batch_number == BLOW_UP_BATCH
+    assert callback.report is report
+    assert trainer.state.global_step == BLOW_UP_BATCH
+    assert_no_hooks(model)
+
+
+def test_trainer_run_that_ends_normally_detaches_and_keeps_the_report(tmp_path):
+    model = Classifier()
+    callback = NumguardCallback(max_frames=5)
+    trainer = make_trainer(tmp_path, model, callback, max_steps=3)
+
+    trainer.train()
+
+    assert callback.report.ok
+    assert 0 < len(callback.report.frames) <= 5
+    assert not callback.guard.attached
+    assert_no_hooks(model)
+
+
+def test_trainer_hooks_go_with_the_callback_as_context_when_training_raises_otherwise(tmp_path):
+    model = Classifier()
+    callback = NumguardCallback(abort_after_batch=1)
+    trainer = make_trainer(tmp_path, model, callback)
+
+    with pytest.raises(BatchLimitReached):
+        with callback:
+            trainer.train()
+
+    assert_no_hooks(model)
+
+
+def test_callback_rejects_an_unknown_guard_option():
+    with pytest.raises(TypeError):
+        NumguardCallback(max_frame=3)
+
+
+# ------------------------------------------------------------------ Lightning
+
+
+def test_lightning_fit_stops_at_the_module_that_produced_inf_and_removes_its_hooks():
+    # Imported here: the Trainer tests above must not depend on Lightning being installed.
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class LitClassifier(lightning.LightningModule):
+        def __init__(self, blow_up_batch):
+            super().__init__()
+            self.net = Classifier(blow_up_batch)
+
+        def training_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = LitClassifier(blow_up_batch=BLOW_UP_BATCH)
+    callback = NumguardLightningCallback()
+    trainer = lightning.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    loader = torch.utils.data.DataLoader(samples(), batch_size=4)
+
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.fit(module, loader)
+
+    assert raised.value.report.first_nonfinite.module_name == "net.scale"
+    assert callback.report is raised.value.report
+    assert_no_hooks(module)
+
+
+# ------------------------------------------------------------------ optional dependencies
+
+
+def test_integrations_import_without_transformers_or_lightning():
+    program = """
+import sys
+for name in ("transformers", "lightning", "pytorch_lightning"):
+    sys.modules[name] = None
+import numguard_nb.integrations as integrations
+try:
+    integrations.NumguardCallback
+except ImportError as error:
+    print(error)
+try:
+    integrations.NumguardLightningCallback
+except ImportError as error:
+    print(error)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, cwd=REPOSITORY_ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "NumguardCallback needs transformers: pip install transformers",
+        "NumguardLightningCallback needs Lightning: pip install lightning",
+    ]
