@@ -18,7 +18,9 @@ it was in.  The exit status is 0 only when every rank passed.
 Options:
     --backend nccl|gloo   default: nccl when CUDA is available, else gloo
     --timeout S           seconds the whole check may take on each rank (default 60);
-                          a rank still running after that prints why and exits with 1
+                          each collective gets 75% of it (so torch's own timeout error
+                          can say what went wrong), and a rank still running after S
+                          prints why and exits with 1
     --size MB             all_reduce/broadcast payload in MiB (default 64)
     --nccl-debug          set NCCL_DEBUG=INFO before the process group starts
     --dist-debug          set TORCH_DISTRIBUTED_DEBUG=DETAIL before the process group starts
@@ -82,9 +84,7 @@ RESULT_COLUMNS = (
 )
 
 
-def _check_arguments(nproc: int = 1, backend: str | None = None,
-                    timeout: float = DEFAULT_TIMEOUT_S,
-                    size_mb: float = DEFAULT_SIZE_MB) -> str:
+def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: float) -> str:
     """Validate the options shared by :func:`run` and the CLI; return the backend to use.
 
     Raises a one-line ValueError that says what to change.
@@ -120,6 +120,11 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+def _rank_prefix(record: dict) -> str:
+    """How every error names its rank, so a DataFrame row says who broke on its own."""
+    return f"rank {record['rank']} ({record['host']}): "
+
+
 def _rank_line(record: dict, status: str) -> str:
     """The familiar ``[host-local_rank] is OK (global rank: r/w)`` line, plus the device."""
     return (f"[{record['host']}-{record['local_rank']}] {status} (global rank: "
@@ -138,7 +143,7 @@ class _RankCheck:
         self.phase = "start-up"
         self.problems: list[str] = []  # wrong collective results, in the order found
         self.all_ranks_ok = False
-        self._done = threading.Event()  # tells the watchdog the check is over
+        self._done = threading.Event()  # tells the watchdog the process may exit
         # The watchdog thread and the main thread may both try to finish the record.
         self._finish_lock = threading.Lock()
         self._finished = False
@@ -161,12 +166,16 @@ class _RankCheck:
         self._start_watchdog()
         try:
             self._run_phases()
-        except Exception as exc:  # any failure is reported with its rank and phase
+        except Exception as exc:  # noqa: BLE001 - any failure is reported with its rank and phase
             message = f"failed during {self.phase}: {type(exc).__name__}: {exc}"
             self._finish(error=message)
             print(_rank_line(self.record, "FAILED") + ": " + _first_line(message),
                   file=sys.stderr, flush=True)
-            return 1
+            sys.stdout.flush()
+            # A broken process group can hang in its teardown at exit; leave without it.
+            os._exit(1)
+        self._done.set()
+        faulthandler.cancel_dump_traceback_later()
         return 0 if self.all_ranks_ok else 1
 
     def _start_watchdog(self) -> None:
@@ -178,32 +187,27 @@ class _RankCheck:
     def _watch(self) -> None:
         if self._done.wait(self.timeout):
             return
-        hint = (" (the world never formed: check that all ranks started and can reach "
-                "MASTER_ADDR:MASTER_PORT)" if self.phase == "init_process_group" else "")
-        message = f"timed out after {self.timeout:g} s during {self.phase}{hint}"
         try:
-            if not self._finish(error=message):
-                return  # the main thread finished first
+            hint = (" (the world never formed: check that all ranks started and can reach "
+                    "MASTER_ADDR:MASTER_PORT)" if self.phase == "init_process_group" else "")
+            message = f"timed out after {self.timeout:g} s during {self.phase}{hint}"
+            self._finish(error=message)  # keeps the first outcome if one was recorded
             print(_rank_line(self.record, "FAILED") + ": " + message, file=sys.stderr, flush=True)
-        except BaseException:
+        finally:
             os._exit(1)  # even if reporting fails, this rank must not hang
-        os._exit(1)
 
-    def _finish(self, error: str | None = None) -> bool:
-        """Record the outcome once and write it; False if it was already recorded."""
+    def _finish(self, error: str | None = None) -> None:
+        """Record the outcome and write it, once: later calls keep the first outcome."""
         with self._finish_lock:
             if self._finished:
-                return False
+                return
             self._finished = True
-            self._done.set()
-            faulthandler.cancel_dump_traceback_later()
             if error is not None:
                 self.record["ok"] = False
-                self.record["error"] = f"rank {self.record['rank']} ({self.record['host']}): {error}"
+                self.record["error"] = _rank_prefix(self.record) + error
             self.record["seconds"] = round(time.perf_counter() - self.started, 3)
             if self.results_dir is not None:
                 self._write_record()
-            return True
 
     def _write_record(self) -> None:
         Path(self.results_dir).mkdir(parents=True, exist_ok=True)
@@ -218,29 +222,27 @@ class _RankCheck:
             torch.cuda.set_device(self.device)
         collective_timeout = datetime.timedelta(seconds=self.timeout * COLLECTIVE_TIMEOUT_FRACTION)
         dist.init_process_group(self.backend, timeout=collective_timeout)
-        try:
-            self.phase = "all_reduce check"
-            payload_numel = max(1, int(self.size_mb * 2**20) // 4)
-            self.record["allreduce_ok"], payload = self._check_all_reduce(payload_numel)
-            self.phase = "broadcast check"
-            self.record["broadcast_ok"] = self._check_broadcast(payload_numel)
-            self.phase = "all_reduce bandwidth"
-            self._measure_bandwidth(payload)
-            self.phase = "all_reduce latency"
-            self._measure_latency()
-            self.record["ok"] = bool(self.record["allreduce_ok"] and self.record["broadcast_ok"])
-            if self.problems:
-                self.record["error"] = (f"rank {self.record['rank']} ({self.record['host']}): "
-                                        + "; ".join(self.problems))
-            self.phase = "gathering results"
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, self.record)
-            self.all_ranks_ok = all(record["ok"] for record in everyone)
-            if self.record["rank"] == 0:
-                _print_report(everyone)
-            self._finish()
-        finally:
-            dist.destroy_process_group()
+        self.phase = "all_reduce check"
+        payload_numel = max(1, int(self.size_mb * 2**20) // 4)
+        self.record["allreduce_ok"], payload = self._check_all_reduce(payload_numel)
+        self.phase = "broadcast check"
+        self.record["broadcast_ok"] = self._check_broadcast(payload_numel)
+        self.phase = "all_reduce bandwidth"
+        self._measure_bandwidth(payload)
+        self.phase = "all_reduce latency"
+        self._measure_latency()
+        self.record["ok"] = bool(self.record["allreduce_ok"] and self.record["broadcast_ok"])
+        if self.problems:
+            self.record["error"] = _rank_prefix(self.record) + "; ".join(self.problems)
+        self.phase = "gathering results"
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.record)
+        self.all_ranks_ok = all(record["ok"] for record in everyone)
+        if self.record["rank"] == 0:
+            _print_report(everyone)
+        self._finish()
+        self.phase = "destroy_process_group"
+        dist.destroy_process_group()
 
     def _check_all_reduce(self, numel: int) -> tuple[bool, torch.Tensor]:
         # Small integers stay exact in float32 whatever order the backend sums in.
@@ -296,12 +298,13 @@ class _RankCheck:
 def _print_report(records: list[dict]) -> None:
     """Rank 0's report: versions, one line per rank in rank order, then the measurements."""
     first = records[0]
-    lines = [f"numguard distcheck: torch {first['torch']}, CUDA {first['cuda'] or '-'}, "
-             f"NCCL {first['nccl'] or '-'}, backend {first['backend']}, "
-             f"world size {first['world_size']}"]
+    lines = [(f"numguard distcheck: torch {first['torch']}, CUDA {first['cuda'] or '-'}, "
+              f"NCCL {first['nccl'] or '-'}, backend {first['backend']}, "
+              f"world size {first['world_size']}")]
     for record in sorted(records, key=lambda r: r["rank"]):
         lines.append(_rank_line(record, "is OK") if record["ok"]
-                     else _rank_line(record, "FAILED") + ": " + record["error"])
+                     else _rank_line(record, "FAILED") + ": "
+                     + record["error"].removeprefix(_rank_prefix(record)))
     busbw = min(record["busbw_gbps"] for record in records)
     algbw = min(record["algbw_gbps"] for record in records)
     latency = max(record["latency_us"] for record in records)
@@ -332,12 +335,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="each rank writes its result to DIR/rank-<rank>.json")
     args = parser.parse_args(argv)
     try:
+        # torchrun owns the process count; 1 stands for "this process" here.
         args.backend = _check_arguments(1, args.backend, args.timeout, args.size)
     except ValueError as exc:
         parser.error(str(exc))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        parser.error("RANK/WORLD_SIZE are not set: launch with torchrun "
-                     "--nproc_per_node N -m numguard_nb.distcheck, or call numguard_nb.distcheck.run()")
+        parser.error("RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N "
+                     "-m numguard_nb.distcheck, or call numguard_nb.distcheck.run()")
     return args
 
 
@@ -402,7 +406,8 @@ def _summary(frame, reported_ranks, launch_timed_out: bool, launch_deadline: flo
     failed = frame[~frame["ok"]]
     if failed.empty:
         return (f"distcheck OK: {len(frame)}/{len(frame)} ranks ({frame['backend'].iloc[0]}) "
-                f"passed all_reduce and broadcast checks; busbw {frame['busbw_gbps'].min():.3f} GB/s, "
+                "passed all_reduce and broadcast checks; "
+                f"busbw {frame['busbw_gbps'].min():.3f} GB/s, "
                 f"latency {frame['latency_us'].max():.1f} us")
     if launch_timed_out:
         cause = f"launcher timed out after {launch_deadline:g} s and killed the run"
@@ -426,9 +431,10 @@ def run(nproc: int = 2, backend: str | None = None, timeout: float = DEFAULT_TIM
     import pandas as pd
 
     backend = _check_arguments(nproc, backend, timeout, size_mb)
-    if backend == "nccl" and nproc > torch.cuda.device_count():
-        raise ValueError(f"nproc={nproc} but only {torch.cuda.device_count()} GPU(s) are "
-                         f"visible and each rank needs its own: use nproc <= {torch.cuda.device_count()}")
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and nproc > gpus:
+        raise ValueError(f"nproc={nproc} but only {gpus} GPU(s) are visible and each rank "
+                         f"needs its own: use nproc <= {gpus}")
     launch_deadline = timeout + _LAUNCH_GRACE_S
     with tempfile.TemporaryDirectory(prefix="numguard-distcheck-") as results_dir:
         command = _launch_command(nproc, backend, timeout, size_mb, results_dir,
@@ -445,6 +451,9 @@ def run(nproc: int = 2, backend: str | None = None, timeout: float = DEFAULT_TIM
         except subprocess.TimeoutExpired:
             output = _stop_process_group(process)
             launch_timed_out = True
+        except KeyboardInterrupt:  # an interrupted notebook cell must not leave ranks behind
+            _stop_process_group(process)
+            raise
         records = {}
         for path in Path(results_dir).glob("rank-*.json"):
             record = json.loads(path.read_text())
