@@ -81,6 +81,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+# What can be wrong with a value. Kinds are compared between what a call received and what it
+# gave out: a -inf mask passing through is no news, a +inf appearing next to it is.
+_FINE = frozenset()
+_NAN = frozenset(("nan",))
+_OVERFLOW = frozenset(("overflow",))  # finite, but beyond limit_dtype's largest value
+_INF_KINDS = frozenset(("+inf", "-inf", "overflow"))
+
+
 class _Slot:
     """A row before the pass is read back: what the value was, and where its stats sit."""
 
@@ -101,7 +109,7 @@ class _Call:
 
     __slots__ = (
         "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
-        "slots", "seq", "is_root", "raised", "backward", "__weakref__",
+        "slots", "seq", "is_root", "raised", "backward", "parent", "child_kinds", "__weakref__",
     )
 
     def __init__(self, module_id, name, cls, phase, batch_number, call_index, is_root):
@@ -115,7 +123,9 @@ class _Call:
         self.seq = 0
         self.is_root = is_root
         self.raised = False
-        self.backward: Optional[_Call] = None  # the backward counterpart of a forward call
+        self.backward: Optional[tuple] = None  # (backward pass, backward call) of a forward call
+        self.parent: Optional[_Call] = None  # the enclosing call, in forward
+        self.child_kinds: set = set()  # what its direct children's outputs held: it received them
 
 
 class _Pass:
@@ -266,7 +276,7 @@ class Guard:
         self._param_owner: Dict[int, tuple] = {}
         # The last passes, kept as (pass, its last calls) and turned into frames only when a
         # report needs them as context: most passes are clean and never shown.
-        self._recent: collections.deque = collections.deque(maxlen=2)
+        self._recent: collections.deque = collections.deque()
         self._reset_pass_state()
 
     # ---- options --------------------------------------------------------------------------
@@ -406,6 +416,7 @@ class Guard:
         stack = self._stack
         if stack and module_id in self._roots and stack[0].module_id == module_id:
             self._reset_pass_state()  # a root re-entered itself: the last pass was interrupted
+            stack = self._stack
         if not stack:
             self._begin_forward(module_id)
             if self._capture is not None:
@@ -418,6 +429,8 @@ class Guard:
         )
         if index == 0:
             self._first_calls[module_id] = call
+        if stack:
+            call.parent = stack[-1]
         pass_ = self._forward
         watch_grads = self.backward and torch.is_grad_enabled()
         with _no_grad():
@@ -580,14 +593,19 @@ class Guard:
             index = self._summarise(pass_, grad)[2]
         kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
         shape = tuple(grad.shape)
-        for forward_call, role, category in targets:
-            call = forward_call.backward
-            if call is None:
-                call = forward_call.backward = _Call(
+        # Targets were registered in forward order; backward reaches them in reverse (a tensor
+        # that is A's output and B's input is B's input gradient before it is A's output's).
+        for forward_call, role, category in reversed(targets):
+            known = forward_call.backward
+            if known is not None and known[0] is pass_:
+                call = known[1]
+            else:  # first gradient of this call in this backward pass (there may be several)
+                call = _Call(
                     forward_call.module_id, forward_call.module_name, forward_call.module_class,
                     BACKWARD, forward_call.batch_number, forward_call.call_index,
                     forward_call.is_root,
                 )
+                forward_call.backward = (pass_, call)
                 call.seq = next(pass_.seq)
                 pass_.calls.append(call)
             slot = _Slot(role, category, kind, grad.dtype, shape, index, next(pass_.seq))
@@ -631,24 +649,25 @@ class Guard:
         return False
 
     def _kinds(self, pass_: _Pass, slot: _Slot) -> frozenset:
-        """What is wrong with one value: a subset of {'nan', 'inf'} (overflow counts as inf)."""
+        """What is wrong with one value: a subset of _BAD_KINDS."""
         if slot.index is None:
-            return frozenset()
+            return _FINE
         values = pass_.values[slot.index]
         abs_min, abs_max = values[0], values[1]
         if math.isnan(abs_max) or math.isnan(abs_min):
-            return frozenset(("nan",))
+            return _NAN
         if abs_max == math.inf:
-            return frozenset(("inf",))
+            _, _, _, posinf, neginf, _ = _stats.decode(values)
+            return frozenset(k for k, present in (("+inf", posinf), ("-inf", neginf)) if present)
         if self._limit_max is not None and abs_max > self._limit_max and slot.dtype is not None \
                 and slot.dtype.is_floating_point:
-            return frozenset(("inf",))
-        return frozenset()
+            return _OVERFLOW
+        return _FINE
 
     def _forward_culprit(self, pass_: _Pass, calls):
         """(call, bad slots, cause) of the first call that produced a non-finite value."""
         for call in calls:
-            received = set()
+            received = set(call.child_kinds)
             bad_params, bad_inputs, produced = [], [], []
             for slot in call.slots:
                 kinds = self._kinds(pass_, slot)
@@ -666,16 +685,21 @@ class Guard:
             if bad_inputs:
                 return call, bad_inputs, "data"
             allowed = self._inf_allowed(call.module_name)
+            given = set()
             for slot in call.slots:
                 if slot.category != OUTPUT:
                     continue
-                new = self._kinds(pass_, slot) - received
+                kinds = self._kinds(pass_, slot)
+                given |= kinds
+                new = kinds - received
                 if allowed:
-                    new = new - {"inf"}
+                    new = new - _INF_KINDS
                 if new:
                     produced.append(slot)
             if produced:
                 return call, produced, "forward"
+            if call.parent is not None:
+                call.parent.child_kinds |= given
         return None
 
     def _backward_culprit(self, pass_: _Pass, slots, owner):
@@ -695,7 +719,7 @@ class Guard:
                     received |= self._kinds(pass_, other)
             new = kinds - received
             if self._inf_allowed(call.module_name):
-                new = new - {"inf"}
+                new = new - _INF_KINDS
             if new:
                 return call, [slot], "backward"
         return None
@@ -727,6 +751,9 @@ class Guard:
             f" (beyond {_dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g}: "
             "predicted overflow)" if predicted else ""
         )
+        if cause == "weights" and predicted:
+            return (f"the weights of {where} in batch {frame.batch_number} exceed "
+                    f"{_dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g} ({what})")
         if cause == "weights":
             return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
                     "an earlier optimizer step wrote them")
@@ -786,6 +813,9 @@ class Guard:
         pass_.cache = {}
         calls = sorted(pass_.calls, key=lambda c: c.seq)[-self.max_frames:]
         self._recent.append((pass_, calls))
+        # Keep just enough passes to fill max_frames frames of context.
+        while len(self._recent) > 1 and sum(len(c) for _, c in list(self._recent)[1:]) >= self.max_frames:
+            self._recent.popleft()
 
     def _recent_frames(self) -> list:
         frames = [self._frame(p, c) for p, calls in self._recent for c in calls]

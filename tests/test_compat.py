@@ -1,0 +1,266 @@
+"""Parity with `transformers.debug_utils`: our drop-ins print what transformers prints.
+
+Both detectors run on the same seeded models and inputs (each on its own copy: transformers'
+detector never removes its hooks). Stdout is compared frame by frame: every frame transformers
+prints must appear in ours, in the same order, with the same header (module name and class) and
+every one of its lines (abs min, abs max, metadata). Ours may add lines (keyword inputs) and
+expands containers that transformers prints as `not a tensor X` into rows `X[...]`.
+
+Known, documented difference: for an in-place module (nn.ReLU(inplace=True)) we summarise its
+inputs before it runs, transformers after it ran (by then the input was overwritten). The parity
+models avoid in-place modules; `test_inplace_module_inputs_are_the_one_known_difference` pins the
+difference down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers import debug_utils as hf
+
+import numguard_nb as ng
+from numguard_nb.demo import build_overflowing_t5
+
+transformers.logging.set_verbosity_error()
+
+HF_ERROR = ("DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running "
+            "further. Please scroll up above this traceback to see the activation values prior "
+            "to this event.")
+_NOT_FRAME = re.compile(r"^(Detected inf/nan during|Last \d+ forward frames:|abs min  abs max)"
+                        r"|\*\*\*| has (nans|infs)$")
+
+
+# ---- parsing and comparing printed frames -------------------------------------------------
+def parse_frames(text):
+    """[(header, [row lines])] from DebugUnderflowOverflow output, in printed order."""
+    frames = []
+    for line in text.splitlines():
+        if not line.strip() or _NOT_FRAME.search(line):
+            continue
+        if line.startswith(" " * 18):  # "<17 spaces> <name> <Class>" (the model: empty name)
+            frames.append((line, []))
+        else:
+            assert frames, f"row before any frame header: {line!r}"
+            frames[-1][1].append(line)
+    return frames
+
+
+def _row_covered(hf_row, our_rows):
+    if hf_row in our_rows:
+        return True
+    match = re.fullmatch(r"\s*not a tensor (\S+)", hf_row)
+    return bool(match) and any(row.split()[-1].startswith(match.group(1) + "[") for row in our_rows)
+
+
+def assert_frames_contained(hf_text, our_text, allow=lambda header, row: False):
+    """Every frame HF printed appears in ours, in order, with every HF line."""
+    hf_frames, our_frames = parse_frames(hf_text), parse_frames(our_text)
+    assert hf_frames, "transformers printed no frame"
+    position = 0
+    for header, rows in hf_frames:
+        for index in range(position, len(our_frames)):
+            if our_frames[index][0] == header:
+                break
+        else:
+            pytest.fail(f"frame {header.strip()!r} printed by transformers is missing from ours "
+                        f"(after our frame {position})\n--- transformers:\n{hf_text}\n--- ours:\n{our_text}")
+        our_rows = our_frames[index][1]
+        for row in rows:
+            assert _row_covered(row, our_rows) or allow(header, row), (
+                f"frame {header.strip()!r}: transformers' line {row!r} is not among ours {our_rows}")
+        position = index + 1
+    return hf_frames, our_frames
+
+
+def run_printing(make_detector, model, batches):
+    """Run `batches` through a detector on `model`; (stdout, ValueError message or None, batches done)."""
+    detector = make_detector(model)
+    buffer = io.StringIO()
+    done, message = 0, None
+    with contextlib.redirect_stdout(buffer):
+        try:
+            for batch in batches:
+                model(**batch) if isinstance(batch, dict) else model(batch)
+                done += 1
+        except ValueError as error:
+            message = str(error)
+        finally:
+            if isinstance(detector, ng.DebugUnderflowOverflow):
+                detector.remove()
+    return buffer.getvalue(), message, done
+
+
+def lines_matching(text, pattern):
+    return [line for line in text.splitlines() if re.search(pattern, line)]
+
+
+# ---- models ---------------------------------------------------------------------------------
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+# ---- detection parity -----------------------------------------------------------------------
+def test_t5_fp16_overflow_prints_the_same_frames_and_raises_the_same_error():
+    hf_model, batch = build_overflowing_t5()
+    hf_text, hf_error, hf_done = run_printing(hf.DebugUnderflowOverflow, hf_model, [batch])
+    our_model, batch = build_overflowing_t5()
+    our_text, our_error, our_done = run_printing(ng.DebugUnderflowOverflow, our_model, [batch])
+
+    assert hf_error == HF_ERROR and our_error == hf_error
+    assert hf_done == our_done == 0
+    for pattern in (r"^Detected inf/nan during batch_number=", r"^Last \d+ forward frames:$",
+                    r" has (nans|infs)$"):
+        assert lines_matching(our_text, pattern) == lines_matching(hf_text, pattern), pattern
+    hf_frames, our_frames = assert_frames_contained(hf_text, our_text)
+    # both stop at the same module: the fp16 feed-forward output projection
+    assert hf_frames[-1][0] == our_frames[-1][0]
+    assert hf_frames[-1][0].split() == ["encoder.block.1.layer.1.DenseReluDense.wo", "Linear"]
+    assert len(hf_frames) == len(our_frames) == 21
+    # ours adds the keyword inputs transformers cannot see
+    assert any("input[position_bias]" in row for _, rows in our_frames for row in rows)
+
+
+def _exp_model():
+    """No in-place module; exp overflows (beyond 88.7) only when tanh saturates."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), Exp(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)  # |bias| <= 0.5: tanh within +-0.5 for small inputs
+        model[2].weight.fill_(12.0)  # 8 * 12 * tanh: <= 48 normally, 96 when saturated
+        model[2].bias.zero_()
+    return model
+
+
+def _exp_batches():
+    torch.manual_seed(1)
+    batches = [torch.randn(3, 4) * 0.05 for _ in range(5)]  # small: tanh ~ 0, exp finite
+    batches.append(torch.full((3, 4), 50.0))  # tanh saturates at 1: exp(96) overflows
+    return batches
+
+
+def test_sequential_exp_overflow_after_clean_batches_prints_the_same_frames():
+    # Five clean batches, then one that overflows: transformers' 21 saved frames reach back
+    # across several earlier batches, and ours must show the same ones.
+    hf_model = _exp_model()
+    hf_text, hf_error, hf_done = run_printing(hf.DebugUnderflowOverflow, hf_model, _exp_batches())
+    our_model = _exp_model()
+    our_text, our_error, our_done = run_printing(ng.DebugUnderflowOverflow, our_model,
+                                                 _exp_batches())
+    assert hf_error == HF_ERROR and our_error == HF_ERROR
+    assert hf_done == our_done == 5
+    assert lines_matching(hf_text, r"^Detected inf/nan") == ["Detected inf/nan during batch_number=5"]
+    for pattern in (r"^Detected inf/nan during batch_number=", r"^Last \d+ forward frames:$",
+                    r" has (nans|infs)$"):
+        assert lines_matching(our_text, pattern) == lines_matching(hf_text, pattern), pattern
+    hf_frames, our_frames = assert_frames_contained(hf_text, our_text)
+    assert len(hf_frames) == len(our_frames) == 21
+    assert hf_frames[-1][0].split() == ["3", "Exp"] == our_frames[-1][0].split()
+
+
+def test_inplace_module_inputs_are_the_one_known_difference():
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 4), Exp())
+        with torch.no_grad():
+            m[2].weight.fill_(30.0)
+        return m
+
+    x = torch.randn(3, 4)
+    hf_text, hf_error, _ = run_printing(hf.DebugUnderflowOverflow, model(), [x])
+    our_text, our_error, _ = run_printing(ng.DebugUnderflowOverflow, model(), [x])
+    assert hf_error == our_error == HF_ERROR
+    relu = " " * 18 + "1 ReLU"
+    differences = []
+    assert_frames_contained(hf_text, our_text,
+                            allow=lambda header, row: header == relu and differences.append(row) is None)
+    # the only line of transformers' we do not print: the ReLU's input, which transformers reads
+    # after the ReLU overwrote it (so it equals the ReLU's output); ours is the Linear's output.
+    assert [row.split()[-1] for row in differences] == ["input[0]"]
+    ours = dict(parse_frames(our_text))
+    hf_frames = dict(parse_frames(hf_text))
+    assert hf_frames[relu][0].split()[:2] == hf_frames[relu][1].split()[:2]  # input == output
+    linear_output = next(r for r in ours[" " * 18 + "0 Linear"] if r.endswith(" output"))
+    assert ours[relu][0].split()[:2] == linear_output.split()[:2]
+
+
+# ---- tracing and aborting -------------------------------------------------------------------
+def _fp32_t5():
+    model, batch = build_overflowing_t5()
+    return model.float(), batch
+
+
+def test_trace_batch_nums_prints_every_frame_transformers_prints():
+    hf_model, batch = _fp32_t5()
+    hf_text, hf_error, hf_done = run_printing(
+        lambda m: hf.DebugUnderflowOverflow(m, trace_batch_nums=[1]), hf_model, [batch] * 3)
+    our_model, batch = _fp32_t5()
+    our_text, our_error, our_done = run_printing(
+        lambda m: ng.DebugUnderflowOverflow(m, trace_batch_nums=[1]), our_model, [batch] * 3)
+    assert hf_error is None and our_error is None and hf_done == our_done == 3
+    hf_frames, our_frames = assert_frames_contained(hf_text, our_text)
+    assert len(hf_frames) > 50  # the whole batch: every module call of a T5 forward
+    assert len(our_frames) == len(hf_frames)  # one printed frame per call, no more
+    assert lines_matching(our_text, r"Starting batch number") == [
+        " " * 17 + " *** Starting batch number=1 ***"]
+    assert lines_matching(hf_text, r"Starting batch number=1 \*\*\*$")
+
+
+@pytest.mark.parametrize("abort_after", [0, 1, 3])
+def test_abort_after_batch_num_raises_the_same_error_at_the_same_batch(abort_after):
+    batches = _exp_batches()[:5]
+    results = []
+    for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
+        _text, error, done = run_printing(
+            lambda m, cls=cls: cls(m, abort_after_batch_num=abort_after), _exp_model(), batches)
+        results.append((error, done))
+    assert results[0] == results[1]
+    error, done = results[0]
+    assert done == abort_after  # the forward of batch `abort_after` raised at its end
+    assert error == (f"DebugUnderflowOverflow: aborting after {abort_after + 1} batches due to "
+                     f"`abort_after_batch_num={abort_after}` arg")
+
+
+# ---- detect_overflow -----------------------------------------------------------------------
+_INF, _NAN = float("inf"), float("nan")
+TENSORS = {
+    "finite": torch.tensor([1.0, -2.0, 3.0]),
+    "nan": torch.tensor([1.0, _NAN]),
+    "inf": torch.tensor([1.0, _INF]),
+    "-inf": torch.tensor([-_INF, 1.0]),
+    "nan and inf": torch.tensor([_NAN, -_INF, 1.0, _INF]),
+    "all nan": torch.full((4,), _NAN),
+    "fp16 overflow": torch.tensor([70000.0, 1.0]).half(),
+    "bf16 nan and inf": torch.tensor([_NAN, _INF]).bfloat16(),
+    "0-dim nan": torch.tensor(_NAN),
+    "int": torch.arange(5),
+    "bool": torch.tensor([True, False]),
+    "empty": torch.empty(0, 3),
+    "complex inf": torch.tensor([complex(_INF, 0.0), 1j]),
+}
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_detect_overflow_prints_the_same_lines_and_returns_the_same_bool(name):
+    tensor = TENSORS[name]
+    results = []
+    for function in (hf.detect_overflow, ng.detect_overflow):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            detected = function(tensor, "ctx")
+        results.append((detected, buffer.getvalue()))
+    assert results[1] == results[0]
+    assert isinstance(results[1][0], bool)
+
+
+def test_detect_overflow_finds_both_kinds_in_one_tensor():
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert ng.detect_overflow(TENSORS["nan and inf"], "x") is True
+    assert buffer.getvalue() == "x has nans\nx has infs\n"
