@@ -1,13 +1,14 @@
 """Tensor summaries computed on the tensor's own device, with no host synchronisation.
 
-`device_stats` returns a small vector that stays on the device; the guard stacks the vectors of
-a whole pass and reads them with one transfer (`to_host`). `decode` turns one host vector into
-the fields of a `TensorRow`.
+`device_stats` returns a few 0-d tensors that stay on the device; the guard stacks those of a
+whole pass and reads them with one transfer (`to_host`). `decode` turns one host row into the
+fields of a `TensorRow`.
 
-The vector is (abs min, abs max, sum[, smallest non-zero abs]): nan propagates into abs max, an
+The row is (abs min, abs max, sum[, smallest non-zero abs]): nan propagates into abs max, an
 infinity makes abs max inf, and when abs max is inf without a nan the sum tells the sign of the
-infinities (+inf, -inf, or nan when both occur). Three cheap reductions instead of the five
-passes and two syncs of `isnan().any()` / `isinf().any()`.
+infinities (+inf, -inf, or nan when both occur; finite values near the dtype's maximum can
+overflow the sum and read as both). Three cheap reductions instead of the five passes and two
+syncs of `abs().min()`, `abs().max()`, `isnan().any()`, `isinf().any()`.
 """
 
 from __future__ import annotations
