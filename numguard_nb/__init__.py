@@ -14,6 +14,7 @@ or, from Python:
 
 from .compat import DebugUnderflowOverflow, detect_overflow
 from .guard import BatchLimitReached, Guard, NonFiniteError
+from .replay import is_device_error, load_capture, replay_after_error
 from .report import Frame, Report, TensorRow
 
 __version__ = "0.1.0"
@@ -27,6 +28,9 @@ __all__ = [
     "TensorRow",
     "DebugUnderflowOverflow",
     "detect_overflow",
+    "load_capture",
+    "replay_after_error",
+    "is_device_error",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
