@@ -3,7 +3,8 @@
 A tiny T5 (random weights, built from a config: nothing is downloaded) runs in float16. One
 encoder layer's gated-GELU feed-forward has weights large enough that its `wo` projection
 overflows float16's 65504, the case Hugging Face's debugging guide shows with t5-large. The
-guard names the module that produced the inf, with the frames that led to it.
+guard names the module that produced the inf, with the frames that led to it, and (ops=True)
+the ATen op and the line of model code that produced it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main() -> int:
     model, batch = build_overflowing_t5()
     print("Training step of a float16 T5 under numguard_nb.Guard ...\n")
     try:
-        with Guard(model):
+        with Guard(model, ops=True):  # ops: name the ATen op and the source line too
             loss = model(**batch).loss
             loss.backward()
     except NonFiniteError as error:

@@ -54,6 +54,10 @@ _LIMIT_DTYPES = {
 }
 
 
+def _store_grad(grads: list, position: int, grad) -> None:
+    grads[position] = grad
+
+
 class _no_grad:
     """torch.no_grad without its Python-level overhead (it runs in every hook)."""
 
@@ -109,7 +113,8 @@ class _Call:
 
     __slots__ = (
         "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
-        "slots", "seq", "is_root", "raised", "backward", "parent", "child_kinds", "__weakref__",
+        "slots", "seq", "is_root", "raised", "backward", "parent", "child_kinds", "root_id",
+        "__weakref__",
     )
 
     def __init__(self, module_id, name, cls, phase, batch_number, call_index, is_root):
@@ -126,6 +131,7 @@ class _Call:
         self.backward: Optional[tuple] = None  # (backward pass, backward call) of a forward call
         self.parent: Optional[_Call] = None  # the enclosing call, in forward
         self.child_kinds: set = set()  # what its direct children's outputs held: it received them
+        self.root_id = module_id  # the top-level module whose call this is part of
 
 
 class _Pass:
@@ -268,6 +274,10 @@ class Guard:
         self.batch_number = 0  # the batch being run (or last run)
         self._batches_started = 0
         self._handles: list = []
+        self._paused = False  # True while the guard re-runs a step itself (op localisation)
+        self._modules: Dict[int, nn.Module] = {}
+        self._ops_calls: Dict[int, tuple] = {}  # root id -> (root, args, kwargs, rng, counts)
+        self._root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
         self._tensor_handles: list = []
         self._attached = False
         self._names: Dict[int, str] = {}
@@ -334,6 +344,7 @@ class Guard:
                         continue
                     full = name if not prefix else (f"{prefix}.{name}" if name else prefix)
                     self._names[id(module)] = full
+                    self._modules[id(module)] = module
                     self._handles.append(
                         module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
                     )
@@ -368,6 +379,9 @@ class Guard:
         self._handles.clear()
         self._tensor_handles.clear()
         self._names.clear()
+        self._modules.clear()
+        self._ops_calls.clear()
+        self._root_grads.clear()
         self._roots.clear()
         self._param_owner.clear()
         self._primary_root_id = None
@@ -412,6 +426,8 @@ class Guard:
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
+        if self._paused:
+            return
         module_id = id(module)
         stack = self._stack
         if stack and module_id in self._roots and stack[0].module_id == module_id:
@@ -421,6 +437,8 @@ class Guard:
             self._begin_forward(module_id)
             if self._capture is not None:
                 self._capture.record(self._names[module_id], module, args, kwargs)
+            if self.ops:
+                self._remember_call_for_ops(module, args, kwargs)
         index = self._call_counts.get(module_id, 0)
         self._call_counts[module_id] = index + 1
         call = _Call(
@@ -431,6 +449,7 @@ class Guard:
             self._first_calls[module_id] = call
         if stack:
             call.parent = stack[-1]
+            call.root_id = stack[0].module_id
         pass_ = self._forward
         watch_grads = self.backward and torch.is_grad_enabled()
         with _no_grad():
@@ -446,6 +465,8 @@ class Guard:
         stack.append(call)
 
     def _post_hook(self, module, args, kwargs, output):
+        if self._paused:
+            return
         call = self._pop_call(id(module))
         if call is None:
             return
@@ -455,10 +476,14 @@ class Guard:
         with _no_grad():
             for role, leaf in _stats.walk(output, "output"):
                 self._add(pass_, call, role, OUTPUT, leaf, watch_grads)
+        if self.ops and watch_grads and not self._stack:
+            self._keep_root_grads(call.module_id, output)
         self._finish_call(call)
 
     def _post_hook_on_error(self, module, args, output):
         # Runs after every call; the call is still open only when forward itself raised.
+        if self._paused:
+            return
         closed = self._closed_normally
         if closed is not None and closed.module_id == id(module):
             self._closed_normally = None
@@ -574,12 +599,12 @@ class Guard:
         return pass_
 
     def _on_grad(self, targets, grad):
-        if self._attached and grad is not None:
+        if self._attached and not self._paused and grad is not None:
             self._record_grad(targets, grad)
         return None
 
     def _on_param_grad(self, module, pname, grad):
-        if not self._attached or grad is None:
+        if not self._attached or self._paused or grad is None:
             return None
         forward_call = self._first_calls.get(id(module))
         if forward_call is not None:
@@ -605,6 +630,7 @@ class Guard:
                     BACKWARD, forward_call.batch_number, forward_call.call_index,
                     forward_call.is_root,
                 )
+                call.root_id = forward_call.root_id
                 forward_call.backward = (pass_, call)
                 call.seq = next(pass_.seq)
                 pass_.calls.append(call)
@@ -620,6 +646,12 @@ class Guard:
         pass_ = self._backward_passes.pop(task, None)
         if pass_ is None or not self._attached:
             return
+        try:
+            self._finish_backward(pass_)
+        finally:
+            self._root_grads.clear()  # held for a backward re-run only until this pass ends
+
+    def _finish_backward(self, pass_: _Pass) -> None:
         # The graph this pass ran on has been consumed: its tensor hooks need no removal.
         self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
         pass_.read_back()
@@ -727,6 +759,8 @@ class Guard:
     def _detect(self, pass_: _Pass, phase, call: _Call, bad_slots, cause) -> None:
         """Build the report for a detection and raise it."""
         culprit_frame = self._frame(pass_, call, flagged={id(s) for s in bad_slots})
+        if self.ops and cause in ("forward", "backward"):
+            self._localise(culprit_frame, call, cause)
         if phase == FORWARD:
             led_up = [c for c in pass_.calls if c.seq < call.seq]
         else:
@@ -740,6 +774,54 @@ class Guard:
         self._reset_pass_state()
         error = self.on_detect(self.detection) if self.on_detect is not None else None
         raise error if error is not None else NonFiniteError(self.detection)
+
+    # ---- op localisation (ops=True) ----------------------------------------------------------
+    def _remember_call_for_ops(self, root, args, kwargs) -> None:
+        from .ops import rng_state
+
+        # Counts so far in this batch: the culprit's call index within this top-level call is
+        # its batch-wide index minus these.
+        self._ops_calls[id(root)] = (root, args, kwargs, rng_state(), dict(self._call_counts))
+        self._root_grads.pop(id(root), None)
+
+    def _keep_root_grads(self, root_id, output) -> None:
+        """Hold the gradients arriving at a root's outputs: a backward re-run starts from them."""
+        tensors = [leaf for _, leaf in _stats.walk(output, "output") if isinstance(leaf, torch.Tensor)]
+        grads: list = [None] * len(tensors)
+        self._root_grads[root_id] = grads
+        for position, tensor in enumerate(tensors):
+            if tensor.requires_grad:
+                self._tensor_handles.append(
+                    tensor.register_hook(partial(_store_grad, grads, position))
+                )
+
+    def _localise(self, frame: Frame, call: _Call, cause: str) -> None:
+        from . import ops
+
+        recorded = self._ops_calls.get(call.root_id)
+        culprit = self._modules.get(call.module_id)
+        if recorded is None or culprit is None:
+            frame.op_note = "op localisation needs the top-level call, which was not recorded"
+            return
+        root, args, kwargs, rng, counts_before = recorded
+        index = call.call_index - counts_before.get(call.module_id, 0)
+        options = dict(limit=self._limit_max, allow_inf=self._inf_allowed(call.module_name))
+        self._paused = True
+        try:
+            if cause == "forward":
+                where = ops.localise_forward(root, args, kwargs, rng, culprit, index, **options)
+            else:
+                grads = self._root_grads.get(call.root_id)
+                if grads is None:
+                    frame.op_note = "op localisation needs the gradients of the model's outputs"
+                    return
+                where = ops.localise_backward(root, args, kwargs, rng, grads, culprit, index, **options)
+        finally:
+            self._paused = False
+        frame.op_note = where.note
+        if where.reproduced:
+            frame.op = f"{where.node}: {where.op}" if where.node else where.op
+            frame.source = where.source
 
     def _reason(self, cause: str, frame: Frame) -> str:
         rows = frame.flagged_rows

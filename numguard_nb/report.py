@@ -128,6 +128,7 @@ class Frame:
     raised: bool = False  # the call ended with an exception
     op: Optional[str] = None  # the first ATen op that turned non-finite (op localisation)
     source: Optional[str] = None  # "file:line: code" of the Python line that called it
+    op_note: Optional[str] = None  # what op localisation found, or why it could not
 
     @property
     def label(self) -> str:
@@ -228,6 +229,8 @@ class Report:
                 lines.append(f"first non-finite op: {frame.op}")
             if frame.source:
                 lines.append(f"called from: {frame.source}")
+            if frame.op_note and not frame.op:
+                lines.append(f"op localisation: {frame.op_note}")
         return "\n".join(lines)
 
     def to_frame(self):

@@ -1,0 +1,869 @@
+"""Op localisation: re-run the failing step and name the ATen op and the source line that went bad.
+
+The guard finds the culprit at module granularity. On a detection (with `ops=True`) it calls
+`localise_forward` or `localise_backward`, which re-run the last top-level call of the model with
+the same inputs, the same RNG state and the same weights, under a `TorchDispatchMode` that:
+
+- outside the culprit's call only watches writes, so that every parameter, buffer or input the
+  re-run writes to is copied first and put back afterwards (values and version counters), and a
+  re-run that cannot be exact (the model rewrites its inputs or weights in forward, or reads a
+  buffer it also updates) is reported as not reproduced instead of guessed at;
+- inside the culprit's call (the `call_index`-th, counted with temporary forward hooks) checks
+  every ATen op and stops at the first whose outputs hold nan or inf (or, with `limit`, a
+  magnitude beyond it) that its inputs, tensors and scalars, did not hold, noting the innermost
+  Python frame outside torch/ and numguard_nb/;
+- for backward, records the autograd nodes created inside the culprit's call with the line that
+  created each, then runs `torch.autograd.grad` from the root's outputs (never `.backward()`, so
+  no `.grad` field is touched) and names the first op executed by one of those nodes
+  (`torch._C._current_autograd_node()`) that turned finite gradients non-finite.
+
+The user's RNG stream, the modules' training flags, parameters, buffers and inputs are left as
+they were; every failure of this module is caught and returned as an `OpLocation` note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import math
+import os
+import random
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import stats as _stats
+
+__all__ = ["OpLocation", "CallState", "rng_state", "localise_forward", "localise_backward"]
+
+_EMPTY = frozenset()
+_NAN = "nan"
+_INF = "inf"
+
+# Ops whose outputs hold uninitialised memory: garbage in them is not a numerical problem.
+_UNINITIALISED = frozenset((
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
+    "resize_", "resize_as_", "set_", "_empty_affine_quantized",
+    "_empty_per_channel_affine_quantized",
+))
+# Ops that update their running-statistics arguments without saying so in their schema
+# (argument positions 3 and 4 when argument 5, `training`, is true).
+_UNANNOTATED_STAT_WRITERS = frozenset((
+    "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
+))
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+# ---- the result ----------------------------------------------------------------------------------
+@dataclass
+class OpLocation:
+    """Where a re-run of the failing step first produced a non-finite value, at op level."""
+
+    op: Optional[str] = None  # e.g. "aten.exp.default"
+    node: Optional[str] = None  # backward only: the autograd node, e.g. "SqrtBackward0"
+    # the Python line that called the op (backward: the forward line that created the node)
+    filename: Optional[str] = None
+    lineno: Optional[int] = None
+    line: Optional[str] = None
+    reproduced: bool = False  # the re-run reproduced the non-finite value in the culprit
+    note: str = ""  # one sentence: what was found, or why it could not be localised
+
+    @property
+    def source(self) -> Optional[str]:
+        """"file:line: code" of the Python line, or None when unknown."""
+        if self.filename is None:
+            return None
+        where = f"{self.filename}:{self.lineno}"
+        return f"{where}: {self.line}" if self.line else where
+
+
+# ---- the state of a call: RNG streams and autocast -----------------------------------------------
+class CallState:
+    """What a top-level call's randomness and precision depended on, taken just before it.
+
+    Holds the CPU generator state, the CUDA generator states when CUDA is initialised, Python's
+    `random` state, the autocast settings in force (a forward run under `torch.autocast` is
+    re-run under it, even when the re-run happens later, in backward) and whether inference mode
+    was on (a forward re-run then runs under it, instead of no_grad).
+    """
+
+    __slots__ = ("cpu", "cuda", "python", "autocast", "inference")
+
+    def __init__(self, cpu, cuda, python, autocast, inference=False):
+        self.cpu = cpu
+        self.cuda = cuda
+        self.python = python
+        self.autocast = autocast  # ((device_type, dtype), ...) for each enabled device type
+        self.inference = inference  # the call ran under torch.inference_mode()
+
+    def restore(self) -> None:
+        """Set the RNG streams back to this state (autocast is entered separately)."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(self.cuda)
+        if self.python is not None:
+            random.setstate(self.python)
+
+    def __repr__(self) -> str:
+        cuda = f", {len(self.cuda)} CUDA generator(s)" if self.cuda is not None else ""
+        autocast = f", autocast {self.autocast}" if self.autocast else ""
+        return f"<numguard CallState: CPU generator{cuda}{autocast}>"
+
+
+def _autocast_dtype(device_type: str):
+    """The autocast dtype if autocast is enabled for `device_type`, else None (never raises)."""
+    try:
+        try:
+            if torch.is_autocast_enabled(device_type):
+                return torch.get_autocast_dtype(device_type)
+            return None
+        except (TypeError, AttributeError):  # torch < 2.4: no device_type argument
+            if device_type == "cpu":
+                return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    except Exception:
+        return None
+
+
+def rng_state() -> CallState:
+    """Snapshot of the CPU (and, if initialised, CUDA) RNG states and of autocast; about 25 us."""
+    cuda = None
+    if torch.cuda.is_initialized():
+        try:
+            cuda = torch.cuda.get_rng_state_all()
+        except Exception:  # e.g. during CUDA graph capture
+            cuda = None
+    autocast = tuple(
+        (device, dtype) for device in _AUTOCAST_DEVICES
+        for dtype in (_autocast_dtype(device),) if dtype is not None
+    )
+    return CallState(torch.get_rng_state(), cuda, random.getstate(), autocast,
+                     torch.is_inference_mode_enabled())
+
+
+def _autocast_as(state: Optional[CallState], stack: contextlib.ExitStack) -> None:
+    """Enter the autocast settings of `state` (when given) on `stack`."""
+    if state is None:
+        return
+    wanted = dict(state.autocast)
+    for device in set(_AUTOCAST_DEVICES) | set(wanted):
+        dtype = wanted.get(device)
+        current = _autocast_dtype(device)
+        if dtype is not None and current != dtype:
+            stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+        elif dtype is None and current is not None:
+            stack.enter_context(torch.autocast(device_type=device, enabled=False))
+
+
+# ---- small helpers -------------------------------------------------------------------------------
+_internal_dirs: dict = {}
+
+
+def _is_internal(filename: str) -> bool:
+    hit = _internal_dirs.get(filename)
+    if hit is None:
+        path = os.path.abspath(filename) if not filename.startswith("<") else filename
+        hit = _internal_dirs[filename] = path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)
+    return hit
+
+
+def _user_frame():
+    """(filename, lineno) of the innermost Python frame outside torch/ and numguard_nb/."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_internal(filename):
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None, None
+
+
+def _code_line(filename, lineno) -> Optional[str]:
+    if filename is None or lineno is None:
+        return None
+    text = linecache.getline(filename, lineno).strip()
+    return text or None
+
+
+def _short(error: BaseException) -> str:
+    """`Type: first line of the message`, at most 200 characters."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _describe(kinds) -> str:
+    return " and ".join(k for k in (_NAN, _INF) if k in kinds) or "finite values"
+
+
+def _scalar_kinds(value, limit) -> frozenset:
+    if isinstance(value, bool) or not isinstance(value, (float, complex)):
+        return _EMPTY
+    if isinstance(value, complex):
+        parts = (value.real, value.imag)
+    else:
+        parts = (value,)
+    kinds = set()
+    for part in parts:
+        if math.isnan(part):
+            kinds.add(_NAN)
+        elif math.isinf(part) or (limit is not None and abs(part) > limit):
+            kinds.add(_INF)
+    return frozenset(kinds)
+
+
+def _kinds(values, limit=None) -> frozenset:
+    """{'nan', 'inf'} subset held by tensors and float scalars in `values` (one sync per device).
+
+    With `limit`, a magnitude above it counts as 'inf'. Call with autograd and the watch off.
+    """
+    kinds = set()
+    flags: dict = {}
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            kinds |= _scalar_kinds(value, limit)
+            continue
+        try:
+            if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
+                continue
+            if value.layout != torch.strided:
+                value = value.to_dense()
+            nan = value.isnan().any()
+            inf = (value.abs() > limit).any() if limit is not None else value.isinf().any()
+            flags.setdefault(value.device, []).extend((nan, inf))
+        except Exception:  # meta, fake or exotic tensors: no numbers to read
+            continue
+    for pairs in flags.values():
+        try:
+            host = torch.stack(pairs).tolist()
+        except Exception:
+            continue
+        if any(host[0::2]):
+            kinds.add(_NAN)
+        if any(host[1::2]):
+            kinds.add(_INF)
+    return frozenset(kinds)
+
+
+def _walk_tensors(value, role):
+    return [leaf for _, leaf in _stats.walk(value, role) if isinstance(leaf, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:
+        return None
+    if not ptr:
+        return None
+    return (t.device.type, t.device.index, ptr)
+
+
+def _leafify(value, depth: int = 0):
+    """Replace non-leaf tensors that require grad by detached leaves (same storage), so that the
+    re-run's backward stops at the inputs instead of walking into the original graph."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad and value.grad_fn is not None:
+            return value.detach().requires_grad_(True)
+        return value
+    if depth >= 4:
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_leafify(v, depth + 1) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if isinstance(value, list):
+            return items
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*items)
+        return tuple(items) if type(value) is tuple else value
+    if type(value) is dict:
+        items = {k: _leafify(v, depth + 1) for k, v in value.items()}
+        if all(items[k] is value[k] for k in value):
+            return value
+        return items
+    return value
+
+
+class _OpInfo:
+    __slots__ = ("name", "writes", "skip", "seeded", "stat_writer")
+
+    def __init__(self, func):
+        self.name = str(func)
+        schema = func._schema
+        self.writes = tuple(
+            (index, arg.name, arg.kwarg_only)
+            for index, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        base = schema.name.split("::")[-1]
+        self.skip = base in _UNINITIALISED
+        try:
+            self.seeded = torch.Tag.nondeterministic_seeded in func.tags
+        except Exception:
+            self.seeded = False
+        self.stat_writer = schema.name in _UNANNOTATED_STAT_WRITERS
+
+
+_op_infos: dict = {}
+
+
+def _op_info(func) -> _OpInfo:
+    info = _op_infos.get(func)
+    if info is None:
+        info = _op_infos[func] = _OpInfo(func)
+    return info
+
+
+def _current_node():
+    """The autograd node being executed on this thread, or None."""
+    getter = getattr(torch._C, "_current_autograd_node", None)
+    return getter() if getter is not None else None
+
+
+# ---- the watch -----------------------------------------------------------------------------------
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+class _Watch(TorchDispatchMode):
+    """The dispatch mode of one re-run: protects state everywhere, checks ops in the culprit."""
+
+    def __init__(self, culprit, call_index, limit, record_nodes, has_rng, allow_inf=False):
+        super().__init__()
+        self.culprit_class = type(culprit).__name__
+        self.target = call_index
+        self.limit = limit
+        self.ignored = frozenset((_INF,)) if allow_inf else _EMPTY  # kinds that are no news
+        self.record_nodes = record_nodes
+        self.has_rng = has_rng
+        self.stage = FORWARD
+        self.tls = threading.local()
+        self.lock = threading.Lock()
+        # the culprit's calls
+        self.calls = 0
+        self.open_calls: list = []
+        self.active = 0  # > 0 while the target call runs
+        self.target_done = False
+        self.in_kinds = _EMPTY  # what the target call received (inputs and own weights)
+        self.out_kinds = _EMPTY  # what it returned
+        self.grad_inputs: list = []  # its tensor inputs that require grad (backward)
+        self.grad_out_kinds = _EMPTY  # what the gradients reaching its outputs held (backward)
+        self.leaves: dict = {}  # id -> leaf requiring grad used by an op of the target call
+        # the first bad op
+        self.found: Optional[dict] = None
+        # autograd nodes created by the target call: node -> (op, filename, lineno)
+        self.pending: list = []
+        self.nodes: dict = {}
+        # state protection
+        self.protected: dict = {}  # storage key -> [(kind, name, tensor)]
+        self.buffer_keys: set = set()
+        self.versions: dict = {}  # id(tensor) -> (tensor, version at start)
+        self.snapshots: dict = {}  # id(tensor) -> (tensor, copy before the first write)
+        self.written: dict = {}  # (kind, name) -> op that wrote
+        self.buffer_reads: set = set()
+        self.seeded_op: Optional[str] = None
+        self.errors: list = []
+
+    # ---- protection ----------------------------------------------------------------------
+    def protect(self, kind: str, name: str, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is None:
+            return
+        entries = self.protected.setdefault(key, [])
+        if any(e[2] is t for e in entries):
+            return
+        entries.append((kind, name, t))
+        if kind == "buffer":
+            self.buffer_keys.add(key)
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            version = None
+        self.versions.setdefault(id(t), (t, version))
+
+    def _note_write(self, t: torch.Tensor, op: str) -> None:
+        entries = self.protected.get(_storage_key(t))
+        if not entries:
+            return
+        for kind, name, base in entries:
+            if id(base) not in self.snapshots:
+                self.snapshots[id(base)] = (base, base.detach().clone())
+            self.written.setdefault((kind, name), op)
+
+    def restore(self) -> list:
+        """Put back every protected tensor the re-run wrote; returns names it could not."""
+        failed = []
+        setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+        for base, saved in self.snapshots.values():
+            try:
+                with (torch.inference_mode() if base.is_inference() else torch.no_grad()):
+                    base.copy_(saved)
+                version = self.versions.get(id(base), (None, None))[1]
+                if setter is not None and version is not None:
+                    setter((base,), (version,))
+            except Exception:
+                failed.append(type(base).__name__)
+        self.snapshots.clear()
+        return failed
+
+    def inexact_reason(self) -> Optional[str]:
+        """Why the re-run cannot have computed what the failing call computed, or None."""
+        for (kind, name), op in self.written.items():
+            if kind == "input":
+                return (f"the model modifies its {name} in place ({op}), so the inputs kept "
+                        "from the failing call no longer hold the values it saw")
+            if kind == "param":
+                return (f"the model modifies its weight {name} in place during forward ({op}), "
+                        "so the weights are no longer those of the failing call")
+        for (kind, name), op in self.written.items():
+            if kind == "buffer" and name in self.buffer_reads:
+                return (f"the model reads buffer {name} that its forward also updates ({op}), "
+                        "so the re-run started from a different state than the failing call")
+        if self.seeded_op is not None and not self.has_rng:
+            return (f"no RNG snapshot was given and the forward draws random numbers "
+                    f"({self.seeded_op})")
+        return None
+
+    # ---- the culprit's calls (forward hooks) -----------------------------------------------
+    @contextlib.contextmanager
+    def internal(self):
+        previous = getattr(self.tls, "internal", False)
+        self.tls.internal = True
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.tls.internal = previous
+
+    def pre_hook(self, module, args, kwargs):
+        index = self.calls
+        self.calls += 1
+        self.open_calls.append(index)
+        if index != self.target:
+            return None
+        try:
+            with self.internal():
+                received = _walk_tensors(args, "input") + _walk_tensors(kwargs, "input")
+                weights = [p for p in module._parameters.values() if p is not None]
+                self.in_kinds = _kinds(received + weights, self.limit)
+                if self.stage == FORWARD and self.record_nodes:
+                    self.grad_inputs = [t for t in received if t.requires_grad]
+        except Exception as error:
+            self.fail(error)
+        self.active += 1
+        return None
+
+    def post_hook(self, module, args, kwargs, output):
+        index = self.open_calls.pop() if self.open_calls else None
+        if index != self.target:
+            return None
+        self.active -= 1
+        self.target_done = True
+        try:
+            with self.internal():
+                self.out_kinds = _kinds(_walk_tensors(output, "output"), self.limit)
+                if self.record_nodes:
+                    self._resolve(final=True)
+                    for t in _walk_tensors(output, "output"):
+                        if t.requires_grad:
+                            t.register_hook(self._grad_output_hook)
+        except Exception as error:
+            self.fail(error)
+        return None
+
+    def _grad_output_hook(self, grad):
+        try:
+            with self.internal():
+                kinds = _kinds([grad], self.limit)
+            with self.lock:
+                self.grad_out_kinds = self.grad_out_kinds | kinds
+        except Exception as error:
+            self.fail(error)
+        return None
+
+    def fail(self, error: BaseException) -> None:
+        if len(self.errors) < 3:
+            self.errors.append(_short(error))
+
+    # ---- node bookkeeping -----------------------------------------------------------------
+    def _resolve(self, final: bool = False) -> None:
+        """Map the grad_fn of the outputs of earlier ops of the target call to those ops."""
+        keep = []
+        for tensors, where, grad_off in self.pending:
+            waiting = False
+            for t in tensors:
+                fn = t.grad_fn
+                if fn is None:
+                    # inside an autograd.Function's forward the node is attached on return
+                    waiting = waiting or grad_off
+                    continue
+                self.nodes.setdefault(fn, where)
+                if t._is_view():
+                    base_fn = t._base.grad_fn
+                    if base_fn is not None:
+                        self.nodes.setdefault(base_fn, where)
+            if waiting and not final:
+                keep.append((tensors, where, grad_off))
+        self.pending = keep
+
+    # ---- the dispatch ---------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(self.tls, "internal", False):
+            return func(*args, **kwargs)
+        context = None
+        try:
+            context = self._before(func, args, kwargs)
+        except Exception as error:
+            self.fail(error)
+        out = func(*args, **kwargs)
+        if context is not None:
+            try:
+                self._after(func, args, kwargs, out, context)
+            except Exception as error:
+                self.fail(error)
+        return out
+
+    def _before(self, func, args, kwargs):
+        info = _op_info(func)
+        written = []
+        if info.writes:
+            for index, name, kwarg_only in info.writes:
+                if name in kwargs:
+                    value = kwargs[name]
+                elif not kwarg_only and index < len(args):
+                    value = args[index]
+                else:
+                    continue
+                for t in (value if isinstance(value, (list, tuple)) else (value,)):
+                    if isinstance(t, torch.Tensor):
+                        written.append((t, kwarg_only))
+        if info.stat_writer and len(args) > 5 and args[5] is True:
+            written.extend((args[i], False) for i in (3, 4) if isinstance(args[i], torch.Tensor))
+
+        if self.stage == FORWARD:
+            if info.seeded and self.seeded_op is None:
+                self.seeded_op = info.name
+            if self.protected:
+                written_ids = set()
+                for t, _ in written:
+                    written_ids.add(id(t))
+                    self._note_write(t, info.name)
+                if self.buffer_keys:
+                    for t in tree_leaves((args, kwargs)):
+                        if isinstance(t, torch.Tensor) and id(t) not in written_ids:
+                            key = _storage_key(t)
+                            if key in self.buffer_keys:
+                                for kind, name, _ in self.protected[key]:
+                                    if kind == "buffer":
+                                        self.buffer_reads.add(name)
+            if self.active <= 0:
+                return None
+            where = None
+            if self.record_nodes:
+                self._resolve()
+                where = _user_frame()
+            # a backward re-run checks ops in backward only: its forward may hold hidden inf
+            check = self.found is None and not info.skip and not self.record_nodes
+            if not (check or self.record_nodes):
+                return None
+            return (info, written, where, None, check, self._held(written) if check else _EMPTY)
+
+        # backward: only ops executed by nodes the target call created
+        if self.found is not None or info.skip or not self.nodes:
+            return None
+        node = _current_node()
+        if node is None:
+            return None
+        where = self.nodes.get(node)
+        if where is None:
+            return None
+        return (info, written, where, node, True, self._held(written))
+
+    def _held(self, written) -> frozenset:
+        """What the tensors an op is about to update in place hold before it runs (`out=`
+        arguments excluded: their old values are overwritten, not used)."""
+        updated = [t for t, kwarg_only in written if not kwarg_only]
+        return _kinds(updated, self.limit) if updated else _EMPTY
+
+    def _after(self, func, args, kwargs, out, context):
+        info, written, where, node, check, held = context
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.stage == FORWARD and self.record_nodes and outputs:
+            self.pending.append((outputs, (info.name,) + tuple(where or (None, None)),
+                                 not torch.is_grad_enabled()))
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
+                    self.leaves.setdefault(id(t), t)
+        if not check or self.found is not None:
+            return
+        with torch.no_grad():
+            produced = _kinds(outputs, self.limit)
+            if not produced:
+                return
+            written_ids = {id(t) for t, _ in written}
+            # tensors updated in place count with what they held before the op
+            received = held | _kinds(
+                [v for v in tree_leaves((args, kwargs))
+                 if not (isinstance(v, torch.Tensor) and id(v) in written_ids)],
+                self.limit,
+            )
+        new = produced - received - self.ignored
+        if not new:
+            return
+        if self.stage == FORWARD:
+            filename, lineno = _user_frame()
+            found = {"op": info.name, "node": None, "filename": filename, "lineno": lineno,
+                     "kinds": new}
+        else:
+            _, filename, lineno = where
+            found = {"op": info.name, "node": node.name(), "filename": filename,
+                     "lineno": lineno, "kinds": new}
+        with self.lock:
+            if self.found is None:
+                self.found = found
+
+    def clear(self) -> None:
+        self.pending = []
+        self.nodes = {}
+        self.leaves = {}
+        self.grad_inputs = []
+        self.protected = {}
+        self.versions = {}
+        self.snapshots = {}
+
+
+# ---- the re-run ----------------------------------------------------------------------------------
+def _problem(root, culprit, call_index, limit) -> Optional[str]:
+    if not isinstance(root, torch.nn.Module):
+        return f"the root is a {type(root).__name__}, not a torch.nn.Module"
+    if not isinstance(culprit, torch.nn.Module):
+        return f"the culprit is a {type(culprit).__name__}, not a torch.nn.Module"
+    if isinstance(call_index, bool) or not isinstance(call_index, int) or call_index < 0:
+        return f"call_index must be a call number >= 0, got {call_index!r}"
+    if limit is not None and not isinstance(limit, (int, float)):
+        return f"limit must be a number or None, got {limit!r}"
+    return None
+
+
+def _failure(note: str) -> OpLocation:
+    return OpLocation(reproduced=False, note=note)
+
+
+def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
+              backward: bool, allow_inf: bool = False) -> OpLocation:
+    problem = _problem(root, culprit, call_index, limit)
+    if problem is not None:
+        return _failure(f"could not localise the op: {problem}")
+    if args is None:
+        args = ()
+    if not isinstance(args, tuple):
+        args = tuple(args) if isinstance(args, list) else (args,)
+    kwargs = dict(kwargs or {})
+    limit = float(limit) if limit is not None else None
+    if rng is not None and not isinstance(rng, CallState):
+        return _failure(f"could not localise the op: rng is a {type(rng).__name__}, "
+                        "not a snapshot taken with numguard_nb.ops.rng_state()")
+
+    user_state = rng_state()
+    modules = {id(m): m for m in root.modules()}
+    modules.update((id(m), m) for m in culprit.modules())
+    flags = [(m, m.training) for m in modules.values()]
+    watch = _Watch(culprit, call_index, limit, record_nodes=backward, has_rng=rng is not None,
+                   allow_inf=bool(allow_inf))
+    handles = []
+    outcome: dict = {}
+    try:
+        for owner in (root, culprit):
+            for name, p in owner.named_parameters():
+                watch.protect("param", name, p)
+            for name, b in owner.named_buffers():
+                watch.protect("buffer", name, b)
+        for role, t in list(_stats.walk(args, "input")) + list(_stats.walk(kwargs, "input")):
+            if isinstance(t, torch.Tensor):
+                watch.protect("input", role, t)
+        handles.append(culprit.register_forward_pre_hook(watch.pre_hook, with_kwargs=True,
+                                                         prepend=True))
+        handles.append(culprit.register_forward_hook(watch.post_hook, with_kwargs=True,
+                                                     always_call=True))
+        if backward:
+            args, kwargs = _leafify(args), _leafify(kwargs)
+        if rng is not None:
+            rng.restore()
+        with contextlib.ExitStack() as stack:
+            _autocast_as(rng, stack)
+            if backward:
+                stack.enter_context(torch.enable_grad())
+            elif rng is not None and rng.inference:
+                stack.enter_context(torch.inference_mode())
+            else:
+                stack.enter_context(torch.no_grad())
+            try:
+                with watch:
+                    output = root(*args, **kwargs)
+            except Exception as error:
+                outcome["raised"] = _short(error)
+                output = None
+        # backward runs outside autocast, as the user's own backward does
+        if backward and "raised" not in outcome:
+            _run_backward(watch, output, root_grad_outputs, culprit, outcome)
+        output = None
+    finally:
+        for handle in handles:
+            handle.remove()
+        failed = watch.restore()
+        if failed:
+            outcome["unrestored"] = failed
+        for module, flag in flags:
+            module.training = flag
+        user_state.restore()
+    try:
+        return _conclude(watch, outcome, culprit, call_index, limit, backward)
+    finally:
+        watch.clear()
+
+
+def _run_backward(watch: _Watch, output, root_grad_outputs, culprit, outcome: dict) -> None:
+    outputs = _walk_tensors(output, "output")
+    grads = list(root_grad_outputs) if root_grad_outputs is not None else []
+    if len(grads) != len(outputs):
+        outcome["backward"] = (f"root_grad_outputs holds {len(grads)} gradient(s) for the "
+                               f"{len(outputs)} output tensor(s) of the re-run")
+        return
+    pairs = [(o, g) for o, g in zip(outputs, grads)
+             if g is not None and isinstance(g, torch.Tensor) and o.requires_grad]
+    if not pairs:
+        outcome["backward"] = "no output of the re-run both requires grad and got a gradient"
+        return
+    if not watch.target_done:
+        return  # _conclude says the call did not happen
+    inputs, seen = [], set()
+    candidates = list(watch.grad_inputs) + list(watch.leaves.values()) + [
+        p for p in culprit.parameters() if p.requires_grad
+    ]
+    for t in candidates:
+        if id(t) not in seen:
+            seen.add(id(t))
+            inputs.append(t)
+    if not inputs:
+        outcome["backward"] = "nothing the culprit's call used requires grad"
+        return
+    watch.stage = BACKWARD
+    try:
+        with watch:
+            results = torch.autograd.grad(
+                [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True,
+            )
+    except Exception as error:
+        outcome["raised"] = f"{_short(error)} (in backward)"
+        return
+    finally:
+        pairs = outputs = None
+    if all(r is None for r in results):
+        outcome["backward"] = "no gradient from the root's outputs reached the culprit's call"
+        return
+    with watch.internal():
+        outcome["grad_in_kinds"] = _kinds([r for r in results if r is not None], watch.limit)
+
+
+def _conclude(watch: _Watch, outcome: dict, culprit, call_index, limit, backward) -> OpLocation:
+    name = watch.culprit_class
+    call = f"call {call_index} of {name}"
+    errors = f" (numguard's own checks failed: {watch.errors[0]})" if watch.errors else ""
+    if "unrestored" in outcome:
+        errors += f" (could not put back {', '.join(outcome['unrestored'])})"
+    if "raised" in outcome:
+        return _failure(f"the re-run raised {outcome['raised']}, so the op could not be "
+                        f"localised{errors}")
+    if watch.calls <= call_index:
+        return _failure(f"the re-run called {name} {watch.calls} time(s), so {call} never ran: "
+                        f"the step cannot be reproduced{errors}")
+    reason = watch.inexact_reason()
+    if reason is not None:
+        return _failure(f"the re-run cannot reproduce the failing step exactly: {reason}{errors}")
+    found = watch.found
+    where = ""
+    if found is not None:
+        line = _code_line(found["filename"], found["lineno"])
+        where = f" at {found['filename']}:{found['lineno']}" if found["filename"] else ""
+    bound = f" or values beyond {limit:g}" if limit is not None else ""
+
+    if not backward:
+        produced = watch.out_kinds - watch.in_kinds - watch.ignored
+        if not produced:
+            hint = (f" (an intermediate {found['op']}{where} did produce "
+                    f"{_describe(found['kinds'])})" if found is not None else "")
+            return _failure(f"the re-run of {call} returned only finite values{hint}: the failing "
+                            f"step could not be reproduced{errors}")
+        if found is None:
+            return OpLocation(
+                reproduced=True,
+                note=(f"the re-run of {call} produced {_describe(produced)}{bound} again, but no "
+                      f"single ATen op turned values free of them into them{errors}"),
+            )
+        return OpLocation(
+            op=found["op"], filename=found["filename"], lineno=found["lineno"], line=line,
+            reproduced=True,
+            note=(f"{found['op']} turned finite inputs into {_describe(found['kinds'])}{bound} "
+                  f"in {call}{where}{errors}"),
+        )
+
+    if "backward" in outcome:
+        return _failure(f"could not re-run backward: {outcome['backward']}{errors}")
+    if found is not None:
+        created = f", created{where}" if where else ""
+        return OpLocation(
+            op=found["op"], node=found["node"], filename=found["filename"],
+            lineno=found["lineno"], line=line, reproduced=True,
+            note=(f"{found['op']} in {found['node']}{created}, turned finite gradients into "
+                  f"{_describe(found['kinds'])}{bound} in the backward of {call}{errors}"),
+        )
+    produced = outcome.get("grad_in_kinds", _EMPTY) - watch.grad_out_kinds - watch.ignored
+    if produced:
+        return OpLocation(
+            reproduced=True,
+            note=(f"the re-run's backward of {call} produced {_describe(produced)}{bound} again, "
+                  "but no single ATen op of its autograd nodes turned finite gradients into them "
+                  f"(e.g. gradients summed where they meet){errors}"),
+        )
+    return _failure(f"the re-run's backward of {call} produced only finite gradients: the "
+                    f"failing step could not be reproduced{errors}")
+
+
+# ---- the API -------------------------------------------------------------------------------------
+def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *,
+                     allow_inf=False) -> OpLocation:
+    """Re-run `root(*args, **kwargs)` under no_grad with the RNG state `rng` (from `rng_state()`,
+    taken before the failing call) and name the first ATen op inside call `call_index` of
+    `culprit` that turned finite inputs into inf/nan (or, with `limit`, beyond it). With
+    `allow_inf` (the culprit is allowed to produce inf), only nan counts. Never raises.
+    """
+    try:
+        return _localise(root, args, kwargs, rng, None, culprit, call_index, limit, backward=False,
+                         allow_inf=allow_inf)
+    except Exception as error:
+        return _failure(f"op localisation failed: {_short(error)}")
+
+
+def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_index,
+                      limit=None, *, allow_inf=False) -> OpLocation:
+    """Re-run the forward with grad enabled, then backward from the root's output tensors (in
+    `stats.walk` order) with `root_grad_outputs` (None entries: no gradient), and name the first
+    ATen op run by an autograd node created in call `call_index` of `culprit` that turned finite
+    gradients non-finite, with the forward line that created the node. `.grad` fields are not
+    touched (`torch.autograd.grad`). With `allow_inf`, only nan counts. Never raises.
+    """
+    try:
+        return _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
+                         backward=True, allow_inf=allow_inf)
+    except Exception as error:
+        return _failure(f"op localisation failed: {_short(error)}")

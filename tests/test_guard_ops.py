@@ -1,0 +1,100 @@
+"""Guard(ops=True): a detection names the ATen op and the source line; nothing else changes."""
+
+import pytest
+import torch
+from torch import nn
+
+import numguard_nb as ng
+from ops_models import NaiveSoftmax, line_of
+
+
+class SqrtOfZero(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x * 0) + x  # OP:guard-sqrt-backward
+
+
+class SafeSqrt(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x.abs() + 1.0)
+
+
+def _hooks_left(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) + sum(
+        len(p._backward_hooks or {}) for p in model.parameters()
+    )
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_forward_detection_names_the_op_and_line(sync):
+    model = nn.Sequential(nn.Linear(4, 4), NaiveSoftmax(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(100.0)
+    x = torch.ones(3, 4)
+    with pytest.raises(ng.NonFiniteError) as caught:
+        with ng.Guard(model, ops=True, sync=sync):
+            model(x)
+    frame = caught.value.report.first_nonfinite
+    assert frame.module_name == "1"
+    assert frame.op == "aten.exp.default"
+    assert frame.source.endswith(f"ops_models.py:{line_of('exp')}: e = torch.exp(x)  # OP:exp")
+    text = caught.value.report.to_text()
+    assert "first non-finite op: aten.exp.default" in text
+    assert f"ops_models.py:{line_of('exp')}" in text
+    assert _hooks_left(model) == 0
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_backward_detection_names_the_node_op_and_forward_line(sync):
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    with pytest.raises(ng.NonFiniteError) as caught:
+        with ng.Guard(model, ops=True, sync=sync):
+            model(x).sum().backward()
+    frame = caught.value.report.first_nonfinite
+    assert (frame.module_name, frame.phase) == ("1", "backward")
+    assert frame.op.startswith("SqrtBackward0: aten.")
+    assert frame.source.split(": ", 1)[0].endswith(f"test_guard_ops.py:{line_of_here('guard-sqrt-backward')}")
+    assert _hooks_left(model) == 0
+
+
+def line_of_here(marker):
+    with open(__file__) as f:
+        for number, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# OP:{marker}"):
+                return number
+    raise LookupError(marker)
+
+
+def test_ops_guard_leaves_outputs_gradients_and_rng_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), SafeSqrt(), nn.Linear(8, 2))
+    x = torch.rand(4, 8)
+
+    def step(guarded):
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        if guarded:
+            with ng.Guard(model, ops=True):
+                out = model(x)
+                out.sum().backward()
+        else:
+            out = model(x)
+            out.sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(1)
+
+    plain, guarded = step(False), step(True)
+    assert torch.equal(plain[0], guarded[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], guarded[1]))
+    assert torch.equal(plain[2], guarded[2])  # the RNG stream after the step is the same
+
+
+def test_ops_with_a_loss_module_guarded_alongside_the_model():
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 2))
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 1])
+    with pytest.raises(ng.NonFiniteError) as caught:
+        with ng.Guard({"model": model, "loss_fn": loss_fn}, ops=True):
+            loss_fn(model(x), y).backward()
+    frame = caught.value.report.first_nonfinite
+    assert frame.module_name == "model.1"
+    assert frame.op is not None and frame.op.startswith("SqrtBackward0")
