@@ -42,9 +42,17 @@ class NonFiniteError(FloatingPointError):
     def __reduce__(self):  # keeps .report across pickling (multiprocessing, torch.distributed)
         return type(self), (self.report,)
 
+    def _render_traceback_(self):
+        # IPython prints this instead of a traceback through the hooks (no IPython import).
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.report.summary()}",
+                "the frames that led to it: err.report (or guard.report)"]
+
 
 class BatchLimitReached(RuntimeError):
     """Raised when the model is called for a batch past `abort_after_batch`."""
+
+    def _render_traceback_(self):
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 _LIMIT_DTYPES = {
@@ -878,6 +886,8 @@ class Guard:
             row.predicted_overflow = True
         if row.nonzero_abs_min is not None and row.nonzero_abs_min < self._limit_tiny:
             row.predicted_underflow = True
+        if row.abs_max is not None and not row.nan:
+            row.limit_share = row.abs_max / self._limit_max
 
     def _make_report(self, frames, culprit, kind, reason, cause) -> Report:
         rank = world = None

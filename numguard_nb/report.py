@@ -31,6 +31,29 @@ _FLOAT_MAX = {
 }
 
 
+# Smallest positive normal value: below it a value is subnormal (losing precision on its way to 0).
+_FLOAT_SMALLEST_NORMAL = {
+    "float16": 6.103515625e-05,
+    "bfloat16": 1.1754943508222875e-38,
+    "float32": 1.1754943508222875e-38,
+    "float64": 2.2250738585072014e-308,
+}
+
+
+def dtype_smallest_normal(dtype_name: Optional[str]) -> Optional[float]:
+    """Smallest positive normal value of a floating dtype given by name, or None."""
+    if dtype_name is None:
+        return None
+    if dtype_name in _FLOAT_SMALLEST_NORMAL:
+        return _FLOAT_SMALLEST_NORMAL[dtype_name]
+    import torch
+
+    dtype = getattr(torch, dtype_name, None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return float(torch.finfo(dtype).smallest_normal)
+    return None
+
+
 def dtype_max(dtype_name: Optional[str]) -> Optional[float]:
     """Largest finite value of a floating dtype given by name, or None for other dtypes."""
     if dtype_name is None:
@@ -62,6 +85,7 @@ class TensorRow:
     nonzero_abs_min: Optional[float] = None  # only measured with limit_dtype
     predicted_overflow: bool = False  # finite here, but beyond limit_dtype's largest value
     predicted_underflow: bool = False  # non-zero values that would flush to zero in limit_dtype
+    limit_share: Optional[float] = None  # abs max as a share of limit_dtype's largest value
     flagged: bool = False  # this row is where the first non-finite value was produced
 
     @property
@@ -259,6 +283,12 @@ class Report:
         from .render.html import report_html
 
         return report_html(self)
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        """The interactive tree where a kernel has widgets, with HTML and text as fallbacks."""
+        from .render.widget import report_bundle
+
+        return report_bundle(self)
 
     def __repr__(self) -> str:
         return f"<numguard Report: {self.summary()}>"

@@ -1,0 +1,551 @@
+"""The IPython layer, driven through an in-process shell: %%numguard, %numguard on/off/status/
+compare, the other magics, what is displayed, what lands in the namespace, and that every exit
+path leaves no hook and no event handler behind.
+"""
+
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
+
+from numguard_nb import BatchLimitReached, Frame, NonFiniteError, Report
+from numguard_nb import magics as ng_magics
+from numguard_nb.compare import Comparison
+from numguard_nb.render import widget as ng_widget
+
+# A float16 MLP; batch 4 is a glitched batch whose first Linear overflows 65504.
+SETUP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+with torch.no_grad():
+    net[0].weight.mul_(3)
+net.half()
+xs = [torch.randn(3, 4) for _ in range(6)]
+xs[4] = xs[4] * 3e4
+xs = [x.half() for x in xs]
+
+def step(model, x):
+    model(x).float().sum().backward()
+"""
+
+LOOP = "for x in xs:\n    step(net, x)"
+CULPRIT = "0 (Linear) produced a non-finite value in forward (call 0 of batch 4)"
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = start_ipython()
+    ip.run_cell("%load_ext numguard_nb")
+    yield ip
+    ip.run_cell("%unload_ext numguard_nb")
+
+
+@pytest.fixture
+def ip(shell):
+    # as in a notebook: every format is computed (a terminal shell keeps only text/plain)
+    formatter = shell.display_formatter
+    active = list(formatter.active_types)
+    formatter.active_types = list(formatter.format_types)
+    shell.reset(new_session=False)
+    result = shell.run_cell(SETUP)
+    assert result.success
+    yield shell
+    magics = ng_magics._loaded.get(id(shell))
+    if magics is not None:
+        magics.close()
+    if "numguard" not in shell.magics_manager.magics["line"]:
+        shell.run_cell("%load_ext numguard_nb")
+    formatter.active_types = active
+
+
+def run(ip, cell):
+    with capture_output() as captured:
+        result = ip.run_cell(cell)
+    return result, captured
+
+
+def hook_count(module):
+    count = 0
+    for sub in module.modules():
+        count += len(sub._forward_hooks) + len(sub._forward_pre_hooks)
+        for param in sub.parameters(recurse=False):
+            count += len(param._backward_hooks or {})
+    return count
+
+
+def event_handlers(ip):
+    return [
+        cb for event in ("pre_run_cell", "post_run_cell") for cb in ip.events.callbacks[event]
+        if getattr(cb, "__self__", None).__class__ is ng_magics.NumguardMagics
+    ]
+
+
+def reports_displayed(captured):
+    return [out.data for out in captured.outputs if 'class="ng-report' in out.data.get("text/html", "")]
+
+
+def usage_error_line(captured):
+    lines = [line for line in captured.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.stderr
+    assert lines[0].startswith("UsageError: ")
+    return lines[0]
+
+
+# ---- %%numguard ----------------------------------------------------------------------------
+def test_detection_fails_the_cell_with_one_line_and_displays_the_report(ip):
+    result, captured = run(ip, "%%numguard\n" + LOOP)
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError)
+    # IPython shows _render_traceback_: the culprit and the batch, no traceback through the hooks
+    lines = error._render_traceback_()
+    assert len(lines) == 2
+    assert lines[0] == f"\x1b[0;31mNonFiniteError\x1b[0m: {CULPRIT}: output holds +inf, which its inputs and weights did not hold"
+    assert "_numguard" in lines[1]
+    assert CULPRIT in captured.stdout
+    assert "Traceback" not in captured.stdout and "guard.py" not in captured.stdout
+    # the traceback no longer holds the hooks' frames (and with them the activations)
+    tb = error.__traceback__
+    while tb is not None:
+        assert not tb.tb_frame.f_code.co_filename.endswith("guard.py")
+        tb = tb.tb_next
+    report = ip.user_ns["_numguard"]
+    assert report is error.report and report.first_nonfinite.module_name == "0"
+    assert report.batch_number == 4
+    (bundle,) = reports_displayed(captured)
+    assert bundle["text/plain"] == report.to_text()
+    assert 'class="ng-node ng-culprit ng-culprit-node' in bundle["text/html"]
+    assert ng_widget.WIDGET_MIME not in bundle  # no kernel here: no widget
+    assert hook_count(ip.user_ns["net"]) == 0
+
+
+def test_with_a_kernel_the_widget_is_displayed_with_its_html_fallback(ip, monkeypatch):
+    monkeypatch.setattr(ng_widget, "use_widgets", lambda: True)
+    result, captured = run(ip, "%%numguard net\n" + LOOP)
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    (bundle,) = reports_displayed(captured)
+    assert set(bundle) == {ng_widget.WIDGET_MIME, "text/html", "text/plain"}
+    model_id = bundle[ng_widget.WIDGET_MIME]["model_id"]
+    import ipywidgets
+
+    registry = getattr(ipywidgets.widgets.widget, "_instances", None) or ipywidgets.Widget.widgets
+    widget = registry[model_id]
+    assert {"ng-report", "ng-widget"} <= set(widget._dom_classes)
+    tree = widget.children[1]
+    root = tree.children[0]
+    assert {"ng-node", "ng-root", "ng-culprit", "ng-open"} <= set(root._dom_classes)
+
+
+def test_a_clean_cell_returns_its_value_and_keeps_the_latest_frames(ip):
+    result, captured = run(ip, "%%numguard -o run\nfor x in xs[:3]:\n    step(net, x)\n6 * 7")
+    assert result.success and result.result == 42
+    assert "numguard: no inf/nan in the last" in captured.stdout and "(batch 2)" in captured.stdout
+    report = ip.user_ns["_numguard"]
+    assert isinstance(report, Report) and report.ok and report is ip.user_ns["run"]
+    assert report.batch_number == 2 and report.frames
+    assert reports_displayed(captured) == []
+    # -q: nothing printed, the report still stored
+    result, captured = run(ip, "%%numguard -q\nstep(net, xs[0])")
+    assert result.success and captured.stdout == "" and ip.user_ns["_numguard"].batch_number == 0
+
+
+def test_output_name_and_quiet_on_detection(ip):
+    result, captured = run(ip, "%%numguard -q -o bad\n" + LOOP)
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert reports_displayed(captured) == []
+    assert ip.user_ns["bad"] is ip.user_ns["_numguard"] is result.error_in_exec.report
+    assert "_numguard and bad" in result.error_in_exec._render_traceback_()[1]
+
+
+def test_a_model_not_called_says_so(ip):
+    result, captured = run(ip, "%%numguard net\nx = 1")
+    assert result.success
+    assert "numguard: net (Sequential) was not called in this cell" in captured.stdout
+
+
+def test_other_exceptions_propagate_unchanged(ip):
+    result, captured = run(ip, "%%numguard\nstep(net, xs[0])\n1 / 0")
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+    assert not hasattr(result.error_in_exec, "_render_traceback_")
+    assert "ZeroDivisionError" in captured.stdout
+    # the traceback points at the cell's own line numbers (line 3: the magic line is line 1)
+    assert re.search(r"----> 3 1 / 0", captured.stdout)
+    assert hook_count(ip.user_ns["net"]) == 0
+
+
+@pytest.mark.parametrize("cell, error", [
+    ("step(net, xs[0])", None),
+    (LOOP, NonFiniteError),
+    ("step(net, xs[0])\nraise KeyError('k')", KeyError),
+    ("step(net, xs[0])\nraise KeyboardInterrupt", KeyboardInterrupt),
+    ("net(xs[0].float())", RuntimeError),  # dtype mismatch raised inside the forward
+    ("step(net, xs[0]) +", SyntaxError),
+])
+def test_every_exit_path_leaves_no_hook(ip, cell, error):
+    net = ip.user_ns["net"]
+    result, _ = run(ip, "%%numguard --sync --ops\n" + cell)
+    if error is None:
+        assert result.success
+    elif error is SyntaxError:
+        assert isinstance(result.error_before_exec or result.error_in_exec, SyntaxError)
+    else:
+        assert isinstance(result.error_in_exec, error)
+    assert hook_count(net) == 0
+    assert event_handlers(ip) == []
+
+
+def test_abort_after_stops_with_one_line_and_traces_are_displayed(ip):
+    result, captured = run(ip, "%%numguard --trace 3,4 --abort-after 4 -o run net\n" + LOOP)
+    error = result.error_in_exec
+    assert isinstance(error, BatchLimitReached)
+    assert error._render_traceback_() == [
+        "\x1b[0;31mBatchLimitReached\x1b[0m: numguard: stopped before batch 5 because "
+        "abort_after_batch=4 (batches 0..4 ran)"
+    ]
+    shown = reports_displayed(captured)
+    assert [b["text/plain"].splitlines()[0].strip() for b in shown] == [
+        "*** Starting batch number=3 ***", "*** Starting batch number=4 ***",
+    ]
+    traces = ip.user_ns["_numguard_traces"]
+    assert sorted(traces) == [3, 4]
+    assert ip.user_ns["_numguard"] is traces[4] is ip.user_ns["run"]
+    assert traces[4].first_nonfinite.module_name == "0"  # noted in the trace, not stopped on
+    assert hook_count(ip.user_ns["net"]) == 0
+
+
+def test_compare_points_at_the_first_module_that_differs(ip):
+    run(ip, "%%numguard -q --trace 3,4 --abort-after 4 net\n" + LOOP)
+    result, captured = run(ip, "%numguard compare _numguard_traces[3] _numguard_traces[4]")
+    comparison = result.result
+    assert isinstance(comparison, Comparison) and comparison
+    assert (comparison.module_name, comparison.role) == ("0", "input[0]")
+    assert comparison.ratio > 1000
+    assert "first difference > 10x: 0 (Linear) forward call 0, input[0]" in captured.stdout
+    ip.user_ns["good"], ip.user_ns["same"] = ip.user_ns["_numguard_traces"][3], ip.user_ns["_numguard_traces"][3]
+    result, captured = run(ip, "%numguard compare good same --factor 2")
+    assert not result.result and "no module's abs max differs by more than 2x" in captured.stdout
+    result, captured = run(ip, "%numguard compare good net")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "net is a Sequential, not a numguard Report" in usage_error_line(captured)
+
+
+# ---- which models are guarded --------------------------------------------------------------
+def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
+    ip.run_cell(
+        "layer = net[0]\n"  # a submodule of net: watched through net
+        "_hidden = nn.Linear(2, 2)\n"  # private names are skipped
+        "loss_fn = nn.MSELoss()\n"
+        "class FakeTrainer:\n"
+        "    def __init__(self, model):\n"
+        "        self.model = model\n"
+        "    def train(self):\n"
+        "        for x in xs:\n"
+        "            step(self.model, x)\n"
+        "trainer = FakeTrainer(nn.Sequential(nn.Linear(4, 4)))\n"
+        "same = FakeTrainer(net)\n"  # stands for net, already found
+    )
+    result, captured = run(ip, "%numguard on")
+    assert result.success
+    assert captured.stdout.strip() == (
+        "numguard: on, guarding net (Sequential), loss_fn (MSELoss), trainer (Sequential) "
+        "in every cell until %numguard off"
+    )
+    run(ip, "%numguard off")
+    # a Trainer named explicitly stands for its model; names keep their prefixes in the report
+    result, _ = run(ip, "%%numguard same\nsame.train()")
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert ip.user_ns["_numguard"].first_nonfinite.module_name == "0"
+    result, _ = run(ip, "%%numguard net loss_fn\nfor x in xs:\n    loss_fn(net(x).float(), torch.zeros(3, 2)).backward()")
+    assert ip.user_ns["_numguard"].first_nonfinite.module_name == "net.0"
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("%%numguard nosuch\n1", "%%numguard: no variable named 'nosuch' in the namespace; define it first"),
+    ("%%numguard nett\n1", "did you mean net?"),
+    ("%%numguard xs\n1", "%%numguard: xs is a list, not a torch.nn.Module or a Trainer"),
+    ("%%numguard net.nothing\n1", "net (Sequential) has no attribute 'nothing'"),
+    ("%%numguard --frames 0\n1", "argument --frames: expected a positive integer, got '0'; see %%numguard?"),
+    ("%%numguard --trace 1,x\n1", "argument --trace: expected batch numbers like 1,3 or 149-150"),
+    ("%%numguard --limit-dtype int8\n1", "invalid choice: 'int8'"),
+    ("%%numguard --bogus\n1", "unrecognized arguments: --bogus"),
+    ("%%numguard -h\n1", "unrecognized arguments: -h"),
+    ("%%numguard -o 1x\n1", "'1x' is not a Python variable name"),
+    ("%%numguard 'net\n1", "No closing quotation"),
+    ("%%numguard on\n1", "use the line magic %numguard on (one %)"),
+    ("%numguard", "%numguard needs on, off, status or compare"),
+    ("%numguard net", "unknown command 'net'"),
+    ("%numguard off net", "%numguard off takes no names"),
+    ("%numguard compare _numguard", "%numguard compare needs two reports"),
+    ("%numguard compare a+b c", "'a+b' is not a variable name"),
+    ("%numguard_dist --nproc 0", "argument --nproc: expected a positive integer"),
+    ("%numguard_check net", "check_pipeline(model, data) needs the training data"),
+    ("%numguard_check", "the following arguments are required: NAME"),
+])
+def test_bad_arguments_are_one_line_usage_errors(ip, line, expected):
+    result, captured = run(ip, line)
+    assert isinstance(result.error_in_exec, UsageError)
+    assert expected in usage_error_line(captured)
+    assert hook_count(ip.user_ns["net"]) == 0 and event_handlers(ip) == []
+
+
+def test_empty_namespace_is_a_usage_error(ip):
+    ip.reset(new_session=False)
+    result, captured = run(ip, "%%numguard\nx = 1")
+    assert "no torch.nn.Module (or Trainer) in the namespace" in usage_error_line(captured)
+
+
+def test_options_reach_the_guard(ip, monkeypatch):
+    seen = {}
+    original = ng_magics.Guard
+
+    def spy(models, **kwargs):
+        seen.update(kwargs, models=models)
+        return original(models, **kwargs)
+
+    monkeypatch.setattr(ng_magics, "Guard", spy)
+    result, _ = run(ip, "%%numguard net --frames 5 --trace 1-2,7 --abort-after 9 --no-backward --sync "
+                        "--ops --limit-dtype bfloat16 --no-capture --allow-inf '*.attn*' 'x?'\nstep(net, xs[0])")
+    assert result.success
+    assert seen["models"] is ip.user_ns["net"]
+    assert {k: seen[k] for k in ("max_frames", "trace_batches", "abort_after_batch", "backward", "sync",
+                                 "ops", "limit_dtype", "capture", "allow_inf")} == {
+        "max_frames": 5, "trace_batches": [1, 2, 7], "abort_after_batch": 9, "backward": False,
+        "sync": True, "ops": True, "limit_dtype": "bfloat16", "capture": False,
+        "allow_inf": ["*.attn*", "x?"],
+    }
+    run(ip, "%%numguard net --allow-inf\nstep(net, xs[0])")
+    assert seen["allow_inf"] is True and seen["capture"] is False  # CPU model: no capture by default
+    ip.run_cell("loss = nn.MSELoss()")
+    run(ip, "%%numguard net loss\nstep(net, xs[0])")
+    assert list(seen["models"]) == ["net", "loss"]
+
+
+def test_limit_dtype_predicts_an_overflow_in_a_float32_run(ip):
+    ip.run_cell("net.float()\nxs32 = [x.float() for x in xs]")
+    result, _ = run(ip, "%%numguard net\nfor x in xs32:\n    step(net, x)")
+    assert result.success
+    result, _ = run(ip, "%%numguard net --limit-dtype float16\nfor x in xs32:\n    step(net, x)")
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    report = ip.user_ns["_numguard"]
+    assert report.limit_dtype == "float16" and report.batch_number == 4
+    assert any(row.predicted_overflow for row in report.first_nonfinite.flagged_rows)
+
+
+# ---- %numguard on / off / status -----------------------------------------------------------
+def test_on_guards_a_loop_split_across_cells_until_off(ip):
+    net = ip.user_ns["net"]
+    result, captured = run(ip, "%numguard on net")
+    assert result.success and len(event_handlers(ip)) == 2
+    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential) in every cell until %numguard off"
+    result, captured = run(ip, "for x in xs[:3]:\n    step(net, x)")
+    assert result.success and reports_displayed(captured) == []
+    _, captured = run(ip, "%numguard status")
+    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential), at batch 2"
+    # batches keep counting across cells: the glitch is batch 4, the second of this cell
+    result, captured = run(ip, "for x in xs[3:]:\n    step(net, x)")
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError) and error.report.batch_number == 4
+    assert error._render_traceback_()[0].endswith(
+        f"{CULPRIT}: output holds +inf, which its inputs and weights did not hold")
+    assert "Traceback" not in captured.stdout
+    (bundle,) = reports_displayed(captured)
+    assert ip.user_ns["_numguard"] is error.report
+    assert error.__traceback__ is None  # dropped: it held the activations
+    _, captured = run(ip, "%numguard status")
+    assert "a detection is in _numguard" in captured.stdout
+    result, captured = run(ip, "%numguard off")
+    assert captured.stdout.strip() == "numguard: off (guarded net (Sequential) up to batch 4)"
+    assert event_handlers(ip) == [] and hook_count(net) == 0
+    result, captured = run(ip, LOOP)
+    assert result.success  # no longer guarded
+    _, captured = run(ip, "%numguard status")
+    assert captured.stdout.startswith("numguard: off")
+    _, captured = run(ip, "%numguard off")
+    assert captured.stdout.strip() == "numguard: already off"
+
+
+def test_on_recovers_from_an_interrupted_pass(ip):
+    ip.run_cell(
+        "class Flaky(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.inner = net\n"
+        "        self.fail = False\n"
+        "    def forward(self, x):\n"
+        "        h = self.inner(x)\n"
+        "        if self.fail:\n"
+        "            raise KeyboardInterrupt\n"
+        "        return h\n"
+        "flaky = Flaky()"
+    )
+    run(ip, "%numguard on -q flaky")
+    result, _ = run(ip, "flaky.fail = True\nstep(flaky, xs[0])")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    result, _ = run(ip, "flaky.fail = False\nfor x in xs[1:]:\n    step(flaky, x)")
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError)
+    culprit = error.report.first_nonfinite
+    assert (culprit.module_name, culprit.call_index, error.report.batch_number) == ("inner.0", 0, 4)
+    run(ip, "%numguard off")
+    assert hook_count(ip.user_ns["flaky"]) == 0
+
+
+def test_on_steps_aside_for_a_numguard_cell(ip):
+    run(ip, "%numguard on net")
+    result, captured = run(ip, "%%numguard net --frames 3\n" + LOOP)
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    (bundle,) = reports_displayed(captured)  # one guard, one report
+    assert len(ip.user_ns["_numguard"].frames) == 3
+    _, captured = run(ip, "%numguard status")
+    assert captured.stdout.startswith("numguard: on") and "detection" not in captured.stdout
+    run(ip, "%numguard off")
+    assert hook_count(ip.user_ns["net"]) == 0
+
+
+def test_on_with_traces_displays_each_traced_batch_once_per_cell(ip):
+    run(ip, "%numguard on net --trace 1,3")
+    _, captured = run(ip, "for x in xs[:2]:\n    step(net, x)")
+    assert [b["text/plain"].split("***")[1].strip() for b in reports_displayed(captured)] == ["Starting batch number=1"]
+    _, captured = run(ip, "for x in xs[2:4]:\n    step(net, x)")
+    assert [b["text/plain"].split("***")[1].strip() for b in reports_displayed(captured)] == ["Starting batch number=3"]
+    assert sorted(ip.user_ns["_numguard_traces"]) == [1, 3]
+    run(ip, "%numguard off")
+
+
+def test_unload_removes_hooks_handlers_and_magics(shell):
+    shell.reset(new_session=False)
+    shell.run_cell(SETUP)
+    run(shell, "%numguard on net")
+    assert len(event_handlers(shell)) == 2
+    shell.run_cell("step(net, xs[0])")
+    result, _ = run(shell, "%unload_ext numguard_nb")
+    assert result.success
+    assert event_handlers(shell) == [] and hook_count(shell.user_ns["net"]) == 0
+    for kind, names in (("line", ["numguard", "numguard_dist", "numguard_check", "numguard_replay"]),
+                        ("cell", ["numguard"])):
+        for name in names:
+            assert name not in shell.magics_manager.magics[kind]
+    result, captured = run(shell, "%numguard status")
+    assert isinstance(result.error_in_exec, UsageError)
+    result, _ = run(shell, "%load_ext numguard_nb")
+    _, captured = run(shell, "%numguard status")
+    assert captured.stdout.startswith("numguard: off")
+
+
+def test_magics_document_their_options(ip):
+    line_doc = ip.find_line_magic("numguard").__doc__
+    cell_doc = ip.find_cell_magic("numguard").__doc__
+    for doc in (line_doc, cell_doc):
+        for option in ("--frames", "--trace", "--abort-after", "--no-backward", "--sync", "--allow-inf",
+                       "--ops", "--limit-dtype", "--capture", "--no-capture", "-q", "-o NAME", "compare"):
+            assert option in doc
+    _, captured = run(ip, "%numguard?")
+    assert "%numguard on [options] [MODEL ...]" in captured.stdout
+    for name, option in (("numguard_dist", "--nproc"), ("numguard_check", "DATA"), ("numguard_replay", "PATH")):
+        assert option in ip.find_line_magic(name).__doc__
+
+
+# ---- the other magics ----------------------------------------------------------------------
+def test_dist_magic_shows_distcheck_table(ip, monkeypatch):
+    from numguard_nb import distcheck
+
+    calls = []
+
+    def fake_run(**kwargs):
+        calls.append(kwargs)
+        table = pd.DataFrame([{"rank": 0, "ok": True, "error": None}])
+        table.attrs["summary"] = "distcheck OK: 1/1 ranks (gloo)"
+        return table
+
+    monkeypatch.setattr(distcheck, "run", fake_run)
+    result, captured = run(ip, "%numguard_dist --nproc 3 --backend gloo --timeout 5 --size 2")
+    assert result.success
+    assert calls == [{"nproc": 3, "backend": "gloo", "timeout": 5.0, "size_mb": 2.0}]
+    assert captured.stdout.startswith("distcheck OK: 1/1 ranks (gloo)")
+    assert ip.user_ns["_numguard_dist"]["rank"].tolist() == [0]
+    assert any("text/html" in out.data for out in captured.outputs)
+    monkeypatch.setattr(distcheck, "run", lambda **kw: (_ for _ in ()).throw(ValueError("bad backend\nmore")))
+    result, captured = run(ip, "%numguard_dist")
+    assert usage_error_line(captured) == "UsageError: %numguard_dist: bad backend"
+
+
+def test_dist_magic_turns_distcheck_argument_errors_into_usage_errors(ip):
+    backend = "gloo" if torch.cuda.is_available() else "nccl"
+    if backend == "nccl":
+        result, captured = run(ip, "%numguard_dist --nproc 1 --backend nccl")
+        assert "backend 'nccl' needs CUDA" in usage_error_line(captured)
+    else:
+        result, captured = run(ip, f"%numguard_dist --nproc {torch.cuda.device_count() + 1} --backend nccl")
+        assert "GPU(s) are visible" in usage_error_line(captured)
+
+
+def test_check_magic_runs_the_pipeline_check(ip):
+    ip.run_cell(
+        "model32 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))\n"
+        "data = [(torch.randn(4), torch.randn(1)) for _ in range(8)]\n"
+    )
+    result, captured = run(ip, "%numguard_check model32 data")
+    assert result.success  # the check's failure is its report, not an error of the magic
+    report = ip.user_ns["_numguard_check"]
+    assert type(report).__name__ == "PipelineReport" and report.failed_step.name == "data"
+    assert [out.data["text/plain"] for out in captured.outputs] == [report.to_text()]
+    assert "no loss_fn" in captured.outputs[0].data["text/html"]
+    result, captured = run(ip, "%numguard_check model32 data --loss nn.functional.mse_loss")
+    assert result.success and ip.user_ns["_numguard_check"].ok
+    assert "all 7 steps passed" in captured.outputs[0].data["text/plain"]
+
+
+def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the bundle is written next to the notebook
+    ip.run_cell(
+        "emb = nn.Embedding(10, 4)\n"
+        "ids = torch.tensor([[1, 2, 12]])\n"  # 12 is past the vocabulary
+        "def gpu_step(model, ids):\n"
+        "    try:\n"
+        "        return model(ids)\n"
+        "    except IndexError:\n"  # what a GPU reports, late and at the wrong line
+        "        raise RuntimeError('CUDA error: device-side assert triggered') from None\n"
+    )
+    result, captured = run(ip, "%%numguard --capture emb\ngpu_step(emb, ids)")
+    error = result.error_in_exec
+    assert isinstance(error, RuntimeError) and str(error) == "CUDA error: device-side assert triggered"
+    outcome = ip.user_ns["_numguard_replay"]
+    assert isinstance(outcome.result.exception, IndexError)  # on CPU: raised at once, at the real line
+    assert [out.data["text/plain"] for out in captured.outputs] == [repr(outcome)]
+    assert "text/html" in captured.outputs[0].data
+    bundle = Path(outcome.path)
+    assert bundle.parent == tmp_path and bundle.exists()
+    assert hook_count(ip.user_ns["emb"]) == 0
+    # later, in a fresh session: the model built again, the bundle replayed
+    ip.run_cell("fresh = nn.Embedding(10, 4)")
+    result, captured = run(ip, f"%numguard_replay {bundle.name} fresh")
+    assert result.success
+    replayed = ip.user_ns["_numguard_replay"]
+    assert isinstance(replayed.exception, IndexError)
+    assert [out.data["text/plain"] for out in captured.outputs] == [repr(replayed)]
+    result, captured = run(ip, "%numguard_replay missing.pt fresh")
+    assert "%numguard_replay: no replay bundle at missing.pt" in usage_error_line(captured)
+
+
+def test_without_capture_a_device_error_just_propagates(ip):
+    ip.run_cell("def boom(x):\n    net(x)\n    raise RuntimeError('CUDA error: an illegal memory access')")
+    result, captured = run(ip, "%%numguard net\nboom(xs[0])")
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert "_numguard_replay" not in ip.user_ns and captured.outputs == []
+
+
+def test_short_traceback_is_the_exception_and_its_summary():
+    culprit = Frame("x", "Linear", "forward", 3, 0, [])
+    report = Report(frames=[culprit], first_nonfinite=culprit, batch_number=3,
+                    reason="x (Linear) produced a non-finite value")
+    error = NonFiniteError(report)
+    assert ng_magics.short_traceback(error) == [
+        "\x1b[0;31mNonFiniteError\x1b[0m: x (Linear) produced a non-finite value"]
+    plain = ng_magics._make_short(RuntimeError("boom"), "hint")
+    assert plain._render_traceback_() == ["\x1b[0;31mRuntimeError\x1b[0m: boom", "hint"]
