@@ -95,24 +95,22 @@ def _identifier(text: str) -> str:
     return text
 
 
-def _factor(text: str) -> float:
+def _number_above(text: str, bound: float, expected: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if not value > 1:
-        raise _ArgError(f"expected a factor > 1 such as 10, got {text!r}")
+        value = bound
+    if not value > bound:
+        raise _ArgError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _factor(text: str) -> float:
+    return _number_above(text, 1.0, "a factor > 1 such as 10")
 
 
 def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise _ArgError(f"expected a number > 0, got {text!r}")
-    return value
+    return _number_above(text, 0.0, "a number > 0")
 
 
 
