@@ -4,8 +4,8 @@
 
 Compares: no detector; numguard Guard (backward on, and forward only); Guard(ops=True)
 (op localisation armed: it must cost nothing until a detection); Hugging Face's
-DebugUnderflowOverflow (forward only, on an identical copy of the model, since it cannot be
-detached); torch.autograd.detect_anomaly. Configurations run round-robin, step by step, so
+DebugUnderflowOverflow (forward only); torch.autograd.detect_anomaly. Each detector is attached
+once to its own identical copy of the model, as in a training loop. Configurations run round-robin, step by step, so
 machine noise hits them alike; the table shows the median step time and its ratio to no detector.
 """
 
@@ -67,17 +67,23 @@ def loss_of(model, batch):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def make_configs(model, batch):
-    """name -> (model, context factory)."""
+def make_configs(model):
+    """name -> (model, context factory). Detectors are attached once, each to its own identical
+    copy of the model, as in a training loop (Hugging Face's cannot be detached at all)."""
     from transformers.debug_utils import DebugUnderflowOverflow
 
+    def guarded(**options):
+        copy_ = copy.deepcopy(model)
+        Guard(copy_, **options).attach()
+        return copy_, contextlib.nullcontext
+
     hf_model = copy.deepcopy(model)
-    DebugUnderflowOverflow(hf_model)  # attaches for good: it has no way to detach
+    DebugUnderflowOverflow(hf_model)
     return {
         "none": (model, contextlib.nullcontext),
-        "numguard fwd+bwd": (model, lambda: Guard(model)),
-        "numguard fwd only": (model, lambda: Guard(model, backward=False)),
-        "numguard ops=True": (model, lambda: Guard(model, ops=True)),
+        "numguard fwd+bwd": guarded(),
+        "numguard fwd only": guarded(backward=False),
+        "numguard ops=True": guarded(ops=True),
         "HF DebugUnderflowOverflow (fwd)": (hf_model, contextlib.nullcontext),
         "autograd.detect_anomaly": (model, torch.autograd.detect_anomaly),
     }
@@ -100,7 +106,7 @@ def bench(name, device, steps, warmup=3):
     torch.manual_seed(0)
     model, batch = BUILDERS[name](device)
     model.eval()  # no dropout: every configuration computes exactly the same thing
-    configs = make_configs(model, batch)
+    configs = make_configs(model)
     times = {key: [] for key in configs}
     with warnings_silenced():
         for i in range(warmup + steps):

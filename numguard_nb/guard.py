@@ -395,6 +395,7 @@ class Guard:
         self._primary_root_id = None
         self._attached = False
         self._reset_pass_state()
+        _stats.release_workspace()
 
     @property
     def attached(self) -> bool:

@@ -15,13 +15,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Iterator, Optional, Tuple
 
 import torch
 
 _INF = float("inf")
-# On CPU, amin + amax are about 3x faster than aminmax for these; for half types, the reverse.
+# Scratch memory for |t| on CPU. A fresh multi-MB buffer per tensor costs a page fault per 4 KiB
+# page (6.5 ms for a 4 MiB activation, 50x the arithmetic); CUDA's caching allocator avoids that
+# by itself. One buffer per thread and dtype, grown to the largest tensor, up to this many bytes.
+_WORKSPACE_MAX_BYTES = 512 * 2**20
+_workspace = threading.local()
+
+
+def _abs_into_workspace(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """|t| written to a reused CPU buffer, or None where a buffer does not fit."""
+    if t.device.type != "cpu" or t.is_complex() or not t.is_contiguous() or t.numel() < _LARGE \
+            or t.numel() * t.element_size() > _WORKSPACE_MAX_BYTES:
+        return None
+    buffers = getattr(_workspace, "buffers", None)
+    if buffers is None:
+        buffers = _workspace.buffers = {}
+    buffer = buffers.get(t.dtype)
+    if buffer is None or buffer.numel() < t.numel():
+        buffer = buffers[t.dtype] = torch.empty(t.numel(), dtype=t.dtype)
+    return torch.abs(t, out=buffer[: t.numel()].view(t.shape))
+
+
+def release_workspace() -> None:
+    """Free this thread's scratch buffers (the guard calls it on detach)."""
+    _workspace.buffers = {}
+# On CPU, amin + amax are about 3x faster than aminmax per element for these (for half types, the
+# reverse); below this size the cost is per op, and one aminmax beats two reductions.
 _SEPARATE_MIN_MAX = (torch.float32, torch.float64)
+_LARGE = 1 << 16  # elements
 
 
 def _host_float(device: torch.device) -> torch.dtype:
@@ -43,8 +70,10 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
             # bools: min and max as 0/1; they cannot be non-finite.
             lo, hi = t.all().to(_host_float(t.device)), t.any().to(_host_float(t.device))
             return (lo, hi, lo, hi) if nonzero_min else (lo, hi, lo)
-        magnitude = t.abs()
-        if t.dtype in _SEPARATE_MIN_MAX:
+        magnitude = _abs_into_workspace(t)
+        if magnitude is None:
+            magnitude = t.abs()
+        if t.dtype in _SEPARATE_MIN_MAX and t.numel() >= _LARGE:
             lo, hi = magnitude.amin(), magnitude.amax()
         else:
             lo, hi = torch.aminmax(magnitude)
@@ -54,7 +83,7 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
             return (lo, hi, lo, lo) if nonzero_min else (lo, hi, lo)
         total = t.sum() if t.is_floating_point() else hi
         if nonzero_min:
-            return (lo, hi, total, magnitude.masked_fill(magnitude == 0, _INF).amin())
+            return (lo, hi, total, magnitude.masked_fill_(magnitude == 0, _INF).amin())
         return (lo, hi, total)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
