@@ -62,6 +62,20 @@ _LIMIT_DTYPES = {
 }
 
 
+def _is_running(module: nn.Module) -> bool:
+    """Whether `module` is being called further up this thread's stack (it calls itself), besides
+    the call whose pre-hook is asking."""
+    calls = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+            calls += 1
+            if calls > 1:
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _store_grad(grads: list, position: int, grad) -> None:
     grads[position] = grad
 
@@ -122,7 +136,7 @@ class _Call:
     __slots__ = (
         "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
         "slots", "seq", "is_root", "raised", "backward", "parent", "child_kinds", "root_id",
-        "__weakref__",
+        "forward", "__weakref__",
     )
 
     def __init__(self, module_id, name, cls, phase, batch_number, call_index, is_root):
@@ -140,12 +154,13 @@ class _Call:
         self.parent: Optional[_Call] = None  # the enclosing call, in forward
         self.child_kinds: set = set()  # what its direct children's outputs held: it received them
         self.root_id = module_id  # the top-level module whose call this is part of
+        self.forward: Optional[_Call] = None  # for a backward call: its forward call
 
 
 class _Pass:
     """State of one forward or backward pass: its calls and its pending device statistics."""
 
-    __slots__ = ("calls", "vectors", "values", "cache", "seq")
+    __slots__ = ("calls", "vectors", "values", "cache", "seq", "received", "received_by_module")
 
     # cache entry: [weakref, version, stats index, gradient targets or None]
 
@@ -155,6 +170,10 @@ class _Pass:
         self.values: list = []  # stats read back to the host, same indexing
         self.cache: dict = {}  # id(tensor) -> cache entry: one summary (and hook) per tensor
         self.seq = itertools.count()
+        # backward: what each forward call's backward has received so far (its output gradients
+        # and its direct children's input gradients), by id of the forward call and by module.
+        self.received: Dict[int, set] = {}
+        self.received_by_module: Dict[int, set] = {}
 
     def read_back(self) -> None:
         """Move every pending statistic to the host: the pass's one synchronisation."""
@@ -283,6 +302,8 @@ class Guard:
         self._batches_started = 0
         self._handles: list = []
         self._paused = False  # True while the guard re-runs a step itself (op localisation)
+        self._batches_counted_by_caller = False  # begin_batch() was called
+        self._leaf_targets: Dict[int, list] = {}  # id(leaf tensor) -> [weakref, targets]
         self._modules: Dict[int, nn.Module] = {}
         self._ops_calls: Dict[int, tuple] = {}  # root id -> (root, args, kwargs, rng, counts)
         self._root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
@@ -387,6 +408,7 @@ class Guard:
         self._handles.clear()
         self._tensor_handles.clear()
         self._names.clear()
+        self._leaf_targets.clear()
         self._modules.clear()
         self._ops_calls.clear()
         self._root_grads.clear()
@@ -439,20 +461,26 @@ class Guard:
             return
         module_id = id(module)
         stack = self._stack
-        if stack and module_id in self._roots and stack[0].module_id == module_id:
-            self._reset_pass_state()  # a root re-entered itself: the last pass was interrupted
+        if stack and stack[0].module_id == module_id and not _is_running(module):
+            # The last pass never finished (Ctrl-C skips the hooks that close calls).
+            self._reset_pass_state()
             stack = self._stack
         if not stack:
-            self._begin_forward(module_id)
-            if self._capture is not None:
-                self._capture.record(self._names[module_id], module, args, kwargs)
-            if self.ops:
-                self._remember_call_for_ops(module, args, kwargs)
+            # Activation checkpointing re-runs forward inside backward: no new batch then.
+            recomputing = _graph_task_id() != -1
+            self._begin_forward(module_id, recomputing)
+            if not recomputing:
+                if self._capture is not None:
+                    self._capture.record(self._names[module_id], module, args, kwargs)
+                if self.ops:
+                    self._remember_call_for_ops(module, args, kwargs)
         index = self._call_counts.get(module_id, 0)
         self._call_counts[module_id] = index + 1
+        # A call with nothing around it is top-level, whether or not it is a guarded root (a
+        # LightningModule's training_step calls its submodules directly).
         call = _Call(
             module_id, self._names.get(module_id, "?"), type(module).__name__, FORWARD,
-            self.batch_number, index, module_id in self._roots,
+            self.batch_number, index, not stack,
         )
         if index == 0:
             self._first_calls[module_id] = call
@@ -522,21 +550,32 @@ class Guard:
         if not self._stack:
             self._end_forward(raising)
 
-    def _begin_forward(self, module_id) -> None:
-        if self._backward_passes and _graph_task_id() == -1:
+    def begin_batch(self) -> None:
+        """Start the next batch now. For loops that never call the guarded model itself (a
+        LightningModule's training_step calls its submodules): once called, only these calls
+        count batches."""
+        self._batches_counted_by_caller = True
+        self._start_batch()
+
+    def _start_batch(self) -> None:
+        batch = self._batches_started
+        if self.abort_after_batch is not None and batch > self.abort_after_batch:
+            raise BatchLimitReached(
+                f"numguard: stopped before batch {batch} because abort_after_batch="
+                f"{self.abort_after_batch} (batches 0..{self.abort_after_batch} ran)"
+            )
+        self._batches_started += 1
+        self.batch_number = batch
+        self._call_counts.clear()
+        self._first_calls.clear()
+        self._tracing = batch in self.trace_batches
+
+    def _begin_forward(self, module_id, recomputing: bool) -> None:
+        if self._backward_passes and not recomputing:
             self._backward_passes.clear()  # backward passes that raised before their end
-        if module_id == self._primary_root_id:
-            batch = self._batches_started
-            if self.abort_after_batch is not None and batch > self.abort_after_batch:
-                raise BatchLimitReached(
-                    f"numguard: stopped before batch {batch} because abort_after_batch="
-                    f"{self.abort_after_batch} (batches 0..{self.abort_after_batch} ran)"
-                )
-            self._batches_started += 1
-            self.batch_number = batch
-            self._call_counts.clear()
-            self._first_calls.clear()
-            self._tracing = batch in self.trace_batches
+        if module_id == self._primary_root_id and not recomputing \
+                and not self._batches_counted_by_caller:
+            self._start_batch()
         self._forward = _Pass()
         if len(self._tensor_handles) > 4096:
             # Handles on freed graphs are dead; keep the list bounded over long runs.
@@ -569,12 +608,25 @@ class Guard:
         call.slots.append(_Slot(role, category, kind, value.dtype, tuple(value.shape), index))
         if watch_grads and value.requires_grad and category != PARAM:
             target = (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
-            if entry[3] is None:
+            if value.is_leaf:
+                self._leaf_hook(value).append(target)
+            elif entry[3] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
                 entry[3] = [target]
                 self._tensor_handles.append(value.register_hook(partial(self._on_grad, entry[3])))
             else:
                 entry[3].append(target)
+
+    def _leaf_hook(self, leaf: torch.Tensor) -> list:
+        """The targets of the one hook a leaf tensor (a parameter used as an input, say) gets for
+        the guard's lifetime: a hook per forward would pile up on it, since leaves never die."""
+        known = self._leaf_targets.get(id(leaf))
+        if known is not None and known[0]() is leaf:
+            return known[1]
+        targets: list = []
+        self._leaf_targets[id(leaf)] = [weakref.ref(leaf), targets]
+        self._handles.append(leaf.register_hook(partial(self._on_grad, targets)))
+        return targets
 
     def _summarise(self, pass_: _Pass, t: torch.Tensor) -> list:
         """The cache entry of `t` in this pass, computing its statistics the first time."""
@@ -630,19 +682,7 @@ class Guard:
         # Targets were registered in forward order; backward reaches them in reverse (a tensor
         # that is A's output and B's input is B's input gradient before it is A's output's).
         for forward_call, role, category in reversed(targets):
-            known = forward_call.backward
-            if known is not None and known[0] is pass_:
-                call = known[1]
-            else:  # first gradient of this call in this backward pass (there may be several)
-                call = _Call(
-                    forward_call.module_id, forward_call.module_name, forward_call.module_class,
-                    BACKWARD, forward_call.batch_number, forward_call.call_index,
-                    forward_call.is_root,
-                )
-                call.root_id = forward_call.root_id
-                forward_call.backward = (pass_, call)
-                call.seq = next(pass_.seq)
-                pass_.calls.append(call)
+            call = self._backward_call(pass_, forward_call)
             slot = _Slot(role, category, kind, grad.dtype, shape, index, next(pass_.seq))
             call.slots.append(slot)
             if self.sync and not self._tracing:
@@ -650,6 +690,24 @@ class Guard:
                 culprit = self._backward_culprit(pass_, [slot], {id(slot): call})
                 if culprit is not None:
                     self._detect(pass_, BACKWARD, *culprit)
+
+    @staticmethod
+    def _backward_call(pass_: _Pass, forward_call: _Call) -> _Call:
+        """The backward counterpart of a forward call in this backward pass (made on first use:
+        a graph can be backpropagated more than once)."""
+        known = forward_call.backward
+        if known is not None and known[0] is pass_:
+            return known[1]
+        call = _Call(
+            forward_call.module_id, forward_call.module_name, forward_call.module_class,
+            BACKWARD, forward_call.batch_number, forward_call.call_index, forward_call.is_root,
+        )
+        call.root_id = forward_call.root_id
+        call.forward = forward_call
+        forward_call.backward = (pass_, call)
+        call.seq = next(pass_.seq)
+        pass_.calls.append(call)
+        return call
 
     def _end_backward(self, task) -> None:
         pass_ = self._backward_passes.pop(task, None)
@@ -659,6 +717,8 @@ class Guard:
             self._finish_backward(pass_)
         finally:
             self._root_grads.clear()  # held for a backward re-run only until this pass ends
+            for _, targets in self._leaf_targets.values():
+                targets.clear()  # the calls that used the leaves are done with
 
     def _finish_backward(self, pass_: _Pass) -> None:
         # The graph this pass ran on has been consumed: its tensor hooks need no removal.
@@ -690,7 +750,7 @@ class Guard:
         return False
 
     def _kinds(self, pass_: _Pass, slot: _Slot) -> frozenset:
-        """What is wrong with one value: a subset of _BAD_KINDS."""
+        """What is wrong with one value: a subset of {'nan', '+inf', '-inf', 'overflow'}."""
         if slot.index is None:
             return _FINE
         values = pass_.values[slot.index]
@@ -740,45 +800,67 @@ class Guard:
             if produced:
                 return call, produced, "forward"
             if call.parent is not None:
-                call.parent.child_kinds |= given
+                # Only what the child made itself (an allowed inf) is news the parent received;
+                # what it passed on came from the parent, who may have made it.
+                call.parent.child_kinds |= call.child_kinds | (given - received)
         return None
 
     def _backward_culprit(self, pass_: _Pass, slots, owner):
-        """The first gradient (in arrival order) made non-finite by the call it belongs to."""
+        """The first gradient (in arrival order) made non-finite by a call: a call's input or
+        parameter gradient holding what its output gradients (and its children's input gradients)
+        did not, or an output gradient its parent's own code made between its submodules.
+        Slots must come in arrival order, across calls of this method too (sync mode)."""
+        received, by_module = pass_.received, pass_.received_by_module
         for slot in slots:
             kinds = self._kinds(pass_, slot)
-            if not kinds:
-                continue
             call = owner[id(slot)]
+            forward = call.forward
+            parent = forward.parent if forward is not None else None
             if slot.category == GRAD_OUTPUT:
-                if call.is_root:
-                    return call, [slot], "loss-gradient"
+                if kinds:
+                    if parent is None:
+                        return call, [slot], "loss-gradient"
+                    if kinds - received.get(id(parent), _FINE):
+                        return self._backward_call(pass_, parent), [slot], "backward-inline"
+                self._note_received(pass_, forward, kinds)
                 continue
-            received = set()
-            for other in call.slots:
-                if other.category == GRAD_OUTPUT and other.seq < slot.seq:
-                    received |= self._kinds(pass_, other)
-            new = kinds - received
-            if self._inf_allowed(call.module_name):
-                new = new - _INF_KINDS
-            if new:
-                return call, [slot], "backward"
+            if kinds:
+                if slot.category == GRAD_PARAM:  # summed over every call of the module
+                    got = by_module.get(call.module_id, _FINE)
+                else:
+                    got = received.get(id(forward), _FINE)
+                new = kinds - got
+                if self._inf_allowed(call.module_name):
+                    new = new - _INF_KINDS
+                if new:
+                    return call, [slot], "backward"
+            if slot.category == GRAD_INPUT and parent is not None:
+                self._note_received(pass_, parent, kinds)
         return None
+
+    @staticmethod
+    def _note_received(pass_: _Pass, forward_call: Optional[_Call], kinds) -> None:
+        if forward_call is None or not kinds:
+            return
+        pass_.received.setdefault(id(forward_call), set()).update(kinds)
+        pass_.received_by_module.setdefault(forward_call.module_id, set()).update(kinds)
 
     def _detect(self, pass_: _Pass, phase, call: _Call, bad_slots, cause) -> None:
         """Build the report for a detection and raise it."""
-        culprit_frame = self._frame(pass_, call, flagged={id(s) for s in bad_slots})
-        if self.ops and cause in ("forward", "backward"):
-            self._localise(culprit_frame, call, cause)
+        flagged = {id(s) for s in bad_slots}
+        culprit_frame = self._frame(pass_, call, flagged)
+        if self.ops and cause in ("forward", "backward", "backward-inline"):
+            self._localise(culprit_frame, call, "forward" if cause == "forward" else "backward")
         if phase == FORWARD:
             led_up = [c for c in pass_.calls if c.seq < call.seq]
         else:
             limit = min(s.seq for s in bad_slots)
-            led_up = [c for c in pass_.calls if c is not call and c.seq < limit]
-        led_up = led_up[-self.max_frames:]
-        frames = self._recent_frames() + [self._frame(pass_, c) for c in led_up] + [culprit_frame]
-        frames = frames[-self.max_frames:]
-        reason = self._reason(cause, culprit_frame)
+            led_up = [c for c in pass_.calls if c is not call and c.seq <= limit]
+        led_up_frames = [self._frame(pass_, c, flagged) for c in led_up[-self.max_frames:]]
+        frames = (self._recent_frames() + led_up_frames + [culprit_frame])[-self.max_frames:]
+        # A gradient made in a module's own code shows in the submodule that received it.
+        evidence = next((f for f in led_up_frames if f.flagged_rows), None)
+        reason = self._reason(cause, culprit_frame, evidence)
         self.detection = self._make_report(frames, culprit_frame, DETECTION, reason, cause)
         self._reset_pass_state()
         error = self.on_detect(self.detection) if self.on_detect is not None else None
@@ -832,7 +914,7 @@ class Guard:
             frame.op = f"{where.node}: {where.op}" if where.node else where.op
             frame.source = where.source
 
-    def _reason(self, cause: str, frame: Frame) -> str:
+    def _reason(self, cause: str, frame: Frame, evidence: Optional[Frame] = None) -> str:
         rows = frame.flagged_rows
         what = "; ".join(f"{row.role} holds {row.problems}" for row in rows)
         where = f"{frame.label} ({frame.module_class})"
@@ -854,7 +936,13 @@ class Guard:
             return (f"the gradient entering {where} in backward of batch {frame.batch_number} is "
                     f"already non-finite ({what}): the loss or code outside the guarded modules "
                     "produced it")
-        if cause == "backward":
+        if cause == "backward-inline" and evidence is not None:
+            what = "; ".join(f"{row.role} of {evidence.label} holds {row.problems}"
+                             for row in evidence.flagged_rows)
+            return (f"{where} produced a non-finite gradient in backward ({call}), in its own code "
+                    f"between its submodules: {what}, while the gradients {frame.label} received "
+                    f"were finite{limit}")
+        if cause in ("backward", "backward-inline"):
             return (f"{where} produced a non-finite gradient in backward ({call}): {what}, "
                     f"while the gradient it received was finite{limit}")
         return (f"{where} produced a non-finite value in forward ({call}): {what}, "
@@ -915,26 +1003,28 @@ class Guard:
         return frames[-self.max_frames:]
 
     def _record_trace(self, pass_: _Pass) -> None:
-        frames = [self._frame(pass_, c) for c in sorted(pass_.calls, key=lambda c: c.seq)]
+        # A trace notes where a non-finite value would have been caught, without stopping.
+        backward = any(c.phase == BACKWARD for c in pass_.calls)
+        if backward:
+            slots = sorted((s for c in pass_.calls for s in c.slots), key=lambda s: s.seq)
+            culprit = self._backward_culprit(
+                pass_, slots, {id(s): c for c in pass_.calls for s in c.slots})
+        else:
+            culprit = self._forward_culprit(pass_, pass_.calls)
+        flagged = {id(s) for s in culprit[1]} if culprit is not None else set()
+        calls = sorted(pass_.calls, key=lambda c: c.seq)  # after the search: it may add a call
+        frames = [self._frame(pass_, c, flagged) for c in calls]
         report = self.traces.get(self.batch_number)
         if report is None:
             report = self.traces[self.batch_number] = self._make_report([], None, TRACE, "", "")
         report.frames.extend(frames)
-        # A trace notes where a non-finite value would have been caught, without stopping.
-        culprit = (self._forward_culprit(pass_, pass_.calls) if frames and frames[0].phase == FORWARD
-                   else self._backward_culprit(
-                       pass_, sorted((s for c in pass_.calls for s in c.slots), key=lambda s: s.seq),
-                       {id(s): c for c in pass_.calls for s in c.slots}))
         if culprit is not None and report.first_nonfinite is None:
-            call, bad, cause = culprit
-            position = [c for c in sorted(pass_.calls, key=lambda c: c.seq)].index(call)
-            frame = frames[position]
-            flagged = {s.role for s in bad}
-            for row in frame.rows:
-                row.flagged = row.role in flagged
+            call, _, cause = culprit
+            frame = frames[calls.index(call)]
+            evidence = next((f for f in frames if f.flagged_rows and f is not frame), None)
             report.first_nonfinite = frame
             report.cause = cause
-            report.reason = self._reason(cause, frame)
+            report.reason = self._reason(cause, frame, evidence)
         if self.on_trace is not None:
             self.on_trace(report)
 
