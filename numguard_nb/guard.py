@@ -59,6 +59,7 @@ _LIMIT_DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
 
 
@@ -264,11 +265,12 @@ class Guard:
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
             raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
         try:
-            self.trace_batches = frozenset(int(b) for b in trace_batches)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"trace_batches must be batch numbers like [1, 3], got {trace_batches!r}"
-            ) from None
+            batches = list(trace_batches)
+        except TypeError:
+            batches = [None]
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in batches):
+            raise ValueError(f"trace_batches must be batch numbers like [1, 3], got {trace_batches!r}")
+        self.trace_batches = frozenset(batches)
         if any(b < 0 for b in self.trace_batches):
             raise ValueError(f"trace_batches are 0-indexed batch numbers, got {sorted(self.trace_batches)}")
         if abort_after_batch is not None and (
@@ -290,6 +292,9 @@ class Guard:
             float(torch.finfo(self.limit_dtype).smallest_normal) * float(torch.finfo(self.limit_dtype).eps)
             if self.limit_dtype else None
         )
+        for name, callback in (("on_trace", on_trace), ("on_detect", on_detect)):
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be a function taking a Report, got {callback!r}")
         self.on_trace = on_trace
         self.on_detect = on_detect
         self.ops = bool(ops)
@@ -343,7 +348,7 @@ class Guard:
             key = limit_dtype.replace("torch.", "").lower()
             if key not in _LIMIT_DTYPES:
                 raise ValueError(
-                    f"limit_dtype {limit_dtype!r} is not a float dtype: use float16, bfloat16 or float32"
+                    f"limit_dtype {limit_dtype!r} is not a float dtype: use float16, bfloat16, float32 or float64"
                 )
             return _LIMIT_DTYPES[key]
         if isinstance(limit_dtype, torch.dtype) and limit_dtype.is_floating_point:
@@ -590,7 +595,7 @@ class Guard:
             return
         culprit = None
         if not raising and self._has_problem(pass_):
-            culprit = self._forward_culprit(pass_, pass_.calls)
+            culprit = self._forward_culprit(pass_, pass_.calls) or self._first_nan(pass_, pass_.calls)
         if culprit is not None:
             self._detect(pass_, FORWARD, *culprit)
         self._remember(pass_)
@@ -605,7 +610,7 @@ class Guard:
         entry = self._summarise(pass_, value)
         index = entry[2]
         kind = "tensor" if index is not None else ("empty" if value.numel() == 0 else "unsupported")
-        call.slots.append(_Slot(role, category, kind, value.dtype, tuple(value.shape), index))
+        call.slots.append(_Slot(role, category, kind, value.dtype, _stats.shape_of(value), index))
         if watch_grads and value.requires_grad and category != PARAM:
             target = (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
             if value.is_leaf:
@@ -668,8 +673,14 @@ class Guard:
         if not self._attached or self._paused or grad is None:
             return None
         forward_call = self._first_calls.get(id(module))
-        if forward_call is not None:
-            self._record_grad(((forward_call, pname + ".grad", GRAD_PARAM),), grad)
+        if forward_call is None:
+            # Its weights were used without calling it (F.linear(x, sub.weight)): a call of its
+            # own still gives the gradient a frame.
+            forward_call = self._first_calls[id(module)] = _Call(
+                id(module), self._names.get(id(module), "?"), type(module).__name__, FORWARD,
+                self.batch_number, 0, False,
+            )
+        self._record_grad(((forward_call, pname + ".grad", GRAD_PARAM),), grad)
         return None
 
     def _record_grad(self, targets, grad) -> None:
@@ -678,7 +689,7 @@ class Guard:
         with _no_grad():
             index = self._summarise(pass_, grad)[2]
         kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
-        shape = tuple(grad.shape)
+        shape = _stats.shape_of(grad)
         # Targets were registered in forward order; backward reaches them in reverse (a tensor
         # that is A's output and B's input is B's input gradient before it is A's output's).
         for forward_call, role, category in reversed(targets):
@@ -734,7 +745,8 @@ class Guard:
             (slot for call in pass_.calls for slot in call.slots), key=lambda s: s.seq
         )
         owner = {id(slot): call for call in pass_.calls for slot in call.slots}
-        culprit = self._backward_culprit(pass_, slots, owner)
+        culprit = self._backward_culprit(pass_, slots, owner) or self._first_nan(
+            pass_, sorted(pass_.calls, key=lambda c: min((s.seq for s in c.slots), default=c.seq)))
         if culprit is not None:
             self._detect(pass_, BACKWARD, *culprit)
         self._remember(pass_)
@@ -838,6 +850,15 @@ class Guard:
                 self._note_received(pass_, parent, kinds)
         return None
 
+    def _first_nan(self, pass_: _Pass, calls):
+        """A nan the producer rules could not attribute (never let one pass in silence): the
+        first call holding one."""
+        for call in calls:
+            bad = [slot for slot in call.slots if "nan" in self._kinds(pass_, slot)]
+            if bad:
+                return call, bad, "unattributed"
+        return None
+
     @staticmethod
     def _note_received(pass_: _Pass, forward_call: Optional[_Call], kinds) -> None:
         if forward_call is None or not kinds:
@@ -864,7 +885,7 @@ class Guard:
         self.detection = self._make_report(frames, culprit_frame, DETECTION, reason, cause)
         self._reset_pass_state()
         error = self.on_detect(self.detection) if self.on_detect is not None else None
-        raise error if error is not None else NonFiniteError(self.detection)
+        raise error if isinstance(error, BaseException) else NonFiniteError(self.detection)
 
     # ---- op localisation (ops=True) ----------------------------------------------------------
     def _remember_call_for_ops(self, root, args, kwargs) -> None:
@@ -936,6 +957,9 @@ class Guard:
             return (f"the gradient entering {where} in backward of batch {frame.batch_number} is "
                     f"already non-finite ({what}): the loss or code outside the guarded modules "
                     "produced it")
+        if cause == "unattributed":
+            return (f"{where} holds nan in {frame.phase} ({call}): {what}; numguard could not tell "
+                    "which module produced it (its frames below show where it first appears)")
         if cause == "backward-inline" and evidence is not None:
             what = "; ".join(f"{row.role} of {evidence.label} holds {row.problems}"
                              for row in evidence.flagged_rows)

@@ -193,7 +193,9 @@ class Report:
     batch_number: int = 0
     kind: str = LATEST
     reason: str = ""  # one sentence naming the culprit, empty when nothing is wrong
-    cause: str = ""  # "forward", "backward", "weights", "data", "loss-gradient" or ""
+    # "forward", "backward", "backward-inline" (a module's own code between its submodules),
+    # "weights", "data", "loss-gradient", "unattributed" or ""
+    cause: str = ""
     rank: Optional[int] = None
     world_size: Optional[int] = None
     limit_dtype: Optional[str] = None
@@ -213,6 +215,9 @@ class Report:
             return f"{self.reason}{where}"
         if self.kind == TRACE:
             return f"trace of batch {self.batch_number}: {len(self.frames)} frames, all finite{where}"
+        if any(frame.nonfinite for frame in self.frames):
+            return (f"no inf/nan produced in the last {len(self.frames)} frames (batch "
+                    f"{self.batch_number}); some carry +-inf that only passed through (masks){where}")
         return f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number}){where}"
 
     def compare(self, other: "Report", factor: float = 10.0):
