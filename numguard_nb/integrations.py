@@ -24,7 +24,6 @@ transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 from torch import nn
@@ -37,8 +36,8 @@ class _GuardedRun:
     """What both callbacks share: one Guard per run, detached however the run ends."""
 
     def __init__(self, **guard_options):
-        # Fail at construction on a misspelt option, not when training starts.
-        inspect.signature(Guard).bind(None, **guard_options)
+        # Fail at construction on a misspelt option or a bad value, not when training starts.
+        Guard(nn.Identity(), **guard_options)
         self._user_on_detect = guard_options.pop("on_detect", None)
         self.guard_options = guard_options
         self.guard: Guard | None = None
@@ -101,6 +100,12 @@ def _build_lightning_callback() -> type:
 
         def on_fit_start(self, trainer, pl_module):
             self.start(pl_module)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            # training_step usually calls submodules, not the LightningModule itself: the guard
+            # cannot see batches begin, so say when they do.
+            if self.guard is not None:
+                self.guard.begin_batch()
 
         def on_fit_end(self, trainer, pl_module):
             self.detach()

@@ -156,7 +156,37 @@ def test_lightning_fit_stops_at_the_module_that_produced_inf_and_removes_its_hoo
         trainer.fit(module, loader)
 
     assert raised.value.report.first_nonfinite.module_name == "net.scale"
+    assert raised.value.report.batch_number == BLOW_UP_BATCH  # batches counted per training step
     assert callback.report is raised.value.report
+    assert_no_hooks(module)
+
+
+def test_lightning_batches_are_counted_per_training_step_for_abort_after_batch():
+    import lightning
+
+    from numguard_nb import BatchLimitReached
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class LitClassifier(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Classifier(blow_up_batch=None)
+
+        def training_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]  # the LightningModule itself is never called
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = LitClassifier()
+    callback = NumguardLightningCallback(abort_after_batch=1)
+    trainer = lightning.Trainer(
+        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )
+    with pytest.raises(BatchLimitReached, match="before batch 2"):
+        trainer.fit(module, torch.utils.data.DataLoader(samples(), batch_size=4))
+    assert callback.guard.batch_number == 1
     assert_no_hooks(module)
 
 
