@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ._util import first_line
 
 BACKENDS = ("nccl", "gloo")
 DEFAULT_TIMEOUT_S = 60.0
@@ -116,10 +117,6 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
 def _rank_prefix(record: dict) -> str:
     """How every error names its rank, so a DataFrame row says who broke on its own."""
     return f"rank {record['rank']} ({record['host']}): "
@@ -169,7 +166,7 @@ class _RankCheck:
         except Exception as exc:  # noqa: BLE001 - any failure is reported with its rank and phase
             message = f"failed during {self.phase}: {type(exc).__name__}: {exc}"
             self._finish(error=message)
-            print(_rank_line(self.record, "FAILED") + ": " + _first_line(message),
+            print(_rank_line(self.record, "FAILED") + ": " + first_line(message),
                   file=sys.stderr, flush=True)
             sys.stdout.flush()
             # A broken process group can hang in its teardown at exit; leave without it.

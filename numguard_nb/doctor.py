@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
+from ._util import error_line
 
 __all__ = ["check_pipeline", "PipelineReport", "PipelineStep", "STEP_NAMES"]
 
@@ -623,7 +624,7 @@ def _training_copy(model: nn.Module) -> nn.Module:
     try:
         copied = copy.deepcopy(model)
     except Exception as error:
-        reason = _first_line(error)
+        reason = error_line(error)
         raise TypeError(f"check_pipeline works on a copy of the model, and deepcopy failed: {reason}") from error
     return copied.cpu().train()
 
@@ -636,12 +637,7 @@ def _run_step(name: str, check: Callable[[], str]) -> PipelineStep:
         return PipelineStep(name, False, failure.message, failure.hint, cause, _format_traceback(cause))
     except Exception as error:  # an unexpected error is itself the finding: keep it with its traceback
         hint = "the traceback shows where it was raised"
-        return PipelineStep(name, False, _first_line(error), hint, error, _format_traceback(error))
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        return PipelineStep(name, False, error_line(error), hint, error, _format_traceback(error))
 
 
 def _format_traceback(error: BaseException | None) -> str:
@@ -1005,7 +1001,7 @@ def _trainer_recipe(trainer) -> _OptimizerRecipe:
         try:
             optimizer = _trainer_optimizer(trainer, copied)
         except Exception as error:  # e.g. bitsandbytes missing: any optimizer shows the wiring works
-            reason = f"the Trainer's {optim_name} cannot be rebuilt here ({_first_line(error)})"
+            reason = f"the Trainer's {optim_name} cannot be rebuilt here ({error_line(error)})"
             return _sgd_recipe(args.learning_rate, reason)(copied)
         lr = _format_number(optimizer.param_groups[0]["lr"])
         description = f"{type(optimizer).__name__}(lr={lr}), built as the Trainer does (optim={optim_name})"

@@ -28,6 +28,7 @@ from .report import (
     BACKWARD, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST, OUTPUT,
     PARAM, TRACE, Frame, Report, TensorRow,
 )
+from ._util import dtype_name
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
@@ -102,10 +103,6 @@ _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 def _graph_task_id() -> int:
     """Id of the autograd graph task running this hook (-1 outside backward)."""
     return _current_graph_task_id()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # What can be wrong with a value. Kinds are compared between what a call received and what it
@@ -942,12 +939,12 @@ class Guard:
         call = f"call {frame.call_index} of batch {frame.batch_number}"
         predicted = any(row.predicted_overflow for row in rows)
         limit = (
-            f" (beyond {_dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g}: "
+            f" (beyond {dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g}: "
             "predicted overflow)" if predicted else ""
         )
         if cause == "weights" and predicted:
             return (f"the weights of {where} in batch {frame.batch_number} exceed "
-                    f"{_dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g} ({what})")
+                    f"{dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g} ({what})")
         if cause == "weights":
             return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
                     "an earlier optimizer step wrote them")
@@ -978,7 +975,7 @@ class Guard:
         for slot in call.slots:
             row = TensorRow(
                 role=slot.role, category=slot.category, kind=slot.kind,
-                dtype=_dtype_name(slot.dtype) if slot.dtype is not None else None,
+                dtype=dtype_name(slot.dtype) if slot.dtype is not None else None,
                 shape=slot.shape, flagged=id(slot) in flagged,
             )
             if slot.index is not None:
@@ -1009,7 +1006,7 @@ class Guard:
         return Report(
             frames=frames, first_nonfinite=culprit, batch_number=self.batch_number, kind=kind,
             reason=reason, cause=cause, rank=rank, world_size=world,
-            limit_dtype=_dtype_name(self.limit_dtype) if self.limit_dtype else None,
+            limit_dtype=dtype_name(self.limit_dtype) if self.limit_dtype else None,
         )
 
     def _remember(self, pass_: _Pass) -> None:

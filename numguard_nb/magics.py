@@ -30,6 +30,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 from torch import nn
 
+from ._util import message_line
 from .guard import BatchLimitReached, Guard, NonFiniteError
 from .report import Report
 
@@ -289,12 +290,12 @@ class NumguardMagics(Magics):
         try:
             from . import distcheck
         except ImportError as error:
-            raise UsageError(f"%numguard_dist: numguard_nb.distcheck cannot be imported ({_one_line(error)})") from None
+            raise UsageError(f"%numguard_dist: numguard_nb.distcheck cannot be imported ({message_line(error)})") from None
         try:
             extra = {"size_mb": args.size} if args.size is not None else {}
             table = distcheck.run(nproc=args.nproc, backend=args.backend, timeout=args.timeout, **extra)
         except ValueError as error:
-            raise UsageError(f"%numguard_dist: {_one_line(error)}") from None
+            raise UsageError(f"%numguard_dist: {message_line(error)}") from None
         self.shell.user_ns["_numguard_dist"] = table
         summary = getattr(table, "attrs", {}).get("summary")
         if summary:
@@ -326,7 +327,7 @@ class NumguardMagics(Magics):
             else:
                 report = doctor.check_pipeline(obj, data, **options)
         except (TypeError, ValueError) as error:
-            raise UsageError(f"%numguard_check: {_one_line(error)}") from None
+            raise UsageError(f"%numguard_check: {message_line(error)}") from None
         self.shell.user_ns["_numguard_check"] = report
         self._display(report)
 
@@ -349,11 +350,11 @@ class NumguardMagics(Magics):
             from . import replay
         except ImportError as error:
             raise UsageError(
-                f"%numguard_replay: numguard_nb.replay cannot be imported ({_one_line(error)})") from None
+                f"%numguard_replay: numguard_nb.replay cannot be imported ({message_line(error)})") from None
         try:
             call = replay.load_capture(args.path, target)
         except (OSError, TypeError, ValueError) as error:  # replay.ReplayError is a ValueError
-            raise UsageError(f"%numguard_replay: {_one_line(error)}") from None
+            raise UsageError(f"%numguard_replay: {message_line(error)}") from None
         result = call.replay()
         self.shell.user_ns["_numguard_replay"] = result
         self._display(result)
@@ -364,11 +365,11 @@ class NumguardMagics(Magics):
         try:
             args = func.parser.parse_intermixed_args(arg_split(line))
         except UsageError as error:
-            raise UsageError(f"{magic}: {_one_line(error)}; see {magic}? for the options") from None
+            raise UsageError(f"{magic}: {message_line(error)}; see {magic}? for the options") from None
         except SystemExit:
             raise UsageError(f"{magic}: cannot parse {line.strip()!r}; see {magic}? for the options") from None
         except ValueError as error:  # unbalanced quotes
-            raise UsageError(f"{magic}: {_one_line(error)} in {line.strip()!r}") from None
+            raise UsageError(f"{magic}: {message_line(error)} in {line.strip()!r}") from None
         # IPython splits like a shell but keeps the quotes: 'a b' is one word, written 'a b'.
         for key, value in vars(args).items():
             if isinstance(value, str):
@@ -451,7 +452,7 @@ class NumguardMagics(Magics):
         try:
             return _Watch(target, options, args.output, args.quiet, ", ".join(models))
         except (TypeError, ValueError) as error:
-            raise UsageError(f"{magic}: {_one_line(error)}") from None
+            raise UsageError(f"{magic}: {message_line(error)}") from None
 
     # ---- running a guarded cell ----------------------------------------------------------
     def _compile_cell(self, cell: str):
@@ -528,7 +529,7 @@ class NumguardMagics(Magics):
 
             result = replay.replay_after_error(guard, error)
         except Exception as replay_error:  # never hide the CUDA error behind a replay failure
-            print(f"numguard: could not replay the captured call on CPU: {_one_line(replay_error)}",
+            print(f"numguard: could not replay the captured call on CPU: {message_line(replay_error)}",
                   file=sys.stderr)
             return
         self.shell.user_ns["_numguard_replay"] = result
@@ -634,7 +635,7 @@ class NumguardMagics(Magics):
         try:
             return eval(text, self.shell.user_global_ns, self.shell.user_ns)
         except Exception as error:
-            raise UsageError(f"%numguard compare: cannot read {text}: {_one_line(error)}") from None
+            raise UsageError(f"%numguard compare: cannot read {text}: {message_line(error)}") from None
 
     # ---- display -------------------------------------------------------------------------
     def _display_report(self, report: Report) -> None:
@@ -699,10 +700,6 @@ def _unquote(text: str) -> str:
         return text[1:-1]
     return text
 
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # ---- extension entry points ----------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import linecache
 import math
-import os
 import random
 import sys
 import threading
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import stats as _stats
+from ._util import error_line, is_internal_file
 
 __all__ = ["OpLocation", "CallState", "rng_state", "localise_forward", "localise_backward"]
 
@@ -57,8 +57,6 @@ _UNANNOTATED_STAT_WRITERS = frozenset((
     "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
 ))
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -164,23 +162,12 @@ def _autocast_as(state: Optional[CallState], stack: contextlib.ExitStack) -> Non
 
 
 # ---- small helpers -------------------------------------------------------------------------------
-_internal_dirs: dict = {}
-
-
-def _is_internal(filename: str) -> bool:
-    hit = _internal_dirs.get(filename)
-    if hit is None:
-        path = os.path.abspath(filename) if not filename.startswith("<") else filename
-        hit = _internal_dirs[filename] = path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)
-    return hit
-
-
 def _user_frame():
     """(filename, lineno) of the innermost Python frame outside torch/ and numguard_nb/."""
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not _is_internal(filename):
+        if not is_internal_file(filename):
             return filename, frame.f_lineno
         frame = frame.f_back
     return None, None
@@ -191,13 +178,6 @@ def _code_line(filename, lineno) -> Optional[str]:
         return None
     text = linecache.getline(filename, lineno).strip()
     return text or None
-
-
-def _short(error: BaseException) -> str:
-    """`Type: first line of the message`, at most 200 characters."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _describe(kinds) -> str:
@@ -492,7 +472,7 @@ class _Watch(TorchDispatchMode):
 
     def fail(self, error: BaseException) -> None:
         if len(self.errors) < 3:
-            self.errors.append(_short(error))
+            self.errors.append(error_line(error))
 
     # ---- node bookkeeping -----------------------------------------------------------------
     def _resolve(self, final: bool = False) -> None:
@@ -711,7 +691,7 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
                 with watch:
                     output = root(*args, **kwargs)
             except Exception as error:
-                outcome["raised"] = _short(error)
+                outcome["raised"] = error_line(error)
                 output = None
         # backward runs outside autocast, as the user's own backward does
         if backward and "raised" not in outcome:
@@ -764,7 +744,7 @@ def _run_backward(watch: _Watch, output, root_grad_outputs, culprit, outcome: di
                 [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True,
             )
     except Exception as error:
-        outcome["raised"] = f"{_short(error)} (in backward)"
+        outcome["raised"] = f"{error_line(error)} (in backward)"
         return
     finally:
         pairs = outputs = None
@@ -851,7 +831,7 @@ def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *
         return _localise(root, args, kwargs, rng, None, culprit, call_index, limit, backward=False,
                          allow_inf=allow_inf)
     except Exception as error:
-        return _failure(f"op localisation failed: {_short(error)}")
+        return _failure(f"op localisation failed: {error_line(error)}")
 
 
 def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_index,
@@ -866,4 +846,4 @@ def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_
         return _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
                          backward=True, allow_inf=allow_inf)
     except Exception as error:
-        return _failure(f"op localisation failed: {_short(error)}")
+        return _failure(f"op localisation failed: {error_line(error)}")

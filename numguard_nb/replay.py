@@ -55,6 +55,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from ._util import dtype_name, error_line, first_line, is_internal_file
 
 __all__ = [
     "Capture",
@@ -71,7 +72,6 @@ __all__ = [
 BUNDLE_FORMAT = "numguard_nb.replay"
 BUNDLE_VERSION = 1
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MAX_DEPTH = 8  # nesting of containers walked in inputs and outputs
@@ -125,23 +125,6 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _first_line(text: str) -> str:
-    for line in str(text).splitlines():
-        line = line.strip()
-        if line:
-            return line
-    return ""
-
-
-def _exception_line(exc: BaseException) -> str:
-    text = _first_line(str(exc))
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _path_str(path: tuple) -> str:
     """('args', 0) -> 'input[0]', ('kwargs', 'labels') -> 'input[labels]', ('output', 'logits')
     -> 'output[logits]': the guard's naming."""
@@ -160,16 +143,10 @@ def _input_path_str(path: tuple) -> str:
     return _path_str((("args", "kwargs")[path[0]],) + tuple(path[1:]))
 
 
-def _internal_file(filename: str) -> bool:
-    """Frames in torch itself or in numguard_nb are not where a user's error is."""
-    path = os.path.abspath(filename) if filename and not filename.startswith("<") else filename
-    return path.startswith(_TORCH_DIR) or path.startswith(_PACKAGE_DIR)
-
-
 def _describe(value) -> str:
     """A short description of a value (tensors by dtype and shape)."""
     if isinstance(value, torch.Tensor):
-        return f"tensor({_dtype_name(value.dtype)}, shape {tuple(value.shape)})"
+        return f"tensor({dtype_name(value.dtype)}, shape {tuple(value.shape)})"
     if isinstance(value, dict):
         return f"{type(value).__name__}({', '.join(str(k) for k in value)})"
     if isinstance(value, (tuple, list)):
@@ -256,7 +233,7 @@ def _call_site() -> Optional[Tuple[str, int, str]]:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not _internal_file(filename):
+        if not is_internal_file(filename):
             return filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
     return None
@@ -299,7 +276,7 @@ def _error_location(exc: BaseException) -> Optional[Location]:
     """Innermost frame of the traceback in the user's or the model's code (not torch's)."""
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
-        if not _internal_file(frame.filename):
+        if not is_internal_file(frame.filename):
             found = frame
     if found is None:
         return None
@@ -400,7 +377,7 @@ class _Snapshot:
     def dtypes(self) -> Dict[str, int]:
         counts: Dict[str, int] = {}
         for t in {id(t): t for t in self.tensors.values()}.values():
-            counts[_dtype_name(t.dtype)] = counts.get(_dtype_name(t.dtype), 0) + 1
+            counts[dtype_name(t.dtype)] = counts.get(dtype_name(t.dtype), 0) + 1
         return counts
 
     def to_bundle(self) -> dict:
@@ -458,7 +435,7 @@ def _build_module(live: nn.Module, snapshot: _Snapshot, device, upcast: bool, no
                 except Exception as error:
                     raise ReplayError(
                         f"{label}.{name} is a {tensor.device} tensor that was not in the snapshot "
-                        f"and cannot be copied now ({_exception_line(error)}): attach the guard "
+                        f"and cannot be copied now ({error_line(error)}): attach the guard "
                         "after the model is built (or call Capture.snapshot()) and run again"
                     ) from None
                 missing.append(name)
@@ -491,7 +468,7 @@ def _build_module(live: nn.Module, snapshot: _Snapshot, device, upcast: bool, no
     except Exception as error:
         raise ReplayError(
             f"could not rebuild {label} ({type(live).__name__}) for the replay: "
-            f"{_exception_line(error)}"
+            f"{error_line(error)}"
         ) from None
 
 
@@ -626,7 +603,7 @@ class CapturedCall:
         missing = _MISSING_LOW_PRECISION.search(str(result.exception)) \
             if result.exception is not None and low_precision else None
         if missing is not None:
-            first = _exception_line(result.exception)
+            first = error_line(result.exception)
             dtype = "bfloat16" if "BFloat16" in missing.group(0) else "float16"
             result = _run_chain(chain, device, upcast=True)
             result.upcast = True
@@ -717,7 +694,7 @@ class CapturedCall:
             "autocast": {k: [bool(v[0]), str(v[1])] for k, v in self.autocast.items()},
             "weights_changed": self.weights_changed,
             "input_devices": list(self.input_devices),
-            "input_dtypes": sorted({_dtype_name(t.dtype) for _, t in _leaves((args, kwargs), ())}),
+            "input_dtypes": sorted({dtype_name(t.dtype) for _, t in _leaves((args, kwargs), ())}),
             "call_site": None if site is None else
             {"filename": str(site.filename), "lineno": int(site.lineno), "function": str(site.function),
              "line": site.line or linecache.getline(site.filename, site.lineno).strip()},
@@ -856,7 +833,7 @@ def _run_chain(chain: List[CapturedCall], device: torch.device, upcast: bool) ->
                        if autocast and autocast[0] and not upcast else _null_context())
             for other, (enabled, dtype) in call.autocast.items():
                 if enabled and other != device.type:
-                    notes.append(f"the call ran under {other} autocast ({_dtype_name(dtype)}); "
+                    notes.append(f"the call ran under {other} autocast ({dtype_name(dtype)}); "
                                  f"the {device.type} replay runs without it")
             tracker.stack.clear()
             try:
@@ -971,7 +948,7 @@ class ReplayResult:
         """(style, text) lines after the headline: where, which module, what was replayed."""
         lines = []
         if self.exception is not None:
-            lines.append(("error", _exception_line(self.exception)))
+            lines.append(("error", error_line(self.exception)))
             location = self.location
             if location is not None:
                 fn = f" in {location.function}" if location.function else ""
@@ -1104,7 +1081,7 @@ class Capture:
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"numguard: could not capture a call of {type(module).__name__} for "
-                              f"replay: {_exception_line(error)}", RuntimeWarning, stacklevel=3)
+                              f"replay: {error_line(error)}", RuntimeWarning, stacklevel=3)
             return None
 
     def _root_for(self, root_name: str, module: nn.Module) -> str:
@@ -1146,7 +1123,7 @@ class Capture:
         for device_type in ("cpu", "cuda"):
             try:
                 if torch.is_autocast_enabled(device_type):
-                    autocast[device_type] = (True, _dtype_name(torch.get_autocast_dtype(device_type)))
+                    autocast[device_type] = (True, dtype_name(torch.get_autocast_dtype(device_type)))
             except (TypeError, AttributeError, RuntimeError):
                 pass
         site = _call_site()
@@ -1255,11 +1232,11 @@ def load_capture(path, model) -> CapturedCall:
     except pickle.UnpicklingError as error:
         raise ReplayError(
             f"{path} holds Python objects that weights_only loading refuses to run "
-            f"({_one_line(_first_line(str(error)), 160)}): a numguard bundle holds only tensors and "
+            f"({_one_line(first_line(str(error)), 160)}): a numguard bundle holds only tensors and "
             "plain values, so this file was not written by numguard; do not load it"
         ) from None
     except Exception as error:
-        raise ReplayError(f"{path} is not a numguard replay bundle ({_exception_line(error)}): "
+        raise ReplayError(f"{path} is not a numguard replay bundle ({error_line(error)}): "
                           "pass a file written by replay_after_error or CapturedCall.save") from None
     if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
         what = f"a dict with keys {', '.join(map(str, list(data)[:5]))}" if isinstance(data, dict) \
@@ -1390,7 +1367,7 @@ class ReplayOutcome:
         for text in self.searched:
             lines.append(("note", f"note: {text}"))
         lines.append(("section", "The original error (reported late, so its traceback points at the wrong line):"))
-        lines.append(("code", _exception_line(self.error)))
+        lines.append(("code", error_line(self.error)))
         if self.device_error:
             lines.append(("section", "The CUDA context is unusable after a device error: restart the "
                                      "kernel before using the GPU again."))
@@ -1468,7 +1445,7 @@ def replay_after_error(guard, exc: BaseException, save_dir=None) -> ReplayOutcom
             outcome.replay_error = str(error)
             break
         except Exception as error:  # the outcome must be shown whatever happens
-            outcome.replay_error = _exception_line(error)
+            outcome.replay_error = error_line(error)
             break
         if outcome.result is None:
             outcome.result, chosen = result, call
@@ -1486,7 +1463,7 @@ def replay_after_error(guard, exc: BaseException, save_dir=None) -> ReplayOutcom
         except ReplayError as error:
             outcome.save_error = str(error)
         except Exception as error:
-            outcome.save_error = _exception_line(error)
+            outcome.save_error = error_line(error)
             try:
                 if os.path.exists(path):
                     os.remove(path)

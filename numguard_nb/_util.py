@@ -1,0 +1,50 @@
+"""Small helpers shared by the engine and its tools: one home each."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_internal_files: dict = {}
+
+
+def first_line(text) -> str:
+    """The first non-blank line of `text`, stripped ('' if there is none)."""
+    for line in str(text).splitlines():
+        line = line.strip()
+        if line:
+            return line
+    return ""
+
+
+def message_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    return first_line(error) or type(error).__name__
+
+
+def error_line(error: BaseException, limit: Optional[int] = None) -> str:
+    """`Type: first line of the message`, cut to `limit` characters of message."""
+    text = first_line(error)
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def dtype_name(dtype) -> str:
+    """'float16' for torch.float16."""
+    return str(dtype).replace("torch.", "")
+
+
+def is_internal_file(filename: Optional[str]) -> bool:
+    """Frames in torch itself or in numguard_nb are not where a user's code went wrong."""
+    if not filename:
+        return False
+    hit = _internal_files.get(filename)
+    if hit is None:
+        path = filename if filename.startswith("<") else os.path.abspath(filename)
+        hit = _internal_files[filename] = path.startswith(_TORCH_DIR) or path.startswith(_PACKAGE_DIR)
+    return hit
