@@ -287,10 +287,7 @@ class NumguardMagics(Magics):
         latency). The table is kept as `_numguard_dist`.
         """
         args = self._parse(self.numguard_dist, line, "%numguard_dist")
-        try:
-            from . import distcheck
-        except ImportError as error:
-            raise UsageError(f"%numguard_dist: numguard_nb.distcheck cannot be imported ({message_line(error)})") from None
+        from . import distcheck
         try:
             extra = {"size_mb": args.size} if args.size is not None else {}
             table = distcheck.run(nproc=args.nproc, backend=args.backend, timeout=args.timeout, **extra)
@@ -346,11 +343,7 @@ class NumguardMagics(Magics):
         args = self._parse(self.numguard_replay, line, "%numguard_replay")
         models = self._resolve(args.names, "%numguard_replay")
         target = next(iter(models.values())) if len(models) == 1 else models
-        try:
-            from . import replay
-        except ImportError as error:
-            raise UsageError(
-                f"%numguard_replay: numguard_nb.replay cannot be imported ({message_line(error)})") from None
+        from . import replay
         try:
             call = replay.load_capture(args.path, target)
         except (OSError, TypeError, ValueError) as error:  # replay.ReplayError is a ValueError
@@ -433,12 +426,8 @@ class NumguardMagics(Magics):
     def _guard_options(self, args, models: Dict[str, nn.Module], magic: str) -> dict:
         allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
         capture = args.capture
-        if capture is None:
+        if capture is None:  # on by default where asynchronous CUDA errors can happen
             capture = any(p.is_cuda for m in models.values() for p in m.parameters())
-            if capture and not _replay_available():
-                capture = False
-        elif capture and not _replay_available():
-            raise UsageError(f"{magic}: --capture needs numguard_nb.replay, which cannot be imported")
         return dict(
             max_frames=args.frames, trace_batches=args.trace or (),
             abort_after_batch=args.abort_after, backward=not args.no_backward, sync=args.sync,
@@ -685,14 +674,6 @@ def _top_level(found: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
     for module in unique.values():
         inner.update(id(sub) for sub in module.modules() if sub is not module)
     return {name: module for name, module in unique.items() if id(module) not in inner}
-
-
-def _replay_available() -> bool:
-    try:
-        from . import replay  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _unquote(text: str) -> str:
