@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -45,9 +44,8 @@ def execute(name, kernel):
         notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
         client = NotebookClient(notebook, kernel_name=kernel, timeout=120,
                                 resources={"metadata": {"path": str(NOTEBOOKS)}})
-        start = time.perf_counter()
         client.execute()
-        _executed[name] = (notebook, time.perf_counter() - start)
+        _executed[name] = notebook
     return _executed[name]
 
 
@@ -68,8 +66,7 @@ def reports(cell):
     return [out.data for out in outputs(cell, "display_data") if WIDGET_MIME in out.get("data", {})]
 
 
-def check_common(notebook, elapsed):
-    assert elapsed < 60, f"the notebook took {elapsed:.0f}s to run"
+def check_common(notebook):
     for cell in code_cells(notebook):
         errors = outputs(cell, "error")
         tagged = "raises-exception" in cell.metadata.get("tags", [])
@@ -86,8 +83,8 @@ def check_common(notebook, elapsed):
 
 
 def test_quickstart_finds_the_overflowing_feed_forward(python3_kernel):
-    notebook, elapsed = execute("01_quickstart.ipynb", python3_kernel)
-    check_common(notebook, elapsed)
+    notebook = execute("01_quickstart.ipynb", python3_kernel)
+    check_common(notebook)
     culprit = "encoder.block.1.layer.1.DenseReluDense.wo"
     cell = cell_with(notebook, "%%numguard\n")
     (error,) = outputs(cell, "error")
@@ -110,8 +107,8 @@ def test_quickstart_finds_the_overflowing_feed_forward(python3_kernel):
 
 
 def test_tracing_notebook_compares_the_batch_that_worked_with_the_one_that_failed(python3_kernel):
-    notebook, elapsed = execute("02_tracing.ipynb", python3_kernel)
-    check_common(notebook, elapsed)
+    notebook = execute("02_tracing.ipynb", python3_kernel)
+    check_common(notebook)
     failed = cell_with(notebook, "%%numguard\n")
     (error,) = outputs(failed, "error")
     assert "4 (Linear) produced a non-finite gradient in backward (call 0 of batch 6)" in error.evalue
