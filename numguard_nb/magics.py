@@ -489,12 +489,7 @@ class NumguardMagics(Magics):
 
     def _finish_cell(self, watch: _Watch, failed: bool) -> None:
         """Display what the guard found, keep the last report in the namespace."""
-        reports = watch.collect()
-        if reports:
-            self._store(reports, watch)
-            if not watch.quiet:
-                for report in reports:
-                    self._display_report(report)
+        if self._show_collected(watch):
             return
         latest = watch.guard.report
         self._store([latest], watch)
@@ -589,12 +584,18 @@ class NumguardMagics(Magics):
             error.with_traceback(None)
             if getattr(sys, "last_value", None) is error:
                 sys.last_traceback = None
+        self._show_collected(watch)
+
+    def _show_collected(self, watch: _Watch) -> bool:
+        """Store and display what the guard reported since last time; False if nothing."""
         reports = watch.collect()
-        if reports:
-            self._store(reports, watch)
-            if not watch.quiet:
-                for report in reports:
-                    self._display_report(report)
+        if not reports:
+            return False
+        self._store(reports, watch)
+        if not watch.quiet:
+            for report in reports:
+                self._display_report(report)
+        return True
 
     # ---- %numguard compare ---------------------------------------------------------------
     def _compare(self, names: list, factor: float):

@@ -22,6 +22,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from guard_models import Exp, SqrtOfZero
+
 import numguard_nb as ng
 from numguard_nb import BatchLimitReached, Guard, NonFiniteError
 
@@ -31,18 +33,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 # ---- small modules --------------------------------------------------------------------------
-class Exp(nn.Module):
-    def forward(self, x):
-        return torch.exp(x)
-
-
-class SqrtOfZero(nn.Module):
-    """Finite forward (sqrt(0) = 0), nan backward: d sqrt(u)/du at 0 is inf, times du/dx = 0."""
-
-    def forward(self, x):
-        return torch.sqrt(x * 0)
-
-
 class Counter(nn.Module):
     """Identity that counts its calls (to see whether the forward went on after a module)."""
 
