@@ -303,6 +303,23 @@ def test_widget_tree_expands_the_culprit_path_and_builds_the_rest_lazily():
     assert list(rows["role"]) == ["weight", "input[0]", "input[<mask>]", "output"]
 
 
+def test_widget_settings_are_synced_traits():
+    # traitlets accepts any attribute, so a trait missing from one ipywidgets major (7.x or 8.x)
+    # would be set silently and never reach the frontend: check the synced state instead
+    report = detection_report()
+    view = ReportView(report)
+    node = view.expand_path(report.first_nonfinite.module_name)
+    state = node.toggle.get_state()
+    assert state["description"].endswith(" wo") and state["tooltip"] == node.node.path
+    assert node.toggle.style.get_state()["button_color"]
+    assert {"width": "auto", "min_width": "0"}.items() <= node.toggle.layout.get_state().items()
+    assert node.body.layout.get_state()["display"] == ""
+    node.collapse()
+    assert node.body.layout.get_state()["display"] == "none"
+    (button,) = [c for c in node.body.children if "ng-df-button" in c._dom_classes]
+    assert button.layout.get_state()["align_self"] == "flex-start" and button.get_state()["tooltip"]
+
+
 def test_bundle_carries_widget_html_fallback_and_text():
     report = detection_report()
     view = ReportView(report)
