@@ -340,6 +340,8 @@ class NumguardMagics(Magics):
         call that failed on the GPU, run again where the error is raised at the real line. The
         result is kept as `_numguard_replay`.
         """
+        if not line.strip():  # argparse would also ask for the optional MODEL
+            raise UsageError("%numguard_replay needs the bundle's path: %numguard_replay PATH [MODEL ...]")
         args = self._parse(self.numguard_replay, line, "%numguard_replay")
         models = self._resolve(args.names, "%numguard_replay")
         target = next(iter(models.values())) if len(models) == 1 else models

@@ -286,6 +286,7 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%numguard_dist --nproc 0", "argument --nproc: expected a positive integer"),
     ("%numguard_check net", "check_pipeline(model, data) needs the training data"),
     ("%numguard_check", "the following arguments are required: NAME"),
+    ("%numguard_replay", "%numguard_replay needs the bundle's path: %numguard_replay PATH"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(ip, line, expected):
     result, captured = run(ip, line)
