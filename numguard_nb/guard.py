@@ -25,7 +25,7 @@ from torch import nn
 
 from . import stats as _stats
 from .report import (
-    BACKWARD, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST, OUTPUT,
+    BACKWARD, BUFFER, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST, OUTPUT,
     PARAM, TRACE, Frame, Report, TensorRow,
 )
 from ._util import dtype_name
@@ -495,6 +495,10 @@ class Guard:
             for pname, param in module._parameters.items():
                 if param is not None:
                     self._add(pass_, call, pname, PARAM, param, False)
+            for bname, buffer in module._buffers.items():
+                # Running statistics go bad like weights; integer/bool buffers cannot.
+                if buffer is not None and buffer.is_floating_point():
+                    self._add(pass_, call, bname, BUFFER, buffer, False)
             for i, value in enumerate(args):
                 for role, leaf in _stats.walk(value, f"input[{i}]"):
                     self._add(pass_, call, role, INPUT, leaf, watch_grads)
@@ -778,16 +782,20 @@ class Guard:
         """(call, bad slots, cause) of the first call that produced a non-finite value."""
         for call in calls:
             received = set(call.child_kinds)
+            from_parent = set()  # what came in through the call's inputs
             bad_params, bad_inputs, produced = [], [], []
             for slot in call.slots:
                 kinds = self._kinds(pass_, slot)
                 if not kinds:
                     continue
-                if slot.category == PARAM:
+                if slot.category == PARAM or (slot.category == BUFFER and "nan" in kinds):
                     bad_params.append(slot)
+                    received |= kinds
+                elif slot.category == BUFFER:  # a stored -inf mask is something it received
                     received |= kinds
                 elif slot.category == INPUT:
                     received |= kinds
+                    from_parent |= kinds
                     if call.is_root and "nan" in kinds:
                         bad_inputs.append(slot)
             if bad_params:
@@ -809,9 +817,10 @@ class Guard:
             if produced:
                 return call, produced, "forward"
             if call.parent is not None:
-                # Only what the child made itself (an allowed inf) is news the parent received;
-                # what it passed on came from the parent, who may have made it.
-                call.parent.child_kinds |= call.child_kinds | (given - received)
+                # What the child gave out beyond what the parent handed it (an allowed inf, a
+                # stored mask) is news the parent received; what it only passed on came from the
+                # parent, who may have made it.
+                call.parent.child_kinds |= given - from_parent
         return None
 
     def _backward_culprit(self, pass_: _Pass, slots, owner):
@@ -945,6 +954,9 @@ class Guard:
         if cause == "weights" and predicted:
             return (f"the weights of {where} in batch {frame.batch_number} exceed "
                     f"{dtype_name(self.limit_dtype)}'s largest value {self._limit_max:.5g} ({what})")
+        if cause == "weights" and all(row.category == BUFFER for row in rows):
+            return (f"the buffers of {where} are non-finite in batch {frame.batch_number} ({what}): "
+                    "running statistics went bad in an earlier batch")
         if cause == "weights":
             return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
                     "an earlier optimizer step wrote them")

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 # Row categories: what a tensor is to the module call it belongs to.
 PARAM = "param"
+BUFFER = "buffer"  # floating-point buffers: running statistics, stored masks
 INPUT = "input"
 OUTPUT = "output"
 GRAD_OUTPUT = "grad_output"
@@ -73,7 +74,7 @@ class TensorRow:
     """One value seen by a module call: a parameter, an input, an output or a gradient."""
 
     role: str  # "weight", "input[0]", "input[attention_mask]", "output[0]", "grad_output", "weight.grad"
-    category: str  # PARAM, INPUT, OUTPUT, GRAD_OUTPUT, GRAD_INPUT or GRAD_PARAM
+    category: str  # PARAM, BUFFER, INPUT, OUTPUT, GRAD_OUTPUT, GRAD_INPUT or GRAD_PARAM
     kind: str = "tensor"  # "tensor", "none", "not a tensor", "empty", "unsupported"
     dtype: Optional[str] = None
     shape: Optional[Tuple[int, ...]] = None

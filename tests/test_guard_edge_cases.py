@@ -713,3 +713,31 @@ def test_a_report_with_only_pass_through_minus_inf_says_nothing_was_produced():
     summary = report.summary()
     assert summary.startswith("no inf/nan produced")
     assert "passed through" in summary
+
+
+def test_non_finite_running_statistics_are_named_as_buffers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
+    with torch.no_grad():
+        model[1].running_var[0] = float("nan")
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model):
+            model(torch.randn(3, 4))
+    report = caught.value.report
+    assert (report.first_nonfinite.module_name, report.cause) == ("1", "weights")
+    assert [row.role for row in report.first_nonfinite.flagged_rows] == ["running_var"]
+    assert "buffers of 1 (BatchNorm1d)" in report.reason
+
+
+def test_a_stored_minus_inf_mask_buffer_passing_through_is_not_a_detection():
+    class StoredMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), diagonal=1))
+
+        def forward(self, scores):
+            return scores + self.mask  # -inf where masked: received from the buffer, not produced
+
+    model = nn.Sequential(nn.Linear(4, 4), StoredMask())
+    with Guard(model) as guard:
+        model(torch.randn(4, 4))
+    assert guard.report.ok
