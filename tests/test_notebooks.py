@@ -1,6 +1,6 @@
 """The example notebooks run top to bottom in a real kernel (nbclient), each in under a minute,
 and show what they promise: the detection, the report widget with its HTML and text fallbacks,
-the traces and their comparison.
+the traces and their comparison, the pipeline doctor's verdicts.
 
 A cell that is meant to fail carries the `raises-exception` tag; any other error fails the run.
 """
@@ -129,3 +129,23 @@ def test_tracing_notebook_compares_the_batch_that_worked_with_the_one_that_faile
     assert len(reports(split)) == 1
     off = cell_with(notebook, "%numguard off")
     assert outputs(off, "stream")[0].text.startswith("numguard: off")
+
+
+def test_doctor_notebook_catches_the_course_bugs_at_their_steps(python3_kernel):
+    notebook = execute("04_pipeline_doctor.ipynb", python3_kernel)
+    check_common(notebook)
+    expected = {
+        "trainer = trainer_for(bert(num_labels=3), raw_datasets)": "failed at 'data'",
+        "trainer = trainer_for(bert(num_labels=3), tokenized_datasets)\n": "failed at 'collate'",
+        "collator = transformers.DataCollatorWithPadding": "failed at 'forward'",
+        "trainer = trainer_for(bert(num_labels=3), tokenized_datasets, data_collator": "all 7 steps passed",
+    }
+    for start, verdict in expected.items():
+        cell = cell_with(notebook, start)
+        (shown,) = [out.data for out in outputs(cell, "display_data")]
+        assert verdict in shown["text/plain"], shown["text/plain"]
+        assert "<" in shown["text/html"]  # the checklist's HTML view
+    fix = cell_with(notebook, "collator = transformers.DataCollatorWithPadding")
+    text = [out.data for out in outputs(fix, "display_data")][0]["text/plain"]
+    assert "num_labels=3" in text
+    assert "all steps passed: True" in outputs(cell_with(notebook, "trainer = trainer_for(bert(num_labels=3), tokenized_datasets, data_collator"), "stream")[0].text
