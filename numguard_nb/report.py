@@ -41,32 +41,27 @@ _FLOAT_SMALLEST_NORMAL = {
 }
 
 
-def dtype_smallest_normal(dtype_name: Optional[str]) -> Optional[float]:
-    """Smallest positive normal value of a floating dtype given by name, or None."""
+def _finfo_value(dtype_name: Optional[str], known: dict, attribute: str) -> Optional[float]:
     if dtype_name is None:
         return None
-    if dtype_name in _FLOAT_SMALLEST_NORMAL:
-        return _FLOAT_SMALLEST_NORMAL[dtype_name]
+    if dtype_name in known:
+        return known[dtype_name]
     import torch
 
     dtype = getattr(torch, dtype_name, None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return float(torch.finfo(dtype).smallest_normal)
+        return float(getattr(torch.finfo(dtype), attribute))
     return None
+
+
+def dtype_smallest_normal(dtype_name: Optional[str]) -> Optional[float]:
+    """Smallest positive normal value of a floating dtype given by name, or None."""
+    return _finfo_value(dtype_name, _FLOAT_SMALLEST_NORMAL, "smallest_normal")
 
 
 def dtype_max(dtype_name: Optional[str]) -> Optional[float]:
     """Largest finite value of a floating dtype given by name, or None for other dtypes."""
-    if dtype_name is None:
-        return None
-    if dtype_name in _FLOAT_MAX:
-        return _FLOAT_MAX[dtype_name]
-    import torch
-
-    dtype = getattr(torch, dtype_name, None)
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return float(torch.finfo(dtype).max)
-    return None
+    return _finfo_value(dtype_name, _FLOAT_MAX, "max")
 
 
 @dataclass
