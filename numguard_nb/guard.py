@@ -107,6 +107,8 @@ def _graph_task_id() -> int:
 
 # What can be wrong with a value. Kinds are compared between what a call received and what it
 # gave out: a -inf mask passing through is no news, a +inf appearing next to it is.
+_INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
+
 _FINE = frozenset()
 _NAN = frozenset(("nan",))
 _OVERFLOW = frozenset(("overflow",))  # finite, but beyond limit_dtype's largest value
@@ -315,6 +317,9 @@ class Guard:
         self._roots: Dict[int, nn.Module] = {}
         self._primary_root_id: Optional[int] = None
         self._param_owner: Dict[int, tuple] = {}
+        # One weak reference per parameter and buffer for the guard's lifetime: CPython hands it
+        # out again for every weakref.ref(param) of a pass, where a first one costs microseconds.
+        self._lasting_refs: list = []
         # The last passes, kept as (pass, its last calls) and turned into frames only when a
         # report needs them as context: most passes are clean and never shown.
         self._recent: collections.deque = collections.deque()
@@ -376,6 +381,10 @@ class Guard:
                     full = name if not prefix else (f"{prefix}.{name}" if name else prefix)
                     self._names[id(module)] = full
                     self._modules[id(module)] = module
+                    self._lasting_refs.extend(
+                        weakref.ref(t) for t in itertools.chain(
+                            module._parameters.values(), module._buffers.values())
+                        if t is not None)
                     self._handles.append(
                         module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
                     )
@@ -416,6 +425,7 @@ class Guard:
         self._root_grads.clear()
         self._roots.clear()
         self._param_owner.clear()
+        self._lasting_refs.clear()
         self._primary_root_id = None
         self._attached = False
         self._reset_pass_state()
@@ -491,20 +501,18 @@ class Guard:
             call.root_id = stack[0].module_id
         pass_ = self._forward
         watch_grads = self.backward and torch.is_grad_enabled()
-        with _no_grad():
-            for pname, param in module._parameters.items():
-                if param is not None:
-                    self._add(pass_, call, pname, PARAM, param, False)
-            for bname, buffer in module._buffers.items():
-                # Running statistics go bad like weights; integer/bool buffers cannot.
-                if buffer is not None and buffer.is_floating_point():
-                    self._add(pass_, call, bname, BUFFER, buffer, False)
-            for i, value in enumerate(args):
-                for role, leaf in _stats.walk(value, f"input[{i}]"):
-                    self._add(pass_, call, role, INPUT, leaf, watch_grads)
-            for key, value in kwargs.items():
-                for role, leaf in _stats.walk(value, f"input[{key}]"):
-                    self._add(pass_, call, role, INPUT, leaf, watch_grads)
+        for pname, param in module._parameters.items():
+            if param is not None:
+                self._add(pass_, call, pname, PARAM, param, False)
+        for bname, buffer in module._buffers.items():
+            # Running statistics go bad like weights; integer/bool buffers cannot.
+            if buffer is not None and buffer.is_floating_point():
+                self._add(pass_, call, bname, BUFFER, buffer, False)
+        for i, value in enumerate(args):
+            role = _INPUT_ROLES[i] if i < len(_INPUT_ROLES) else f"input[{i}]"
+            self._add_nested(pass_, call, role, INPUT, value, watch_grads)
+        for key, value in kwargs.items():
+            self._add_nested(pass_, call, f"input[{key}]", INPUT, value, watch_grads)
         stack.append(call)
 
     def _post_hook(self, module, args, kwargs, output):
@@ -516,9 +524,7 @@ class Guard:
         self._closed_normally = call
         pass_ = self._forward
         watch_grads = self.backward and torch.is_grad_enabled()
-        with _no_grad():
-            for role, leaf in _stats.walk(output, "output"):
-                self._add(pass_, call, role, OUTPUT, leaf, watch_grads)
+        self._add_nested(pass_, call, "output", OUTPUT, output, watch_grads)
         if self.ops and watch_grads and not self._stack:
             self._keep_root_grads(call.module_id, output)
         self._finish_call(call)
@@ -602,6 +608,13 @@ class Guard:
         self._remember(pass_)
 
     # ---- values ---------------------------------------------------------------------------
+    def _add_nested(self, pass_: _Pass, call: _Call, role, category, value, watch_grads) -> None:
+        if isinstance(value, torch.Tensor):  # the common case, without walking
+            self._add(pass_, call, role, category, value, watch_grads)
+            return
+        for leaf_role, leaf in _stats.walk(value, role):
+            self._add(pass_, call, leaf_role, category, leaf, watch_grads)
+
     def _add(self, pass_: _Pass, call: _Call, role, category, value, watch_grads) -> None:
         """Summarise one value of a call; for gradients-to-be, hook the tensor."""
         if not isinstance(value, torch.Tensor):
@@ -643,7 +656,10 @@ class Guard:
             version = t._version
             if entry is not None and entry[0]() is t and entry[1] == version:
                 return entry
-        vec = None if t.numel() == 0 else _stats.device_stats(t, self.limit_dtype is not None)
+        vec = None
+        if t.numel():
+            with _no_grad():
+                vec = _stats.device_stats(t, self.limit_dtype is not None)
         index = None
         if vec is not None:
             index = len(pass_.vectors)
@@ -687,8 +703,7 @@ class Guard:
     def _record_grad(self, targets, grad) -> None:
         """Summarise one gradient once and add it to every call it belongs to."""
         pass_ = self._backward_state()
-        with _no_grad():
-            index = self._summarise(pass_, grad)[2]
+        index = self._summarise(pass_, grad)[2]
         kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
         shape = _stats.shape_of(grad)
         # Targets were registered in forward order; backward reaches them in reverse (a tensor
@@ -988,7 +1003,8 @@ class Guard:
             row = TensorRow(
                 role=slot.role, category=slot.category, kind=slot.kind,
                 dtype=dtype_name(slot.dtype) if slot.dtype is not None else None,
-                shape=slot.shape, flagged=id(slot) in flagged,
+                shape=tuple(slot.shape) if slot.shape is not None else None,
+                flagged=id(slot) in flagged,
             )
             if slot.index is not None:
                 (row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf,
