@@ -1,15 +1,17 @@
 """Tensor summaries computed on the tensor's own device, with no host synchronisation.
 
-`device_stats` returns a few 0-d tensors that stay on the device; the guard stacks those of a
-whole pass and reads them with one transfer (`to_host`). `decode` turns one host row into the
-fields of a `TensorRow`.
+On a GPU, `device_stats` returns a few 0-d tensors that stay on the device; the guard stacks
+those of a whole pass and reads them with one transfer (`to_host`). On CPU, where there is
+nothing to wait for, it returns the floats at once. `decode` turns one host row into the fields
+of a `TensorRow`.
 
-The row is (abs min, abs max, sum[, smallest non-zero abs]): nan propagates into abs max, an
-infinity makes abs max inf, and when abs max is inf without a nan the sum tells the sign of the
-infinities (+inf, -inf, or nan when both occur; finite values near the dtype's maximum can
-overflow the sum and read as both). |t| written once, one integer aminmax over its bits and one
-sum: three passes over the data, and no host synchronisation, instead of the five passes and
-two syncs of `abs().min()`, `abs().max()`, `isnan().any()`, `isinf().any()`.
+The row is (abs min, abs max, signs[, smallest non-zero abs]). nan propagates into abs max and
+an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf, or nan for both.
+On CPU they are looked up exactly when abs max is inf. On a device, `signs` is the sum, read in
+the same single transfer; finite values near the dtype's maximum can overflow it and read as
+both. |t| is written once and reduced by one integer aminmax over its bits; three passes at
+most and no host synchronisation, where `abs().min()`, `abs().max()`, `isnan().any()` and
+`isinf().any()` take five passes and two syncs.
 """
 
 from __future__ import annotations
@@ -66,13 +68,12 @@ def _abs_into_workspace(t: torch.Tensor, bits: torch.dtype) -> Optional[torch.Te
     key = (t.dtype, t.shape)
     out = views.get(key)
     if out is None:
-        if t.device.type != "cpu" or not t.is_contiguous() \
-                or t.numel() * t.element_size() > _WORKSPACE_MAX_BYTES:
+        if not t.is_cpu or t.numel() * t.element_size() > _WORKSPACE_MAX_BYTES:
             return None
         out = _workspace_view(views, t, bits)
-    elif not t.is_contiguous() or t.device.type != "cpu":
+    elif not t.is_cpu:
         return None
-    torch.abs(t, out=out[0])
+    torch.abs(t, out=out[0])  # any strides in, contiguous out
     return out[1]
 
 
@@ -103,10 +104,9 @@ def _host_float(device: torch.device) -> torch.dtype:
 
 
 def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
-    """Summary of `t` as a tuple of 0-d tensors on its device (call under no_grad), or None.
-
-    The tuple is not stacked here: `to_host` stacks a whole pass at once, one op instead of one
-    per tensor.
+    """Summary of `t`, or None: on CPU a tuple of floats, read at once (there is no device to
+    wait for); elsewhere a tuple of 0-d tensors that stay on the device, for `to_host` to stack
+    with the rest of the pass and read with one transfer. Call under no_grad.
 
     Sparse and nested tensors are summarised over their stored values, float8 through float32.
     Never raises: what has no numbers to read (meta, functorch-wrapped, quantized) gets None and
@@ -129,20 +129,28 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
         if magnitude_bits is None:
             magnitude_bits = t.abs().view(bits)
         lo, hi = torch.aminmax(magnitude_bits)
-        total = t.sum()
         smallest = None
         if nonzero_min:
             magnitude = magnitude_bits.view(t.dtype)
             smallest = magnitude.masked_fill_(magnitude == 0, _INF).amin()
         if t.is_cpu:
-            # Nothing to wait for on the host: read now rather than stack 0-d tensors later.
             as_float = _FLOAT_OF_BITS[t.dtype]
-            row = (as_float(lo.item()), as_float(hi.item()), total.item())
+            abs_max = as_float(hi.item())
+            # The signs of infinities matter only when there are some: look for them then.
+            row = (as_float(lo.item()), abs_max, _infinity_signs(t) if abs_max == _INF else 0.0)
             return row if smallest is None else row + (smallest.item(),)
         lo, hi = lo.view(t.dtype), hi.view(t.dtype)
-        return (lo, hi, total) if smallest is None else (lo, hi, total, smallest)
+        return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
     except Exception:  # a tensor type of someone else's: never break the user's forward
         return None
+
+
+def _infinity_signs(t: torch.Tensor) -> float:
+    """The third field of a row whose abs max is inf, exactly: +inf, -inf, or nan for both."""
+    positive, negative = bool((t == _INF).any()), bool((t == -_INF).any())
+    if positive and negative:
+        return math.nan
+    return _INF if positive else -_INF
 
 
 def _other_stats(t: torch.Tensor, nonzero_min: bool) -> tuple:
@@ -238,16 +246,16 @@ def decode(values) -> Tuple[float, float, bool, Optional[bool], Optional[bool], 
 
     posinf/neginf are None when a nan in the same tensor hides whether infinities occur.
     """
-    abs_min, abs_max, total = values[0], values[1], values[2]
+    abs_min, abs_max, signs = values[0], values[1], values[2]
     nonzero = values[3] if len(values) > 3 else None
     if nonzero is not None and nonzero == _INF:
         nonzero = None  # all zeros
     if math.isnan(abs_max) or math.isnan(abs_min):
         return math.nan, math.nan, True, None, None, nonzero  # as min() and max() of it would say
     if abs_max == _INF:
-        if math.isnan(total):
+        if math.isnan(signs):
             return abs_min, abs_max, False, True, True, nonzero
-        return abs_min, abs_max, False, total > 0, total < 0, nonzero
+        return abs_min, abs_max, False, signs > 0, signs < 0, nonzero
     return abs_min, abs_max, False, False, False, nonzero
 
 
