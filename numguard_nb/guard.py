@@ -320,6 +320,7 @@ class Guard:
         # One weak reference per parameter and buffer for the guard's lifetime: CPython hands it
         # out again for every weakref.ref(param) of a pass, where a first one costs microseconds.
         self._lasting_refs: list = []
+        self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         # The last passes, kept as (pass, its last calls) and turned into frames only when a
         # report needs them as context: most passes are clean and never shown.
         self._recent: collections.deque = collections.deque()
@@ -426,6 +427,7 @@ class Guard:
         self._roots.clear()
         self._param_owner.clear()
         self._lasting_refs.clear()
+        self._sign_hints.clear()
         self._primary_root_id = None
         self._attached = False
         self._reset_pass_state()
@@ -621,7 +623,7 @@ class Guard:
             kind = "none" if value is None else "not a tensor"
             call.slots.append(_Slot(role, category, kind))
             return
-        entry = self._summarise(pass_, value)
+        entry = self._summarise(pass_, value, (call.module_id, role))
         index = entry[2]
         kind = "tensor" if index is not None else ("empty" if value.numel() == 0 else "unsupported")
         call.slots.append(_Slot(role, category, kind, value.dtype, _stats.shape_of(value), index))
@@ -647,8 +649,9 @@ class Guard:
         self._handles.append(leaf.register_hook(partial(self._on_grad, targets)))
         return targets
 
-    def _summarise(self, pass_: _Pass, t: torch.Tensor) -> list:
-        """The cache entry of `t` in this pass, computing its statistics the first time."""
+    def _summarise(self, pass_: _Pass, t: torch.Tensor, site) -> list:
+        """The cache entry of `t` in this pass, computing its statistics the first time. `site`
+        (module id, role) says where it was seen, for `stats.device_stats`' sign hints."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
             key = id(t)
@@ -659,7 +662,7 @@ class Guard:
         vec = None
         if t.numel():
             with _no_grad():
-                vec = _stats.device_stats(t, self.limit_dtype is not None)
+                vec = _stats.device_stats(t, self.limit_dtype is not None, self._sign_hints, site)
         index = None
         if vec is not None:
             index = len(pass_.vectors)
@@ -703,7 +706,8 @@ class Guard:
     def _record_grad(self, targets, grad) -> None:
         """Summarise one gradient once and add it to every call it belongs to."""
         pass_ = self._backward_state()
-        index = self._summarise(pass_, grad)[2]
+        site = (targets[0][0].module_id, targets[0][1]) if targets else None
+        index = self._summarise(pass_, grad, site)[2]
         kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
         shape = _stats.shape_of(grad)
         # Targets were registered in forward order; backward reaches them in reverse (a tensor

@@ -103,10 +103,14 @@ def _host_float(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
+def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optional[dict] = None,
+                 site=None) -> Optional[tuple]:
     """Summary of `t`, or None: on CPU a tuple of floats, read at once (there is no device to
     wait for); elsewhere a tuple of 0-d tensors that stay on the device, for `to_host` to stack
     with the rest of the pass and read with one transfer. Call under no_grad.
+
+    `sign_hints` (site -> whether the last tensor seen there had one sign throughout) lets CPU
+    tensors that keep one sign, such as ReLU outputs, skip writing |t|: one pass instead of two.
 
     Sparse and nested tensors are summarised over their stored values, float8 through float32.
     Never raises: what has no numbers to read (meta, functorch-wrapped, quantized) gets None and
@@ -125,6 +129,11 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
         if bits is None:
             row = _other_stats(t, nonzero_min)
             return tuple(x.item() for x in row) if t.is_cpu else row
+        if sign_hints is not None and not nonzero_min and t.is_cpu and sign_hints.get(site, True):
+            row = _one_signed_row(t, bits)
+            sign_hints[site] = row is not None
+            if row is not None:
+                return row
         magnitude_bits = _abs_into_workspace(t, bits)
         if magnitude_bits is None:
             magnitude_bits = t.abs().view(bits)
@@ -143,6 +152,25 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False) -> Optional[tuple]:
         return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
     except Exception:  # a tensor type of someone else's: never break the user's forward
         return None
+
+
+_MAGNITUDE_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
+
+
+def _one_signed_row(t: torch.Tensor, bits: torch.dtype) -> Optional[tuple]:
+    """The row of a CPU tensor whose values all have one sign bit, from one pass over its bits;
+    None when both signs occur (then |t| is needed)."""
+    lo, hi = torch.aminmax(t.view(bits))
+    lo, hi = lo.item(), hi.item()
+    as_float = _FLOAT_OF_BITS[t.dtype]
+    if lo >= 0:  # no sign bit set: the bits of t are those of |t|
+        abs_min, abs_max = as_float(lo), as_float(hi)
+        return abs_min, abs_max, _INF if abs_max == _INF else 0.0
+    if hi < 0:  # every sign bit set: below it, the bits sort by magnitude
+        mask = _MAGNITUDE_MASK[bits]
+        abs_min, abs_max = as_float(lo & mask), as_float(hi & mask)
+        return abs_min, abs_max, -_INF if abs_max == _INF else 0.0
+    return None
 
 
 def _infinity_signs(t: torch.Tensor) -> float:

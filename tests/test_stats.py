@@ -1,0 +1,127 @@
+"""The tensor summary every report row rests on, against the plain definition it replaces:
+abs().min(), abs().max(), isnan().any() and the infinities, for every float dtype, layout and
+kind of special value, with and without the sign hints that let one-signed tensors skip |t|."""
+
+import math
+
+import pytest
+import torch
+
+from numguard_nb import stats
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+INF = math.inf
+
+
+def reference(t: torch.Tensor):
+    """(abs_min, abs_max, nan, posinf, neginf) the slow, obvious way."""
+    t64 = t.double()
+    nan = bool(torch.isnan(t64).any())
+    posinf = bool((t64 == INF).any())
+    neginf = bool((t64 == -INF).any())
+    magnitude = t64.abs()
+    return float(magnitude.min()), float(magnitude.max()), nan, posinf, neginf
+
+
+def summary(t: torch.Tensor, hints=None, site="site"):
+    with torch.no_grad():
+        row = stats.device_stats(t, sign_hints=hints, site=site)
+    return stats.decode(stats.to_host([row])[0])
+
+
+def assert_matches(t: torch.Tensor, hints=None, site="site", label=""):
+    abs_min, abs_max, nan, posinf, neginf, _ = summary(t, hints, site)
+    ref_min, ref_max, ref_nan, ref_posinf, ref_neginf = reference(t)
+    assert nan == ref_nan, label
+    if ref_nan:
+        # as min() and max() of a tensor holding nan say; the infinities are hidden then
+        assert math.isnan(abs_min) and math.isnan(abs_max)
+        assert posinf is None and neginf is None
+        return
+    assert (abs_min, abs_max) == (ref_min, ref_max), (label, t.dtype)
+    assert (posinf, neginf) == (ref_posinf, ref_neginf), label
+
+
+def special_tensors(dtype, n):
+    torch.manual_seed(n)
+    base = torch.randn(n, dtype=torch.float64)
+    cases = {
+        "mixed": base,
+        "positive": base.abs() + 0.5,
+        "negative": -(base.abs() + 0.5),
+        "zeros": torch.zeros(n, dtype=torch.float64),
+        "positive with -0.0": torch.cat([base.abs()[:-1] + 1, torch.tensor([-0.0], dtype=torch.float64)]),
+        "relu": base.clamp_min(0),
+    }
+    out = {}
+    for name, values in cases.items():
+        out[name] = values.to(dtype)
+        for special, position in (("nan", 1), ("+inf", n // 2), ("-inf", n - 1)):
+            t = values.clone()
+            t[position] = float(special.replace("+", "")) if special != "nan" else math.nan
+            out[f"{name} with {special}"] = t.to(dtype)
+        both = values.clone()
+        both[0], both[-1] = INF, -INF
+        out[f"{name} with both infinities"] = both.to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [7, 70_000], ids=["small", "large"])
+def test_summary_matches_the_plain_definition(dtype, n):
+    for name, t in special_tensors(dtype, n).items():
+        assert_matches(t, label=name)
+        assert_matches(t, hints={}, label=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_and_transposed_tensors(dtype):
+    torch.manual_seed(0)
+    t = torch.randn(300, 400).to(dtype)
+    assert_matches(t.t())  # not contiguous: |t| still goes through the scratch buffer
+    assert_matches(t[::3, 1::2])
+    assert_matches(t.abs().t(), hints={})
+    t[5, 7] = -INF
+    assert_matches(t.t())
+
+
+def test_a_site_whose_sign_changes_is_summarised_right_every_time():
+    """The hint is only a guess about the next tensor at a site: each guess must be checked."""
+    hints = {}
+    torch.manual_seed(0)
+    sequence = [
+        torch.rand(1000) + 0.1,            # one-signed: the site is hinted
+        torch.randn(1000),                 # mixed: the hint was wrong, |t| is needed
+        torch.rand(1000) + 0.1,            # mixed last time: summarised through |t|
+        -(torch.rand(1000) + 0.1),
+        torch.tensor([1.0, -INF, 2.0]),
+        torch.tensor([1.0, INF, 2.0]),
+    ]
+    for t in sequence:
+        assert_matches(t, hints=hints, site=("module", "output"))
+
+
+def test_infinities_are_told_apart_exactly_on_cpu():
+    # finite values that would overflow a sum do not read as both infinities
+    big = torch.finfo(torch.float16).max
+    t = torch.tensor([big, big, -INF], dtype=torch.float16)
+    _, _, _, posinf, neginf, _ = summary(t)
+    assert (posinf, neginf) == (False, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool, torch.complex64], ids=str)
+def test_other_dtypes(dtype):
+    t = torch.tensor([3, -5, 0, 2]).to(dtype)
+    abs_min, abs_max, nan, posinf, neginf, _ = summary(t)
+    expected = t.abs() if dtype is not torch.bool else t
+    assert (abs_min, abs_max) == (float(expected.min().real), float(expected.max().real))
+    assert not nan and not posinf and not neginf
+
+
+def test_smallest_nonzero_magnitude_for_underflow_checks():
+    t = torch.tensor([0.0, -1e-6, 3.0, 0.0])
+    with torch.no_grad():
+        row = stats.device_stats(t, nonzero_min=True, sign_hints={}, site="s")
+    abs_min, abs_max, _, _, _, nonzero = stats.decode(stats.to_host([row])[0])
+    assert (abs_min, abs_max) == (0.0, 3.0)
+    assert nonzero == pytest.approx(1e-6)
