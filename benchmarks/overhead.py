@@ -1,12 +1,14 @@
 """Step time (forward + backward) with and without detectors, interleaved in one process.
 
-    python benchmarks/overhead.py [--steps 20] [--device cpu|cuda] [--models t5,gpt2,mlp]
+    python benchmarks/overhead.py [--steps 30] [--device cpu|cuda] [--models t5,gpt2,mlp]
 
 Compares: no detector; numguard Guard (backward on, and forward only); Guard(ops=True)
 (op localisation armed: it must cost nothing until a detection); Hugging Face's
 DebugUnderflowOverflow (forward only); torch.autograd.detect_anomaly. Each detector is attached
 once to its own identical copy of the model, as in a training loop. Configurations run round-robin, step by step, so
-machine noise hits them alike; the table shows the median step time and its ratio to no detector.
+machine noise hits them alike; the table shows the median step time and the median over rounds of
+each step's time divided by the no-detector step of the same round (paired, so that slow drift on
+a shared machine cancels out).
 """
 
 from __future__ import annotations
@@ -114,11 +116,10 @@ def bench(name, device, steps, warmup=3):
                 elapsed = step(m, batch, context, device)
                 if i >= warmup:
                     times[key].append(elapsed)
-    base = statistics.median(times["none"])
     rows = []
     for key, values in times.items():
-        median = statistics.median(values)
-        rows.append((key, median * 1e3, median / base))
+        ratio = statistics.median(t / base for t, base in zip(values, times["none"]))
+        rows.append((key, statistics.median(values) * 1e3, ratio))
     return rows
 
 
@@ -133,7 +134,7 @@ def warnings_silenced():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="t5,gpt2,mlp")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

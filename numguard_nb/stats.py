@@ -137,7 +137,10 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
         magnitude_bits = _abs_into_workspace(t, bits)
         if magnitude_bits is None:
             magnitude_bits = t.abs().view(bits)
-        lo, hi = torch.aminmax(magnitude_bits)
+        try:
+            lo, hi = torch.aminmax(magnitude_bits)
+        except RuntimeError:  # a backend without integer reductions: the float ones, same bits
+            lo, hi = (x.view(bits) for x in torch.aminmax(magnitude_bits.view(t.dtype)))
         smallest = None
         if nonzero_min:
             magnitude = magnitude_bits.view(t.dtype)
