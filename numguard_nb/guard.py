@@ -2,7 +2,8 @@
 
 How it stays fast and harmless:
 - statistics are small vectors computed on the tensor's device (`stats.device_stats`) and read
-  with one transfer at the end of each top-level forward and each backward (`sync=False`);
+  with one transfer at the end of each top-level forward and each backward (`sync=False`); on
+  CPU, where there is nothing to wait for, they are numbers from the start;
 - backward is watched with tensor hooks (on outputs, inputs and parameters), never with
   `register_full_backward_hook`, which wraps tensors in views and breaks in-place modules;
 - hooks keep only names and indices, never tensors; per-pass caches hold weak references;
