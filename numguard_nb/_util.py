@@ -48,3 +48,24 @@ def is_internal_file(filename: Optional[str]) -> bool:
         path = filename if filename.startswith("<") else os.path.abspath(filename)
         hit = _internal_files[filename] = path.startswith(_TORCH_DIR) or path.startswith(_PACKAGE_DIR)
     return hit
+
+
+def host_memory_available() -> Optional[int]:
+    """Bytes of host memory the kernel can still hand out without swapping (Linux's
+    MemAvailable), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def format_bytes(count: int) -> str:
+    """'1.5 GB', '320 MB', '12 kB'."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count} B"

@@ -428,8 +428,18 @@ class NumguardMagics(Magics):
     def _guard_options(self, args, models: Dict[str, nn.Module], magic: str) -> dict:
         allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
         capture = args.capture
-        if capture is None:  # on by default where asynchronous CUDA errors can happen
+        if capture is None:  # on by default where asynchronous CUDA errors can happen...
             capture = any(p.is_cuda for m in models.values() for p in m.parameters())
+        if capture:  # ...and where the weights' host copy fits
+            from .replay import snapshot_fits
+
+            fits, why = snapshot_fits(models)
+            if not fits and args.capture:
+                raise UsageError(f"{magic}: --capture needs {why}: drop --capture, or free host memory")
+            if not fits:
+                capture = False
+                if not args.quiet:
+                    print(f"numguard: no CPU replay after a CUDA error: {why}")
         return dict(
             max_frames=args.frames, trace_batches=args.trace or (),
             abort_after_batch=args.abort_after, backward=not args.no_backward, sync=args.sync,

@@ -55,10 +55,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from ._util import dtype_name, error_line, first_line, is_internal_file
+from . import _util
+from ._util import dtype_name, error_line, first_line, format_bytes, is_internal_file
 
 __all__ = [
     "Capture",
+    "CaptureTooLarge",
     "CapturedCall",
     "Location",
     "ReplayError",
@@ -67,6 +69,7 @@ __all__ = [
     "is_device_error",
     "load_capture",
     "replay_after_error",
+    "snapshot_fits",
 ]
 
 BUNDLE_FORMAT = "numguard_nb.replay"
@@ -302,6 +305,38 @@ def _named_tensors(module: nn.Module):
         for attr, value in vars(mod).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 yield (f"{mod_name}.{attr}" if mod_name else attr), value, "attr"
+
+
+def snapshot_bytes(models) -> int:
+    """Host memory a weight snapshot of `models` (a module or a dict of them) takes."""
+    modules = [models] if isinstance(models, nn.Module) else list(models.values())
+    seen, total = set(), 0
+    for module in modules:
+        for _, tensor, _ in _named_tensors(module):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+# A snapshot may take this share of the host memory available: the run, its data and a replay
+# need the rest, and a kernel that runs out of memory dies with everything in it.
+SNAPSHOT_MEMORY_SHARE = 0.5
+
+
+def snapshot_fits(models) -> Tuple[bool, str]:
+    """Whether a weight snapshot of `models` fits in host memory, and if not, why (one line)."""
+    needed, available = snapshot_bytes(models), _util.host_memory_available()
+    if available is None or needed <= available * SNAPSHOT_MEMORY_SHARE:
+        return True, ""
+    return False, (
+        f"a host copy of the weights ({format_bytes(needed)}) would take more than half of the "
+        f"{format_bytes(available)} of host memory available"
+    )
+
+
+class CaptureTooLarge(MemoryError):
+    """The weight snapshot that capture needs does not fit in host memory."""
 
 
 def _loss_class(module: nn.Module) -> bool:
@@ -1045,7 +1080,14 @@ class Capture:
         self.snapshot()
 
     def snapshot(self) -> None:
-        """(Re)take the host snapshot of every guarded model's weights, buffers and attributes."""
+        """(Re)take the host snapshot of every guarded model's weights, buffers and attributes.
+        Raises CaptureTooLarge, before copying anything, where it would not fit in host memory."""
+        fits, why = snapshot_fits(self.models)
+        if not fits:
+            raise CaptureTooLarge(
+                f"capture needs {why}: pass capture=False (no CPU replay after a CUDA error), or "
+                "free host memory"
+            )
         self.snapshots = {name: _Snapshot.take(module) for name, module in self.models.items()}
 
     @property

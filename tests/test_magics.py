@@ -550,3 +550,13 @@ def test_short_traceback_is_the_exception_and_its_summary():
         "\x1b[0;31mNonFiniteError\x1b[0m: x (Linear) produced a non-finite value"]
     plain = ng_magics._make_short(RuntimeError("boom"), "hint")
     assert plain._render_traceback_() == ["\x1b[0;31mRuntimeError\x1b[0m: boom", "hint"]
+
+
+def test_capture_that_would_not_fit_in_host_memory_is_a_usage_error(ip, monkeypatch):
+    from numguard_nb import _util
+
+    monkeypatch.setattr(_util, "host_memory_available", lambda: 100)  # net takes 116 bytes
+    result, captured = run(ip, "%%numguard --capture net\nstep(net, xs[0])")
+    line = usage_error_line(captured)
+    assert "--capture needs a host copy of the weights" in line and "100 B of host memory" in line
+    assert "net" in ip.user_ns and hook_count(ip.user_ns["net"]) == 0

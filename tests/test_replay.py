@@ -473,3 +473,26 @@ def test_a_real_device_side_assert_replays_to_the_real_line(tmp_path):
     result = load_capture(report["path"], rm.Classifier()).replay()  # here, in a healthy process
     assert isinstance(result.exception, IndexError)
     assert result.location.lineno == line_of("loss call line")
+
+
+# ---- a snapshot that would not fit in host memory ----------------------------------------
+def test_capture_refuses_a_snapshot_larger_than_half_the_host_memory(monkeypatch):
+    from numguard_nb import _util
+    from numguard_nb.replay import CaptureTooLarge, snapshot_bytes
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, bias=False))
+    needed = snapshot_bytes(model)
+    assert needed == (64 * 64 * 2 + 64) * 4
+    monkeypatch.setattr(_util, "host_memory_available", lambda: needed)  # 2x would be needed
+    with pytest.raises(CaptureTooLarge) as caught:
+        Guard(model, capture=True).attach()
+    message = str(caught.value)
+    assert "\n" not in message and "capture=False" in message
+    assert f"({needed / 1e3:.3g} kB)" in message
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    # with room for it, or where the free memory is not known, capture goes ahead
+    for available in (2 * needed, None):
+        monkeypatch.setattr(_util, "host_memory_available", lambda: available)
+        with Guard(model, capture=True) as guard:
+            model(torch.randn(2, 64))
+        assert guard.capture is not None
