@@ -79,6 +79,20 @@ def _is_running(module: nn.Module) -> bool:
     return False
 
 
+class _GradHook:
+    """The one hook a tensor gets: hands its gradient to the guard with the calls it belongs to.
+    (One object, where a partial of a bound method is two for the garbage collector to track.)"""
+
+    __slots__ = ("guard", "targets")
+
+    def __init__(self, guard: "Guard", targets: list):
+        self.guard = guard
+        self.targets = targets
+
+    def __call__(self, grad):
+        return self.guard._on_grad(self.targets, grad)
+
+
 def _store_grad(grads: list, position: int, grad) -> None:
     grads[position] = grad
 
@@ -116,19 +130,11 @@ _OVERFLOW = frozenset(("overflow",))  # finite, but beyond limit_dtype's largest
 _INF_KINDS = frozenset(("+inf", "-inf", "overflow"))
 
 
-class _Slot:
-    """A row before the pass is read back: what the value was, and where its stats sit."""
-
-    __slots__ = ("role", "category", "kind", "dtype", "shape", "index", "seq")
-
-    def __init__(self, role, category, kind, dtype=None, shape=None, index=None, seq=0):
-        self.role = role
-        self.category = category
-        self.kind = kind
-        self.dtype = dtype
-        self.shape = shape
-        self.index = index  # position of the stats vector in the pass, None without stats
-        self.seq = seq  # arrival order, used to order backward events
+# A slot is a row before the pass is read back: what the value was, and where its stats sit.
+# A plain tuple of strings, numbers and a dtype, which the garbage collector stops tracking at its
+# first look (objects would stay tracked, and thousands per step make full collections frequent):
+# (role, category, kind, dtype, shape, index of the stats in the pass or None, arrival order).
+_ROLE, _CATEGORY, _KIND, _DTYPE, _SHAPE, _INDEX, _SEQ = range(7)
 
 
 class _Call:
@@ -153,7 +159,7 @@ class _Call:
         self.raised = False
         self.backward: Optional[tuple] = None  # (backward pass, backward call) of a forward call
         self.parent: Optional[_Call] = None  # the enclosing call, in forward
-        self.child_kinds: set = set()  # what its direct children's outputs held: it received them
+        self.child_kinds = _FINE  # what its direct children's outputs held: it received them
         self.root_id = module_id  # the top-level module whose call this is part of
         self.forward: Optional[_Call] = None  # for a backward call: its forward call
 
@@ -163,7 +169,7 @@ class _Pass:
 
     __slots__ = ("calls", "vectors", "values", "cache", "seq", "received", "received_by_module")
 
-    # cache entry: [weakref, version, stats index, gradient targets or None]
+    # cache entry: see Guard._summarise
 
     def __init__(self):
         self.calls: list = []
@@ -622,22 +628,21 @@ class Guard:
         """Summarise one value of a call; for gradients-to-be, hook the tensor."""
         if not isinstance(value, torch.Tensor):
             kind = "none" if value is None else "not a tensor"
-            call.slots.append(_Slot(role, category, kind))
+            call.slots.append((role, category, kind, None, None, None, 0))
             return
         entry = self._summarise(pass_, value, (call.module_id, role))
-        index = entry[2]
-        kind = "tensor" if index is not None else ("empty" if value.numel() == 0 else "unsupported")
-        call.slots.append(_Slot(role, category, kind, value.dtype, _stats.shape_of(value), index))
+        call.slots.append((role, category, entry[5], value.dtype, entry[4], entry[2], 0))
         if watch_grads and value.requires_grad and category != PARAM:
-            target = (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
+            # Targets lie flat, (call, role, category) after one another: no tuple per target.
             if value.is_leaf:
-                self._leaf_hook(value).append(target)
+                targets = self._leaf_hook(value)
             elif entry[3] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
-                entry[3] = [target]
-                self._tensor_handles.append(value.register_hook(partial(self._on_grad, entry[3])))
+                targets = entry[3] = []
+                self._tensor_handles.append(value.register_hook(_GradHook(self, targets)))
             else:
-                entry[3].append(target)
+                targets = entry[3]
+            targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
 
     def _leaf_hook(self, leaf: torch.Tensor) -> list:
         """The targets of the one hook a leaf tensor (a parameter used as an input, say) gets for
@@ -647,11 +652,12 @@ class Guard:
             return known[1]
         targets: list = []
         self._leaf_targets[id(leaf)] = [weakref.ref(leaf), targets]
-        self._handles.append(leaf.register_hook(partial(self._on_grad, targets)))
+        self._handles.append(leaf.register_hook(_GradHook(self, targets)))
         return targets
 
     def _summarise(self, pass_: _Pass, t: torch.Tensor, site) -> list:
-        """The cache entry of `t` in this pass, computing its statistics the first time. `site`
+        """The cache entry of `t` in this pass, computing its statistics the first time: [weak
+        reference, version, stats index or None, gradient targets or None, shape, kind]. `site`
         (module id, role) says where it was seen, for `stats.device_stats`' sign hints."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
@@ -661,16 +667,18 @@ class Guard:
             if entry is not None and entry[0]() is t and entry[1] == version:
                 return entry
         vec = None
-        if t.numel():
+        numel = t.numel()
+        if numel:
             with _no_grad():
                 vec = _stats.device_stats(t, self.limit_dtype is not None, self._sign_hints, site)
         index = None
         if vec is not None:
             index = len(pass_.vectors)
             pass_.vectors.append(vec)
+        kind = "tensor" if index is not None else ("empty" if numel == 0 else "unsupported")
         if inference:
-            return [None, None, index, None]
-        entry = pass_.cache[key] = [weakref.ref(t), version, index, None]
+            return [None, None, index, None, _stats.shape_of(t), kind]
+        entry = pass_.cache[key] = [weakref.ref(t), version, index, None, _stats.shape_of(t), kind]
         return entry
 
     # ---- backward -------------------------------------------------------------------------
@@ -701,21 +709,21 @@ class Guard:
                 id(module), self._names.get(id(module), "?"), type(module).__name__, FORWARD,
                 self.batch_number, 0, False,
             )
-        self._record_grad(((forward_call, pname + ".grad", GRAD_PARAM),), grad)
+        self._record_grad((forward_call, pname + ".grad", GRAD_PARAM), grad)
         return None
 
     def _record_grad(self, targets, grad) -> None:
-        """Summarise one gradient once and add it to every call it belongs to."""
+        """Summarise one gradient once and add it to every call it belongs to (`targets`: forward
+        call, role, category, one after another)."""
         pass_ = self._backward_state()
-        site = (targets[0][0].module_id, targets[0][1]) if targets else None
-        index = self._summarise(pass_, grad, site)[2]
-        kind = "tensor" if index is not None else ("empty" if grad.numel() == 0 else "unsupported")
-        shape = _stats.shape_of(grad)
+        site = (targets[0].module_id, targets[1]) if targets else None
+        _, _, index, _, shape, kind = self._summarise(pass_, grad, site)
         # Targets were registered in forward order; backward reaches them in reverse (a tensor
         # that is A's output and B's input is B's input gradient before it is A's output's).
-        for forward_call, role, category in reversed(targets):
+        for position in range(len(targets) - 3, -1, -3):
+            forward_call, role, category = targets[position:position + 3]
             call = self._backward_call(pass_, forward_call)
-            slot = _Slot(role, category, kind, grad.dtype, shape, index, next(pass_.seq))
+            slot = (role, category, kind, grad.dtype, shape, index, next(pass_.seq))
             call.slots.append(slot)
             if self.sync and not self._tracing:
                 pass_.read_back()
@@ -763,11 +771,11 @@ class Guard:
             self._remember(pass_)
             return
         slots = sorted(
-            (slot for call in pass_.calls for slot in call.slots), key=lambda s: s.seq
+            (slot for call in pass_.calls for slot in call.slots), key=lambda s: s[_SEQ]
         )
         owner = {id(slot): call for call in pass_.calls for slot in call.slots}
         culprit = self._backward_culprit(pass_, slots, owner) or self._first_nan(
-            pass_, sorted(pass_.calls, key=lambda c: min((s.seq for s in c.slots), default=c.seq)))
+            pass_, sorted(pass_.calls, key=lambda c: min((s[_SEQ] for s in c.slots), default=c.seq)))
         if culprit is not None:
             self._detect(pass_, BACKWARD, *culprit)
         self._remember(pass_)
@@ -782,19 +790,19 @@ class Guard:
                 return True
         return False
 
-    def _kinds(self, pass_: _Pass, slot: _Slot) -> frozenset:
+    def _kinds(self, pass_: _Pass, slot: tuple) -> frozenset:
         """What is wrong with one value: a subset of {'nan', '+inf', '-inf', 'overflow'}."""
-        if slot.index is None:
+        if slot[_INDEX] is None:
             return _FINE
-        values = pass_.values[slot.index]
+        values = pass_.values[slot[_INDEX]]
         abs_min, abs_max = values[0], values[1]
         if math.isnan(abs_max) or math.isnan(abs_min):
             return _NAN
         if abs_max == math.inf:
             _, _, _, posinf, neginf, _ = _stats.decode(values)
             return frozenset(k for k, present in (("+inf", posinf), ("-inf", neginf)) if present)
-        if self._limit_max is not None and abs_max > self._limit_max and slot.dtype is not None \
-                and slot.dtype.is_floating_point:
+        if self._limit_max is not None and abs_max > self._limit_max and slot[_DTYPE] is not None \
+                and slot[_DTYPE].is_floating_point:
             return _OVERFLOW
         return _FINE
 
@@ -808,12 +816,12 @@ class Guard:
                 kinds = self._kinds(pass_, slot)
                 if not kinds:
                     continue
-                if slot.category == PARAM or (slot.category == BUFFER and "nan" in kinds):
+                if slot[_CATEGORY] == PARAM or (slot[_CATEGORY] == BUFFER and "nan" in kinds):
                     bad_params.append(slot)
                     received |= kinds
-                elif slot.category == BUFFER:  # a stored -inf mask is something it received
+                elif slot[_CATEGORY] == BUFFER:  # a stored -inf mask is something it received
                     received |= kinds
-                elif slot.category == INPUT:
+                elif slot[_CATEGORY] == INPUT:
                     received |= kinds
                     from_parent |= kinds
                     if call.is_root and "nan" in kinds:
@@ -825,7 +833,7 @@ class Guard:
             allowed = self._inf_allowed(call.module_name)
             given = set()
             for slot in call.slots:
-                if slot.category != OUTPUT:
+                if slot[_CATEGORY] != OUTPUT:
                     continue
                 kinds = self._kinds(pass_, slot)
                 given |= kinds
@@ -854,7 +862,7 @@ class Guard:
             call = owner[id(slot)]
             forward = call.forward
             parent = forward.parent if forward is not None else None
-            if slot.category == GRAD_OUTPUT:
+            if slot[_CATEGORY] == GRAD_OUTPUT:
                 if kinds:
                     if parent is None:
                         return call, [slot], "loss-gradient"
@@ -863,7 +871,7 @@ class Guard:
                 self._note_received(pass_, forward, kinds)
                 continue
             if kinds:
-                if slot.category == GRAD_PARAM:  # summed over every call of the module
+                if slot[_CATEGORY] == GRAD_PARAM:  # summed over every call of the module
                     got = by_module.get(call.module_id, _FINE)
                 else:
                     got = received.get(id(forward), _FINE)
@@ -872,7 +880,7 @@ class Guard:
                     new = new - _INF_KINDS
                 if new:
                     return call, [slot], "backward"
-            if slot.category == GRAD_INPUT and parent is not None:
+            if slot[_CATEGORY] == GRAD_INPUT and parent is not None:
                 self._note_received(pass_, parent, kinds)
         return None
 
@@ -901,7 +909,7 @@ class Guard:
         if phase == FORWARD:
             led_up = [c for c in pass_.calls if c.seq < call.seq]
         else:
-            limit = min(s.seq for s in bad_slots)
+            limit = min(s[_SEQ] for s in bad_slots)
             led_up = [c for c in pass_.calls if c is not call and c.seq <= limit]
         led_up_frames = [self._frame(pass_, c, flagged) for c in led_up[-self.max_frames:]]
         frames = (self._recent_frames() + led_up_frames + [culprit_frame])[-self.max_frames:]
@@ -1006,14 +1014,14 @@ class Guard:
         rows = []
         for slot in call.slots:
             row = TensorRow(
-                role=slot.role, category=slot.category, kind=slot.kind,
-                dtype=dtype_name(slot.dtype) if slot.dtype is not None else None,
-                shape=tuple(slot.shape) if slot.shape is not None else None,
+                role=slot[_ROLE], category=slot[_CATEGORY], kind=slot[_KIND],
+                dtype=dtype_name(slot[_DTYPE]) if slot[_DTYPE] is not None else None,
+                shape=slot[_SHAPE],
                 flagged=id(slot) in flagged,
             )
-            if slot.index is not None:
+            if slot[_INDEX] is not None:
                 (row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf,
-                 row.nonzero_abs_min) = _stats.decode(pass_.values[slot.index])
+                 row.nonzero_abs_min) = _stats.decode(pass_.values[slot[_INDEX]])
                 self._mark_limits(row, slot)
             rows.append(row)
         return Frame(
@@ -1022,8 +1030,8 @@ class Guard:
             raised=call.raised,
         )
 
-    def _mark_limits(self, row: TensorRow, slot: _Slot) -> None:
-        if self._limit_max is None or not slot.dtype.is_floating_point:
+    def _mark_limits(self, row: TensorRow, slot: tuple) -> None:
+        if self._limit_max is None or not slot[_DTYPE].is_floating_point:
             return
         if row.abs_max is not None and not row.nonfinite and row.abs_max > self._limit_max:
             row.predicted_overflow = True
@@ -1060,7 +1068,7 @@ class Guard:
         # A trace notes where a non-finite value would have been caught, without stopping.
         backward = any(c.phase == BACKWARD for c in pass_.calls)
         if backward:
-            slots = sorted((s for c in pass_.calls for s in c.slots), key=lambda s: s.seq)
+            slots = sorted((s for c in pass_.calls for s in c.slots), key=lambda s: s[_SEQ])
             culprit = self._backward_culprit(
                 pass_, slots, {id(s): c for c in pass_.calls for s in c.slots})
         else:

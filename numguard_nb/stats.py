@@ -295,10 +295,10 @@ _MANY = 16  # a longer container without a tensor in it is one row, not one row 
 
 
 def shape_of(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
-    """The shape (a torch.Size, which is a tuple), or None where it has none (a strided nested
-    tensor)."""
+    """The shape as a plain tuple (which the garbage collector stops tracking, unlike a
+    torch.Size), or None where it has none (a strided nested tensor)."""
     try:
-        return t.shape
+        return tuple(t.shape)
     except Exception:
         return None
 
