@@ -126,35 +126,40 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
             bits = _BITS.get(t.dtype)
         elif not t.numel():
             return None
-        if bits is None:
-            row = _other_stats(t, nonzero_min)
-            return tuple(x.item() for x in row) if t.is_cpu else row
-        if sign_hints is not None and not nonzero_min and t.is_cpu and sign_hints.get(site, True):
-            row = _one_signed_row(t, bits)
-            sign_hints[site] = row is not None
-            if row is not None:
-                return row
-        magnitude_bits = _abs_into_workspace(t, bits)
-        if magnitude_bits is None:
-            magnitude_bits = t.abs().view(bits)
-        try:
-            lo, hi = torch.aminmax(magnitude_bits)
-        except RuntimeError:  # a backend without integer reductions: the float ones, same bits
-            lo, hi = (x.view(bits) for x in torch.aminmax(magnitude_bits.view(t.dtype)))
-        smallest = None
-        if nonzero_min:
-            magnitude = magnitude_bits.view(t.dtype)
-            smallest = magnitude.masked_fill_(magnitude == 0, _INF).amin()
-        if t.is_cpu:
-            as_float = _FLOAT_OF_BITS[t.dtype]
-            abs_max = as_float(hi.item())
-            # The signs of infinities matter only when there are some: look for them then.
-            row = (as_float(lo.item()), abs_max, _infinity_signs(t) if abs_max == _INF else 0.0)
-            return row if smallest is None else row + (smallest.item(),)
-        lo, hi = lo.view(t.dtype), hi.view(t.dtype)
-        return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
+        if bits is not None:
+            try:
+                return _bit_stats(t, bits, nonzero_min, sign_hints, site)
+            except Exception:  # a tensor the fast path cannot read: the plain reductions then
+                pass
+        row = _plain_stats(t, nonzero_min)
+        return tuple(x.item() for x in row) if t.is_cpu else row
     except Exception:  # a tensor type of someone else's: never break the user's forward
         return None
+
+
+def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site) -> tuple:
+    """`device_stats` of a float tensor: |t| through its integer bits."""
+    if sign_hints is not None and not nonzero_min and t.is_cpu and sign_hints.get(site, True):
+        row = _one_signed_row(t, bits)
+        sign_hints[site] = row is not None
+        if row is not None:
+            return row
+    magnitude_bits = _abs_into_workspace(t, bits)
+    if magnitude_bits is None:
+        magnitude_bits = t.abs().view(bits)
+    lo, hi = torch.aminmax(magnitude_bits)
+    smallest = None
+    if nonzero_min:
+        magnitude = magnitude_bits.view(t.dtype)
+        smallest = magnitude.masked_fill_(magnitude == 0, _INF).amin()
+    if t.is_cpu:
+        as_float = _FLOAT_OF_BITS[t.dtype]
+        abs_max = as_float(hi.item())
+        # The signs of infinities matter only when there are some: look for them then.
+        row = (as_float(lo.item()), abs_max, _infinity_signs(t) if abs_max == _INF else 0.0)
+        return row if smallest is None else row + (smallest.item(),)
+    lo, hi = lo.view(t.dtype), hi.view(t.dtype)
+    return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
 
 
 _MAGNITUDE_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
@@ -162,8 +167,13 @@ _MAGNITUDE_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x
 
 def _one_signed_row(t: torch.Tensor, bits: torch.dtype) -> Optional[tuple]:
     """The row of a CPU tensor whose values all have one sign bit, from one pass over its bits;
-    None when both signs occur (then |t| is needed)."""
-    lo, hi = torch.aminmax(t.view(bits))
+    None when both signs occur (then |t| is needed), or when t's bits cannot be viewed (a
+    negative-bit view)."""
+    try:
+        raw_bits = t.view(bits)
+    except RuntimeError:
+        return None
+    lo, hi = torch.aminmax(raw_bits)
     lo, hi = lo.item(), hi.item()
     as_float = _FLOAT_OF_BITS[t.dtype]
     if lo >= 0:  # no sign bit set: the bits of t are those of |t|
@@ -184,21 +194,23 @@ def _infinity_signs(t: torch.Tensor) -> float:
     return _INF if positive else -_INF
 
 
-def _other_stats(t: torch.Tensor, nonzero_min: bool) -> tuple:
-    """Booleans, integers and complex numbers."""
+def _plain_stats(t: torch.Tensor, nonzero_min: bool) -> tuple:
+    """The row as 0-d tensors from plain reductions over |t|: booleans, integers, complex numbers,
+    and float tensors the bit-level path cannot read (a backend without integer aminmax, say)."""
     if t.dtype is torch.bool:
         # bools: min and max as 0/1; they cannot be non-finite.
         lo, hi = t.all().to(_host_float(t.device)), t.any().to(_host_float(t.device))
         return (lo, hi, lo, hi) if nonzero_min else (lo, hi, lo)
     magnitude = t.abs()
     lo, hi = torch.aminmax(magnitude)
-    if not t.is_complex():
+    if not (t.is_floating_point() or t.is_complex()):
         # integers: exact in float64, and never mixed into a float16 stack (65504 max).
         lo, hi = lo.to(_host_float(t.device)), hi.to(_host_float(t.device))
         return (lo, hi, lo, lo) if nonzero_min else (lo, hi, lo)
+    signs = t.sum() if t.is_floating_point() else hi
     if nonzero_min:
-        return (lo, hi, hi, magnitude.masked_fill_(magnitude == 0, _INF).amin())
-    return (lo, hi, hi)
+        return (lo, hi, signs, magnitude.masked_fill_(magnitude == 0, _INF).amin())
+    return (lo, hi, signs)
 
 
 _FLOAT8 = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))

@@ -85,6 +85,14 @@ def test_strided_and_transposed_tensors(dtype):
     assert_matches(t.t())
 
 
+def test_views_whose_bits_cannot_be_read_directly():
+    # a negative-bit view (autograd makes them) cannot be viewed as integers: |t| still can
+    t = torch.tensor([0.5, -2.0, 3.0])._neg_view()
+    assert_matches(t, hints={})
+    assert_matches(torch.tensor([0.5, 2.0])._neg_view(), hints={})
+    assert_matches(torch.randn(4, 1).expand(4, 300), hints={})  # stride 0
+
+
 def test_a_site_whose_sign_changes_is_summarised_right_every_time():
     """The hint is only a guess about the next tensor at a site: each guess must be checked."""
     hints = {}
@@ -125,3 +133,14 @@ def test_smallest_nonzero_magnitude_for_underflow_checks():
     abs_min, abs_max, _, _, _, nonzero = stats.decode(stats.to_host([row])[0])
     assert (abs_min, abs_max) == (0.0, 3.0)
     assert nonzero == pytest.approx(1e-6)
+
+
+def test_a_tensor_the_fast_path_cannot_read_still_gets_its_numbers(monkeypatch):
+    """Where reading |t| through its bits fails (a backend without integer aminmax, an unusual
+    tensor), the plain reductions take over: no row may lose its numbers to an optimisation."""
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("aminmax not implemented for 'Int'")
+
+    monkeypatch.setattr(stats, "_bit_stats", unreadable)
+    for name, t in special_tensors(torch.float32, 300).items():
+        assert_matches(t, label=name)
