@@ -128,7 +128,7 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
             return None
         if bits is not None:
             try:
-                return _bit_stats(t, bits, nonzero_min, sign_hints, site)
+                return _bit_stats(t, bits, nonzero_min, sign_hints, site, read_now=t.is_cpu)
             except Exception:  # a tensor the fast path cannot read: the plain reductions then
                 pass
         row = _plain_stats(t, nonzero_min)
@@ -137,9 +137,11 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
         return None
 
 
-def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site) -> tuple:
-    """`device_stats` of a float tensor: |t| through its integer bits."""
-    if sign_hints is not None and not nonzero_min and t.is_cpu and sign_hints.get(site, True):
+def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site,
+               read_now: bool) -> tuple:
+    """`device_stats` of a float tensor: |t| through its integer bits; floats when `read_now`
+    (on CPU), else 0-d tensors left on the device."""
+    if read_now and sign_hints is not None and not nonzero_min and sign_hints.get(site, True):
         row = _one_signed_row(t, bits)
         sign_hints[site] = row is not None
         if row is not None:
@@ -152,7 +154,7 @@ def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints
     if nonzero_min:
         magnitude = magnitude_bits.view(t.dtype)
         smallest = magnitude.masked_fill_(magnitude == 0, _INF).amin()
-    if t.is_cpu:
+    if read_now:
         as_float = _FLOAT_OF_BITS[t.dtype]
         abs_max = as_float(hi.item())
         # The signs of infinities matter only when there are some: look for them then.

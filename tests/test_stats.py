@@ -144,3 +144,22 @@ def test_a_tensor_the_fast_path_cannot_read_still_gets_its_numbers(monkeypatch):
     monkeypatch.setattr(stats, "_bit_stats", unreadable)
     for name, t in special_tensors(torch.float32, 300).items():
         assert_matches(t, label=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_device_path_stacks_a_pass_and_reads_it_at_once(dtype):
+    """What a GPU gets: 0-d tensors left where they are, one stack and one transfer per pass;
+    here run on CPU tensors, which take the same steps."""
+    tensors = special_tensors(dtype, 300)
+    bits = stats._BITS[dtype]
+    with torch.no_grad():
+        rows = [stats._bit_stats(t, bits, False, None, None, read_now=False) for t in tensors.values()]
+    assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for row in rows for x in row)
+    for (name, t), values in zip(tensors.items(), stats.to_host(rows)):
+        abs_min, abs_max, nan, posinf, neginf, _ = stats.decode(values)
+        ref_min, ref_max, ref_nan, ref_posinf, ref_neginf = reference(t)
+        assert nan == ref_nan, name
+        if not nan:
+            assert (abs_min, abs_max) == (ref_min, ref_max), name
+            # the sum tells the signs of infinities (exact here: no finite value is near the max)
+            assert (posinf, neginf) == (ref_posinf, ref_neginf), name
