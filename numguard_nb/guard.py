@@ -426,6 +426,8 @@ class Guard:
             handle.remove()
         self._handles.clear()
         self._tensor_handles.clear()
+        if self._capture is not None:
+            self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
         self._names.clear()
         self._leaf_targets.clear()
         self._modules.clear()

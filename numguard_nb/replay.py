@@ -363,9 +363,23 @@ class _Snapshot:
         self.settings: Dict[str, Any] = settings or {}  # plain attributes of torch.nn losses
         # Weak references to the live parameters, to tell cheaply whether they were written since.
         self._params = [weakref.ref(p) for p in params]
+        self._param_ids = frozenset(id(p) for p in params)
+        # Set when a torch.optim step updated them: fused optimizers (Adam(fused=True)) write
+        # parameters without bumping their version counters.
+        self.optimizer_stepped = False
+
+    def note_optimizer_step(self, optimizer) -> None:
+        if self.optimizer_stepped:
+            return
+        for group in getattr(optimizer, "param_groups", ()):
+            if any(id(p) in self._param_ids for p in group.get("params", ())):
+                self.optimizer_stepped = True
+                return
 
     def weights_changed(self) -> bool:
         """Whether the live parameters were written (or replaced) since the snapshot."""
+        if self.optimizer_stepped:
+            return True
         total = 0
         for ref in self._params:
             param = ref()
@@ -1078,6 +1092,19 @@ class Capture:
         self._count = itertools.count()
         self._warned = False
         self.snapshot()
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        for snapshot in self.snapshots.values():
+            snapshot.note_optimizer_step(optimizer)
+
+    def stop_watching_optimizers(self) -> None:
+        """Remove the optimizer-step hook (the guard calls it on detach; idempotent)."""
+        handle, self._optimizer_hook = self._optimizer_hook, None
+        if handle is not None:
+            handle.remove()
 
     def snapshot(self) -> None:
         """(Re)take the host snapshot of every guarded model's weights, buffers and attributes.

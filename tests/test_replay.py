@@ -496,3 +496,29 @@ def test_capture_refuses_a_snapshot_larger_than_half_the_host_memory(monkeypatch
         with Guard(model, capture=True) as guard:
             model(torch.randn(2, 64))
         assert guard.capture is not None
+
+
+def test_a_fused_optimizer_step_counts_as_changed_weights():
+    """Adam(fused=True) writes parameters without bumping their version counters; a replay on
+    the snapshot must still say that the weights moved since."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    other = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    unrelated = torch.optim.SGD(other.parameters(), lr=0.1)
+    hooks_before = len(_global_optimizer_post_hooks)
+    with Guard(model, capture=True) as guard:
+        versions = [p._version for p in model.parameters()]
+        model(torch.randn(3, 4)).sum().backward()
+        assert not guard.capture.weights_changed
+        other(torch.randn(3, 4)).sum().backward()
+        unrelated.step()  # another model's optimizer: these weights did not move
+        model(torch.randn(3, 4)).sum().backward()
+        assert not guard.capture.weights_changed
+        optimizer.step()
+        assert [p._version for p in model.parameters()] == versions  # invisible to versions
+        model(torch.randn(3, 4))
+        assert guard.capture.weights_changed
+    assert len(_global_optimizer_post_hooks) == hooks_before  # gone with the guard
