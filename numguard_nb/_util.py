@@ -51,21 +51,54 @@ def is_internal_file(filename: Optional[str]) -> bool:
 
 
 def host_memory_available() -> Optional[int]:
-    """Bytes of host memory the kernel can still hand out without swapping (Linux's
-    MemAvailable), or None where that is not known."""
+    """Bytes of host memory this process can still get without swapping or being killed: Linux's
+    MemAvailable, or less where a container's memory limit (cgroup v2 or v1) leaves less. None
+    where that is not known."""
+    available = None
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for directory, limit_name, usage_name, cache_name in (
+        ("/sys/fs/cgroup/", "memory.max", "memory.current", "inactive_file"),
+        ("/sys/fs/cgroup/memory/", "memory.limit_in_bytes", "memory.usage_in_bytes",
+         "total_inactive_file"),
+    ):
+        try:
+            with open(directory + limit_name) as f:
+                limit = f.read().strip()
+            with open(directory + usage_name) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max", or v1's "no limit" sentinel
+            # Page cache the kernel can drop counts as usage there; the working set does not.
+            usage -= _cgroup_stat(directory + "memory.stat", cache_name)
+            headroom = max(0, int(limit) - usage)
+            available = headroom if available is None else min(available, headroom)
+        break
+    return available
+
+
+def _cgroup_stat(path: str, key: str) -> int:
+    try:
+        with open(path) as stat:
+            for line in stat:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def format_bytes(count: int) -> str:
     """'1.5 GB', '320 MB', '12 kB'."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if count >= size:
             return f"{count / size:.3g} {unit}"
     return f"{count} B"

@@ -304,7 +304,9 @@ class Guard:
         self.on_trace = on_trace
         self.on_detect = on_detect
         self.ops = bool(ops)
-        self._capture_enabled = bool(capture)
+        # Whether attach takes a capture (settable between attaches: the magics turn it off when
+        # the weights' host copy stops fitting in memory).
+        self.capture_enabled = bool(capture)
         self._capture = None  # replay.Capture, made on attach
 
         self.detection: Optional[Report] = None  # set when a non-finite value was found
@@ -410,9 +412,10 @@ class Guard:
                                 self._handles.append(
                                     param.register_hook(partial(self._on_param_grad, module, pname))
                                 )
-            if self._capture_enabled:
+            if self.capture_enabled:
                 from .replay import Capture
 
+                self._capture = None  # never an earlier attach's capture, should this one fail
                 self._capture = Capture(self.models)
         except BaseException:
             self.detach()

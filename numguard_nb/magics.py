@@ -435,7 +435,7 @@ class NumguardMagics(Magics):
 
             fits, why = snapshot_fits(models)
             if not fits and args.capture:
-                raise UsageError(f"{magic}: --capture needs {why}: drop --capture, or free host memory")
+                raise UsageError(f"{magic}: --capture refused: {why}: drop --capture, or free host memory")
             if not fits:
                 capture = False
                 if not args.quiet:
@@ -579,7 +579,15 @@ class NumguardMagics(Magics):
             self._session_suspended = True
             return
         self._session_suspended = False
-        watch.guard.attach()
+        from .replay import CaptureTooLarge
+
+        try:
+            watch.guard.attach()
+        except CaptureTooLarge as error:
+            # Memory shrank since %numguard on: guard the cell anyway, without the capture.
+            watch.guard.capture_enabled = False
+            print(f"numguard: no CPU replay after a CUDA error from now on: {message_line(error)}")
+            watch.guard.attach()
 
     def _post_run_cell(self, result=None) -> None:
         watch = self._session

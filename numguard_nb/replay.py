@@ -315,8 +315,24 @@ def snapshot_bytes(models) -> int:
         for _, tensor, _ in _named_tensors(module):
             if id(tensor) not in seen:
                 seen.add(id(tensor))
-                total += tensor.numel() * tensor.element_size()
+                total += _stored_bytes(tensor)
     return total
+
+
+def _stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a host copy of `tensor` takes: what it stores (a sparse tensor's values and
+    indices, not its dense size; nothing for a meta tensor)."""
+    if tensor.is_meta:
+        return 0
+    if tensor.layout == torch.sparse_coo:
+        parts = (tensor._values(), tensor._indices())
+    elif tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (tensor.values(), tensor.crow_indices(), tensor.col_indices())
+    elif tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (tensor.values(), tensor.ccol_indices(), tensor.row_indices())
+    else:
+        parts = (tensor,)
+    return sum(part.numel() * part.element_size() for part in parts)
 
 
 # A snapshot may take this share of the host memory available: the run, its data and a replay
@@ -330,7 +346,7 @@ def snapshot_fits(models) -> Tuple[bool, str]:
     if available is None or needed <= available * SNAPSHOT_MEMORY_SHARE:
         return True, ""
     return False, (
-        f"a host copy of the weights ({format_bytes(needed)}) would take more than half of the "
+        f"the weights' host copy ({format_bytes(needed)}) would take more than half of the "
         f"{format_bytes(available)} of host memory available"
     )
 
@@ -1060,6 +1076,24 @@ def _html_block(lines, ok: bool) -> str:
 
 
 # ---- the capture --------------------------------------------------------------------------
+class _OptimizerStepNote:
+    """torch.optim's global step hook for one Capture, holding it weakly."""
+
+    __slots__ = ("capture",)
+
+    def __init__(self, capture: "Capture"):
+        self.capture = weakref.ref(capture)
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        capture = self.capture()
+        if capture is None:
+            return
+        try:
+            capture.note_optimizer_step(optimizer)
+        except Exception:  # never break the user's optimizer step
+            pass
+
+
 class Capture:
     """Host snapshot of the guarded models and host copies of their last calls' inputs.
 
@@ -1094,17 +1128,18 @@ class Capture:
         self.snapshot()
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        # The hook is torch's, global: it holds the capture weakly, and goes when the capture
+        # does or the guard detaches, whichever comes first.
+        self._optimizer_hook = register_optimizer_step_post_hook(_OptimizerStepNote(self))
+        weakref.finalize(self, self._optimizer_hook.remove)
 
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def note_optimizer_step(self, optimizer) -> None:
         for snapshot in self.snapshots.values():
             snapshot.note_optimizer_step(optimizer)
 
     def stop_watching_optimizers(self) -> None:
         """Remove the optimizer-step hook (the guard calls it on detach; idempotent)."""
-        handle, self._optimizer_hook = self._optimizer_hook, None
-        if handle is not None:
-            handle.remove()
+        self._optimizer_hook.remove()
 
     def snapshot(self) -> None:
         """(Re)take the host snapshot of every guarded model's weights, buffers and attributes.
@@ -1112,8 +1147,8 @@ class Capture:
         fits, why = snapshot_fits(self.models)
         if not fits:
             raise CaptureTooLarge(
-                f"capture needs {why}: pass capture=False (no CPU replay after a CUDA error), or "
-                "free host memory"
+                f"capture refused: {why}: pass capture=False (no CPU replay after a CUDA error), "
+                "or free host memory"
             )
         self.snapshots = {name: _Snapshot.take(module) for name, module in self.models.items()}
 

@@ -96,6 +96,7 @@ def _workspace_view(views: dict, t: torch.Tensor, bits: torch.dtype) -> tuple:
 def release_workspace() -> None:
     """Free this thread's scratch buffers (the guard calls it on detach)."""
     _workspace.views = None
+    _workspace.buffers = {}
 
 
 def _host_float(device: torch.device) -> torch.dtype:

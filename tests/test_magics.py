@@ -371,6 +371,22 @@ def test_on_guards_a_loop_split_across_cells_until_off(ip):
     assert captured.stdout.strip() == "numguard: already off"
 
 
+def test_on_keeps_guarding_when_the_capture_stops_fitting_in_memory(ip, monkeypatch):
+    from numguard_nb import _util
+
+    net = ip.user_ns["net"]
+    result, _ = run(ip, "%numguard on --capture net")
+    assert result.success
+    monkeypatch.setattr(_util, "host_memory_available", lambda: 100)  # net takes 116 bytes
+    result, captured = run(ip, "for x in xs:\n    step(net, x)")
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError) and error.report.batch_number == 4
+    assert captured.stdout.startswith(
+        "numguard: no CPU replay after a CUDA error from now on: capture refused: the weights'")
+    run(ip, "%numguard off")
+    assert hook_count(net) == 0 and event_handlers(ip) == []
+
+
 def test_on_recovers_from_an_interrupted_pass(ip):
     ip.run_cell(
         "class Flaky(nn.Module):\n"
@@ -558,5 +574,5 @@ def test_capture_that_would_not_fit_in_host_memory_is_a_usage_error(ip, monkeypa
     monkeypatch.setattr(_util, "host_memory_available", lambda: 100)  # net takes 116 bytes
     result, captured = run(ip, "%%numguard --capture net\nstep(net, xs[0])")
     line = usage_error_line(captured)
-    assert "--capture needs a host copy of the weights" in line and "100 B of host memory" in line
+    assert "--capture refused: the weights' host copy (116 B) would take more than half of the 100 B" in line
     assert "net" in ip.user_ns and hook_count(ip.user_ns["net"]) == 0

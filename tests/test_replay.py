@@ -488,7 +488,7 @@ def test_capture_refuses_a_snapshot_larger_than_half_the_host_memory(monkeypatch
         Guard(model, capture=True).attach()
     message = str(caught.value)
     assert "\n" not in message and "capture=False" in message
-    assert f"({needed / 1e3:.3g} kB)" in message
+    assert message.startswith(f"capture refused: the weights' host copy ({needed / 1e3:.3g} kB) would")
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     # with room for it, or where the free memory is not known, capture goes ahead
     for available in (2 * needed, None):
@@ -501,6 +501,8 @@ def test_capture_refuses_a_snapshot_larger_than_half_the_host_memory(monkeypatch
 def test_a_fused_optimizer_step_counts_as_changed_weights():
     """Adam(fused=True) writes parameters without bumping their version counters; a replay on
     the snapshot must still say that the weights moved since."""
+    import gc
+
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
     torch.manual_seed(0)
@@ -508,6 +510,7 @@ def test_a_fused_optimizer_step_counts_as_changed_weights():
     other = nn.Linear(4, 2)
     optimizer = torch.optim.Adam(model.parameters(), fused=True)
     unrelated = torch.optim.SGD(other.parameters(), lr=0.1)
+    gc.collect()  # captures earlier tests left behind go first
     hooks_before = len(_global_optimizer_post_hooks)
     with Guard(model, capture=True) as guard:
         versions = [p._version for p in model.parameters()]
@@ -522,3 +525,34 @@ def test_a_fused_optimizer_step_counts_as_changed_weights():
         model(torch.randn(3, 4))
         assert guard.capture.weights_changed
     assert len(_global_optimizer_post_hooks) == hooks_before  # gone with the guard
+
+
+
+def test_snapshot_size_counts_what_tensors_store():
+    from numguard_nb.replay import snapshot_bytes
+
+    model = nn.Linear(4, 2)
+    dense = snapshot_bytes(model)
+    # a huge sparse buffer with two stored values costs its values and indices, not 4 TB
+    indices, values = torch.tensor([[0, 1], [0, 1]]), torch.tensor([1.0, 2.0])
+    model.register_buffer("mask", torch.sparse_coo_tensor(indices, values, (10**6, 10**6)))
+    assert snapshot_bytes(model) == dense + 2 * 4 + 4 * 8
+    with Guard(model, capture=True) as guard:
+        model(torch.randn(3, 4))
+    assert guard.capture is not None
+
+
+def test_a_capture_left_behind_does_not_keep_its_optimizer_hook():
+    import gc
+    import weakref
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    gc.collect()  # captures earlier tests left behind go first
+    hooks_before = len(_global_optimizer_post_hooks)
+    capture = Capture(nn.Linear(4, 2))  # never closed by a guard
+    assert len(_global_optimizer_post_hooks) == hooks_before + 1
+    gone = weakref.ref(capture)
+    del capture
+    gc.collect()
+    assert gone() is None and len(_global_optimizer_post_hooks) == hooks_before
