@@ -24,37 +24,16 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
+from . import _tree
 from . import stats as _stats
 from .report import (
     BACKWARD, BUFFER, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST, OUTPUT,
     PARAM, TRACE, Frame, Report, TensorRow,
 )
 from ._util import dtype_name
+from .errors import BatchLimitReached, NonFiniteError
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
-
-
-class NonFiniteError(FloatingPointError):
-    """A non-finite value was produced; `.report` says where, and what led to it."""
-
-    def __init__(self, report: Report):
-        self.report = report
-        super().__init__(f"{report.summary()} (see .report for the frames leading to it)")
-
-    def __reduce__(self):  # keeps .report across pickling (multiprocessing, torch.distributed)
-        return type(self), (self.report,)
-
-    def _render_traceback_(self):
-        # IPython prints this instead of a traceback through the hooks (no IPython import).
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.report.summary()}",
-                "the frames that led to it: err.report (or guard.report)"]
-
-
-class BatchLimitReached(RuntimeError):
-    """Raised when the model is called for a batch past `abort_after_batch`."""
-
-    def _render_traceback_(self):
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 _LIMIT_DTYPES = {
@@ -626,7 +605,7 @@ class Guard:
         if isinstance(value, torch.Tensor):  # the common case, without walking
             self._add(pass_, call, role, category, value, watch_grads)
             return
-        for leaf_role, leaf in _stats.walk(value, role):
+        for leaf_role, leaf in _tree.named_leaves(value, role):
             self._add(pass_, call, leaf_role, category, leaf, watch_grads)
 
     def _add(self, pass_: _Pass, call: _Call, role, category, value, watch_grads) -> None:
@@ -928,7 +907,7 @@ class Guard:
 
     # ---- op localisation (ops=True) ----------------------------------------------------------
     def _remember_call_for_ops(self, root, args, kwargs) -> None:
-        from .ops import rng_state
+        from .callstate import take as rng_state
 
         # Counts so far in this batch: the culprit's call index within this top-level call is
         # its batch-wide index minus these.
@@ -937,7 +916,7 @@ class Guard:
 
     def _keep_root_grads(self, root_id, output) -> None:
         """Hold the gradients arriving at a root's outputs: a backward re-run starts from them."""
-        tensors = [leaf for _, leaf in _stats.walk(output, "output") if isinstance(leaf, torch.Tensor)]
+        tensors = _tree.tensors(output)
         grads: list = [None] * len(tensors)
         self._root_grads[root_id] = grads
         for position, tensor in enumerate(tensors):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import linecache
 import math
-import random
 import sys
 import threading
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import stats as _stats
+from . import _tree
+from .callstate import CallState, enter_autocast, take as rng_state
 from ._util import error_line, is_internal_file
 
 __all__ = ["OpLocation", "CallState", "rng_state", "localise_forward", "localise_backward"]
@@ -56,9 +56,6 @@ _UNINITIALISED = frozenset((
 _UNANNOTATED_STAT_WRITERS = frozenset((
     "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
 ))
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
 
 # ---- the result ----------------------------------------------------------------------------------
 @dataclass
@@ -81,84 +78,6 @@ class OpLocation:
             return None
         where = f"{self.filename}:{self.lineno}"
         return f"{where}: {self.line}" if self.line else where
-
-
-# ---- the state of a call: RNG streams and autocast -----------------------------------------------
-class CallState:
-    """What a top-level call's randomness and precision depended on, taken just before it.
-
-    Holds the CPU generator state, the CUDA generator states when CUDA is initialised, Python's
-    `random` state, the autocast settings in force (a forward run under `torch.autocast` is
-    re-run under it, even when the re-run happens later, in backward) and whether inference mode
-    was on (a forward re-run then runs under it, instead of no_grad).
-    """
-
-    __slots__ = ("cpu", "cuda", "python", "autocast", "inference")
-
-    def __init__(self, cpu, cuda, python, autocast, inference=False):
-        self.cpu = cpu
-        self.cuda = cuda
-        self.python = python
-        self.autocast = autocast  # ((device_type, dtype), ...) for each enabled device type
-        self.inference = inference  # the call ran under torch.inference_mode()
-
-    def restore(self) -> None:
-        """Set the RNG streams back to this state (autocast is entered separately)."""
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.python is not None:
-            random.setstate(self.python)
-
-    def __repr__(self) -> str:
-        cuda = f", {len(self.cuda)} CUDA generator(s)" if self.cuda is not None else ""
-        autocast = f", autocast {self.autocast}" if self.autocast else ""
-        return f"<numguard CallState: CPU generator{cuda}{autocast}>"
-
-
-def _autocast_dtype(device_type: str):
-    """The autocast dtype if autocast is enabled for `device_type`, else None (never raises)."""
-    try:
-        try:
-            if torch.is_autocast_enabled(device_type):
-                return torch.get_autocast_dtype(device_type)
-            return None
-        except (TypeError, AttributeError):  # torch < 2.4: no device_type argument
-            if device_type == "cpu":
-                return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
-            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
-    except Exception:
-        return None
-
-
-def rng_state() -> CallState:
-    """Snapshot of the CPU (and, if initialised, CUDA) RNG states and of autocast; about 25 us."""
-    cuda = None
-    if torch.cuda.is_initialized():
-        try:
-            cuda = torch.cuda.get_rng_state_all()
-        except Exception:  # e.g. during CUDA graph capture
-            cuda = None
-    autocast = tuple(
-        (device, dtype) for device in _AUTOCAST_DEVICES
-        for dtype in (_autocast_dtype(device),) if dtype is not None
-    )
-    return CallState(torch.get_rng_state(), cuda, random.getstate(), autocast,
-                     torch.is_inference_mode_enabled())
-
-
-def _autocast_as(state: Optional[CallState], stack: contextlib.ExitStack) -> None:
-    """Enter the autocast settings of `state` (when given) on `stack`."""
-    if state is None:
-        return
-    wanted = dict(state.autocast)
-    for device in set(_AUTOCAST_DEVICES) | set(wanted):
-        dtype = wanted.get(device)
-        current = _autocast_dtype(device)
-        if dtype is not None and current != dtype:
-            stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
-        elif dtype is None and current is not None:
-            stack.enter_context(torch.autocast(device_type=device, enabled=False))
 
 
 # ---- small helpers -------------------------------------------------------------------------------
@@ -231,10 +150,6 @@ def _kinds(values, limit=None) -> frozenset:
         if any(host[1::2]):
             kinds.add(_INF)
     return frozenset(kinds)
-
-
-def _walk_tensors(value, role):
-    return [leaf for _, leaf in _stats.walk(value, role) if isinstance(leaf, torch.Tensor)]
 
 
 def _storage_key(t: torch.Tensor):
@@ -432,7 +347,7 @@ class _Watch(TorchDispatchMode):
             return None
         try:
             with self.internal():
-                received = _walk_tensors(args, "input") + _walk_tensors(kwargs, "input")
+                received = _tree.tensors((args, kwargs))
                 weights = [p for p in module._parameters.values() if p is not None]
                 self.in_kinds = _kinds(received + weights, self.limit)
                 if self.stage == FORWARD and self.record_nodes:
@@ -450,10 +365,10 @@ class _Watch(TorchDispatchMode):
         self.target_done = True
         try:
             with self.internal():
-                self.out_kinds = _kinds(_walk_tensors(output, "output"), self.limit)
+                self.out_kinds = _kinds(_tree.tensors(output), self.limit)
                 if self.record_nodes:
                     self._resolve(final=True)
-                    for t in _walk_tensors(output, "output"):
+                    for t in _tree.tensors(output):
                         if t.requires_grad:
                             t.register_hook(self._grad_output_hook)
         except Exception as error:
@@ -668,7 +583,7 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
                 watch.protect("param", name, p)
             for name, b in owner.named_buffers():
                 watch.protect("buffer", name, b)
-        for role, t in list(_stats.walk(args, "input")) + list(_stats.walk(kwargs, "input")):
+        for role, t in list(_tree.named_leaves(args, "input")) + list(_tree.named_leaves(kwargs, "input")):
             if isinstance(t, torch.Tensor):
                 watch.protect("input", role, t)
         handles.append(culprit.register_forward_pre_hook(watch.pre_hook, with_kwargs=True,
@@ -680,7 +595,7 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
         if rng is not None:
             rng.restore()
         with contextlib.ExitStack() as stack:
-            _autocast_as(rng, stack)
+            enter_autocast(rng, stack)
             if backward:
                 stack.enter_context(torch.enable_grad())
             elif rng is not None and rng.inference:
@@ -713,7 +628,7 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
 
 
 def _run_backward(watch: _Watch, output, root_grad_outputs, culprit, outcome: dict) -> None:
-    outputs = _walk_tensors(output, "output")
+    outputs = _tree.tensors(output)
     grads = list(root_grad_outputs) if root_grad_outputs is not None else []
     if len(grads) != len(outputs):
         outcome["backward"] = (f"root_grad_outputs holds {len(grads)} gradient(s) for the "
@@ -837,7 +752,7 @@ def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *
 def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_index,
                       limit=None, *, allow_inf=False) -> OpLocation:
     """Re-run the forward with grad enabled, then backward from the root's output tensors (in
-    `stats.walk` order) with `root_grad_outputs` (None entries: no gradient), and name the first
+    `_tree.tensors` order) with `root_grad_outputs` (None entries: no gradient), and name the first
     ATen op run by an autograd node created in call `call_index` of `culprit` that turned finite
     gradients non-finite, with the forward line that created the node. `.grad` fields are not
     touched (`torch.autograd.grad`). With `allow_inf`, only nan counts. Never raises.

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 from . import _util
 from ._util import dtype_name, error_line, first_line, format_bytes, is_internal_file
+from .errors import CaptureTooLarge, ReplayError
 
 __all__ = [
     "Capture",
@@ -100,10 +101,6 @@ _HOOK_DICTS = (
     "_backward_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
     "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
 )
-
-
-class ReplayError(ValueError):
-    """A replay cannot be made from what it was given; the message says what to do."""
 
 
 def is_device_error(exc: BaseException) -> bool:
@@ -349,10 +346,6 @@ def snapshot_fits(models) -> Tuple[bool, str]:
         f"the weights' host copy ({format_bytes(needed)}) would take more than half of the "
         f"{format_bytes(available)} of host memory available"
     )
-
-
-class CaptureTooLarge(MemoryError):
-    """The weight snapshot that capture needs does not fit in host memory."""
 
 
 def _loss_class(module: nn.Module) -> bool:

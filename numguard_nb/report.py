@@ -11,17 +11,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-# Row categories: what a tensor is to the module call it belongs to.
-PARAM = "param"
-BUFFER = "buffer"  # floating-point buffers: running statistics, stored masks
-INPUT = "input"
-OUTPUT = "output"
-GRAD_OUTPUT = "grad_output"
-GRAD_INPUT = "grad_input"
-GRAD_PARAM = "grad_param"
-
-FORWARD = "forward"
-BACKWARD = "backward"
+from ._schema import (  # noqa: F401  (re-exported: the report's vocabulary)
+    BACKWARD, BUFFER, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
+    OUTPUT, PARAM, TRACE,
+)
 
 # Largest finite value of the floating dtypes people train in, by dtype name.
 _FLOAT_MAX = {
@@ -172,12 +165,6 @@ class Frame:
             f"<Frame {self.phase} {self.label} ({self.module_class}) batch={self.batch_number}"
             f" call={self.call_index} rows={len(self.rows)}>"
         )
-
-
-# Report kinds: why the report was made.
-DETECTION = "detection"  # a non-finite value was produced (or predicted) and the run stopped
-TRACE = "trace"  # every frame of a traced batch
-LATEST = "latest"  # the last frames seen, nothing wrong found
 
 
 @dataclass

@@ -16,11 +16,10 @@ most and no host synchronisation, where `abs().min()`, `abs().max()`, `isnan().a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 import threading
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -305,10 +304,6 @@ def decode(values) -> Tuple[float, float, bool, Optional[bool], Optional[bool], 
     return abs_min, abs_max, False, False, False, nonzero
 
 
-_MAX_DEPTH = 8
-_MANY = 16  # a longer container without a tensor in it is one row, not one row per item
-
-
 def shape_of(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
     """The shape as a plain tuple (which the garbage collector stops tracking, unlike a
     torch.Size), or None where it has none (a strided nested tensor)."""
@@ -316,30 +311,3 @@ def shape_of(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
         return tuple(t.shape)
     except Exception:
         return None
-
-
-def walk(value, role: str, depth: int = 0) -> Iterator[Tuple[str, object]]:
-    """(role, leaf) for every tensor or leaf value nested in tuples, lists, dicts, dataclasses.
-
-    Roles follow Hugging Face's naming: output, output[0], output[0][1], plus output[logits] for
-    dict keys (ModelOutput is a dict) and dataclass fields.
-    """
-    if isinstance(value, torch.Tensor) or value is None or depth >= _MAX_DEPTH:
-        yield role, value
-    elif isinstance(value, (tuple, list, dict)) and len(value) > _MANY and not any(
-            isinstance(v, torch.Tensor) or isinstance(v, (tuple, list, dict))
-            for v in (value.values() if isinstance(value, dict) else value)):
-        yield role, value
-    elif isinstance(value, (tuple, list)):
-        if not value:
-            yield role, value
-        for index, item in enumerate(value):
-            yield from walk(item, f"{role}[{index}]", depth + 1)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from walk(item, f"{role}[{key}]", depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from walk(getattr(value, f.name), f"{role}[{f.name}]", depth + 1)
-    else:
-        yield role, value

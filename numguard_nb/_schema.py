@@ -1,0 +1,53 @@
+"""The vocabulary shared by the engine, the report and the views: one definition of each word.
+
+Plain string constants (they travel in reports, DataFrames, pickles and bundles), grouped by
+what they name. Each group has its own word: a row's *category*, a value's *value kind*, a
+frame's *phase*, a report's *report kind*, a detection's *cause*, a problem's *problem kind*.
+"""
+
+from __future__ import annotations
+
+# ---- phases: when a frame's values were seen -------------------------------------------------
+FORWARD = "forward"
+BACKWARD = "backward"
+
+# ---- row categories: what a tensor is to the module call it belongs to ----------------------
+PARAM = "param"
+BUFFER = "buffer"  # floating-point buffers: running statistics, stored masks
+INPUT = "input"
+OUTPUT = "output"
+GRAD_OUTPUT = "grad_output"
+GRAD_INPUT = "grad_input"
+GRAD_PARAM = "grad_param"
+GRADIENT_CATEGORIES = frozenset((GRAD_OUTPUT, GRAD_INPUT, GRAD_PARAM))
+
+# ---- value kinds: what a row's value is (TensorRow.kind) ------------------------------------
+VALUE_TENSOR = "tensor"
+VALUE_NONE = "none"
+VALUE_OTHER = "not a tensor"
+VALUE_EMPTY = "empty"
+VALUE_UNSUPPORTED = "unsupported"  # a tensor whose numbers cannot be read (meta, fake, ...)
+
+# ---- report kinds: why a report was made (Report.kind) ---------------------------------------
+DETECTION = "detection"  # a non-finite value was produced (or predicted) and the run stopped
+TRACE = "trace"  # every frame of a traced batch
+LATEST = "latest"  # the last frames seen, nothing wrong found
+
+# ---- causes: who made the first non-finite value (Report.cause) ------------------------------
+CAUSE_FORWARD = "forward"  # a module's forward
+CAUSE_BACKWARD = "backward"  # a module's backward
+CAUSE_BACKWARD_INLINE = "backward-inline"  # a module's own code between its submodules, in backward
+CAUSE_WEIGHTS = "weights"  # parameters or floating buffers already non-finite
+CAUSE_DATA = "data"  # the values fed to the model
+CAUSE_LOSS_GRADIENT = "loss-gradient"  # the gradient entering the model from outside
+CAUSE_UNATTRIBUTED = "unattributed"  # a nan no rule could attribute
+CAUSES = (CAUSE_FORWARD, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_WEIGHTS, CAUSE_DATA,
+          CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED)
+# causes that name a module's own code, where op localisation can look for the op
+CODE_CAUSES = frozenset((CAUSE_FORWARD, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE))
+
+# ---- problem kinds: what is wrong with one value ---------------------------------------------
+PROBLEM_NAN = "nan"
+PROBLEM_POSINF = "+inf"
+PROBLEM_NEGINF = "-inf"
+PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
