@@ -12,12 +12,12 @@ or, from Python:
         ...
 """
 
+from ._version import __version__
 from .compat import DebugUnderflowOverflow, detect_overflow
 from .guard import BatchLimitReached, Guard, NonFiniteError
 from .replay import is_device_error, load_capture, replay_after_error
 from .report import Frame, Report, TensorRow
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Guard",

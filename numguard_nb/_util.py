@@ -102,3 +102,27 @@ def format_bytes(count: int) -> str:
         if count >= size:
             return f"{count / size:.3g} {unit}"
     return f"{count} B"
+
+
+def trainer_model(obj):
+    """The model a trainer-like object stands for, or None: an object whose class has a `train`
+    method and whose `.model` is a torch.nn.Module (Hugging Face's Trainer and its subclasses,
+    and look-alikes). Only the class is searched for `train`, so no instance `__getattr__` of an
+    arbitrary object runs."""
+    from torch import nn
+
+    if isinstance(obj, (type, nn.Module)) or not callable(getattr(type(obj), "train", None)):
+        return None
+    try:
+        model = getattr(obj, "model", None)
+    except Exception:
+        return None
+    return model if isinstance(model, nn.Module) else None
+
+
+def is_hf_trainer(obj) -> bool:
+    """A Hugging Face `Trainer` (any subclass: Seq2SeqTrainer, ...), matched by class name so that
+    transformers need not be imported: a trainer-like object (`trainer_model`) with a training
+    set attribute."""
+    return (trainer_model(obj) is not None and hasattr(obj, "train_dataset")
+            and any(klass.__name__ == "Trainer" for klass in type(obj).__mro__))
