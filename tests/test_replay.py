@@ -83,7 +83,7 @@ def test_loss_module_replays_to_index_error_at_the_line_that_called_it():
     assert "input[0] from the replayed model output" in result.replayed
     assert "input[1] from its captured copy" in result.replayed
     assert "IndexError: Target 2 is out of bounds" in result.traceback
-    assert "numguard_nb/replay.py" not in result.traceback
+    assert "numguard_nb/replay/" not in result.traceback
     text = repr(result)
     assert "IndexError" in text and f"replay_models.py:{line_of('loss call line')}" in text
 
@@ -257,6 +257,61 @@ def test_bundle_replays_the_snapshot_weights_not_the_fresh_model(tmp_path):
     result = load_capture(path, fresh).replay()
     assert result.ok and torch.equal(result.output, out)
     assert not torch.equal(fresh(x), out)
+
+
+def test_a_bundle_in_the_format_1_layout_loads_and_replays(tmp_path):
+    """The layout bundles have had since format 1, written out key by key: later writers may
+    add keys, but a bundle like this one must keep loading (its RNG state and autocast too)."""
+    torch.manual_seed(0)
+    model, x = rm.Classifier(dropout=0.5).train(), torch.randn(6, 8)
+    rng = torch.get_rng_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    tensors = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    bundle = {
+        "format": "numguard_nb.replay", "format_version": 1, "torch_version": str(torch.__version__),
+        "numguard_version": "0.1.0", "created": "2025-01-01T00:00:00", "roots": [""],
+        "models": {"": {
+            "class": "replay_models.Classifier", "tensors": tensors,
+            "kinds": {n: "param" for n in tensors}, "requires_grad": {n: True for n in tensors},
+            "devices": ["cpu"], "dtypes": {"float32": 4}, "settings": {},
+        }},
+        "calls": [{
+            "root": "", "module_class": "Classifier", "index": 0, "args": (x,), "kwargs": {},
+            "cpu_rng_state": rng, "cuda_rng_state": None, "cuda_device": None,
+            "grad_enabled": True, "training": True, "autocast": {"cpu": [True, "bfloat16"]},
+            "weights_changed": False, "input_devices": ["cpu"], "input_dtypes": ["float32"],
+            "call_site": {"filename": MODELS_FILE, "lineno": line_of("loss call line"),
+                          "function": "train_step", "line": "loss = loss_fn(logits, labels)"},
+        }],
+        "target": 0,
+    }
+    path = tmp_path / "format1.pt"
+    torch.save(bundle, path)
+    call = load_capture(path, rm.Classifier(dropout=0.5))
+    assert call.cpu_rng_state is not None and call.autocast == {"cpu": (True, "bfloat16")}
+    assert call.call_site.lineno == line_of("loss call line")
+    result = call.replay()
+    assert result.ok and result.output.dtype == torch.bfloat16  # under the call's autocast
+    assert torch.equal(result.output, out)  # the same dropout mask: the call's RNG state
+
+
+def test_record_uses_the_call_state_it_is_given_else_takes_one():
+    from numguard_nb import callstate
+
+    torch.manual_seed(0)
+    model, x = rm.Classifier(dropout=0.5).train(), torch.randn(6, 8)
+    capture = Capture(model)
+    state = callstate.take()  # the guard takes it once, before the call
+    out = model(x)
+    call = capture.record("", model, (x,), {}, state=state)  # after the call drew its mask
+    assert call.state is state
+    assert torch.equal(call.replay().output, out)
+
+    rng = torch.get_rng_state()
+    call = capture.record("", model, (x,), {})
+    assert torch.equal(call.cpu_rng_state, rng) and call.grad_enabled
+    assert torch.equal(call.replay().output, model(x))
 
 
 def test_a_bundle_holding_a_pickled_object_is_refused_without_running_it(tmp_path):

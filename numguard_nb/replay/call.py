@@ -1,0 +1,174 @@
+"""One captured call: host copies of a top-level call's inputs, with the state it ran in.
+
+`CapturedCall` holds the data; replaying it (`run`), and writing it to a bundle (`bundle`), are
+done by those modules. `HostCopies` makes the copies when the call is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from .. import _tree
+from .._util import dtype_name
+from ..callstate import CallState
+from . import bundle, run
+from .location import Location
+
+
+class HostCopies:
+    """Host copies of one call's input tensors: copied asynchronously into pinned memory for CUDA
+    tensors (no synchronisation per step), cloned for CPU tensors. A tensor passed twice is
+    copied once. Other values that are not plain data are kept by reference and named."""
+
+    __slots__ = ("cuda_devices", "by_reference", "_memo")
+
+    def __init__(self):
+        self.cuda_devices: set = set()
+        self.by_reference: List[str] = []
+        self._memo: Dict[int, torch.Tensor] = {}
+
+    def of_inputs(self, args, kwargs):
+        """(args, kwargs) with every tensor replaced by its host copy."""
+        args_copy = _tree.rebuild(tuple(args), self._copy, self._keep)
+        kwargs_copy = {key: _tree.rebuild(value, self._copy, self._keep, (key,))
+                       for key, value in (kwargs or {}).items()}
+        return args_copy, kwargs_copy
+
+    def finished_events(self) -> list:
+        """One CUDA event per device copied from, recorded after the copies were queued: waiting
+        on them says the copies are done."""
+        events = []
+        for index in sorted(self.cuda_devices):
+            with torch.cuda.device(index):
+                event = torch.cuda.Event()
+                event.record()
+                events.append(event)
+        return events
+
+    def _copy(self, t: torch.Tensor, path) -> torch.Tensor:
+        hit = self._memo.get(id(t))
+        if hit is not None:
+            return hit
+        d = t.detach()
+        if d.device.type == "cuda" and d.layout == torch.strided:
+            out = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+            out.copy_(d, non_blocking=True)
+            self.cuda_devices.add(d.device.index if d.device.index is not None else 0)
+        elif d.device.type == "cpu":
+            out = d.clone()
+        else:
+            out = d.to("cpu")
+        if t.requires_grad and (out.is_floating_point() or out.is_complex()):
+            out.requires_grad_(True)
+        self._memo[id(t)] = out
+        return out
+
+    def _keep(self, value, path):
+        if not isinstance(value, torch.Size):  # a size is a value, not an object to share
+            self.by_reference.append(f"{_tree.role_of('input', path)} ({type(value).__name__})")
+        return value
+
+
+class CapturedCall:
+    """One top-level call of a guarded module, held on the host: replay it with `.replay()`.
+
+    Attributes: `root_name` (the name the module was guarded under, "" for a single model),
+    `module_class`, `index` (the call's number since the capture started), `args`/`kwargs` (host
+    copies), `state` (the call's `CallState`: CPU RNG, autocast, grad mode), `cuda_device` and
+    `cuda_rng_state` (the GPU the call used and its generator state: what a replay on a GPU
+    restores, and the one CUDA stream a bundle keeps), `training`, `weights_changed` (an
+    optimizer step wrote the weights after the snapshot), `call_site` (the line that made the
+    call), `input_devices`, `source` (the `Capture`, or the loaded bundle, holding the models
+    and their snapshots).
+    """
+
+    def __init__(self, source, root_name: str, module_class: str, index: int, args, kwargs, *,
+                 state: CallState, cuda_device=None, cuda_rng_state=None, training=True,
+                 weights_changed=False, call_site=None, input_devices=(), by_reference=(),
+                 events=()):
+        self.source = source
+        self.root_name = root_name
+        self.module_class = module_class
+        self.index = index
+        self.args = args
+        self.kwargs = kwargs
+        self.state = state
+        self.cuda_device = cuda_device
+        self.cuda_rng_state = cuda_rng_state
+        self.training = training
+        self.weights_changed = weights_changed
+        self.call_site: Optional[Location] = call_site
+        self.input_devices = list(input_devices)
+        self.by_reference = list(by_reference)
+        self._events = list(events)
+        self.copy_note: Optional[str] = None  # set when the copies could not be confirmed
+        self.extra_notes: List[str] = []  # e.g. a bundle saved with another torch version
+
+    @property
+    def name(self) -> str:
+        return self.root_name or self.module_class
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.module_class})" if self.root_name else self.module_class
+
+    # -- the call state, under the names CapturedCall has always had ---------------------------
+    @property
+    def cpu_rng_state(self):
+        return self.state.cpu
+
+    @property
+    def grad_enabled(self) -> bool:
+        return self.state.grad_enabled
+
+    @property
+    def autocast(self) -> dict:
+        """{device type: (True, dtype name)} for each device type autocast was enabled for."""
+        return {device: (True, dtype_name(dtype)) for device, dtype in self.state.autocast}
+
+    def __repr__(self) -> str:
+        from ..render.replay import value_outline
+
+        inputs = [value_outline(a) for a in self.args] + \
+            [f"{k}={value_outline(v)}" for k, v in self.kwargs.items()]
+        where = f" at {self.call_site.filename}:{self.call_site.lineno}" if self.call_site else ""
+        return f"<numguard CapturedCall {self.index}: {self.label}({', '.join(inputs)}){where}>"
+
+    def wait_for_copies(self) -> None:
+        """Wait until the asynchronous host copies of CUDA inputs are done (once)."""
+        if not self._events:
+            return
+        events, self._events = self._events, []
+        for event in events:
+            try:
+                event.synchronize()
+            except Exception:
+                self.copy_note = (
+                    "the CUDA context reported an error while confirming that the input copies "
+                    "finished; they were queued before the failing kernel ran, so they normally did"
+                )
+                return
+
+    def chain(self) -> List["CapturedCall"]:
+        """This call, after the calls of earlier-listed guarded modules that directly preceded it
+        (the model call that fed a loss module)."""
+        return run.chain_of(self)
+
+    def replay(self, device: Union[str, torch.device] = "cpu") -> "run.ReplayResult":
+        """Run the call again on `device` (CPU by default) from the host snapshot and copies.
+
+        Returns a `ReplayResult`: the exception and the line where it was raised, or the output
+        when the call runs clean. A float16/bfloat16 call that needs a kernel the CPU lacks is run
+        again upcast to float32 (`result.upcast`).
+        """
+        return run.replay(self, device)
+
+    def save(self, path) -> str:
+        """Write a replay bundle (weights snapshot, inputs, RNG states, ...) for `load_capture`.
+
+        Only tensors and plain values are stored, so `torch.load(weights_only=True)` reads it;
+        an input that is neither (a cache object, a custom class) is refused with its name.
+        """
+        return bundle.save(self, path)

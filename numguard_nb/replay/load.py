@@ -1,0 +1,36 @@
+"""`load_capture`: a replay bundle read back into the `CapturedCall` to replay, in any kernel."""
+
+from __future__ import annotations
+
+import os
+
+from . import bundle
+from .call import CapturedCall
+
+
+def load_capture(path, model) -> CapturedCall:
+    """Load a replay bundle written by `CapturedCall.save` (or `replay_after_error`).
+
+    Args:
+        path: the bundle file.
+        model: the same architecture built fresh (its weights do not matter: they come from the
+            bundle), or a dict of name -> module as given to the Guard. A torch.nn loss guarded
+            alongside the model (nn.CrossEntropyLoss, ...) is rebuilt from the bundle when not
+            given.
+
+    Returns the `CapturedCall` to `.replay()`. The file is read with
+    `torch.load(weights_only=True)`: a bundle never executes code.
+    """
+    path = os.fspath(path)
+    data = bundle.read(path)
+    roots = list(data["roots"])
+    snapshots = {root: bundle.snapshot_from_entry(data["models"][root]) for root in roots}
+    models = bundle.modules_for(path, model, roots, snapshots)
+    source = bundle.BundleSource(models, snapshots, roots)
+    for entry in data["calls"]:
+        source.calls.append(CapturedCall(
+            source, entry["root"], entry["module_class"], int(entry["index"]),
+            tuple(entry["args"]), dict(entry["kwargs"]), **bundle.call_fields(entry)))
+    target = source.calls[int(data.get("target", len(source.calls) - 1))]
+    target.extra_notes.extend(bundle.version_notes(data, models, snapshots))
+    return target

@@ -1,0 +1,78 @@
+"""Where an error is: the line that raised it, or the line of the user's code that made the call."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+from .._util import is_internal_file
+
+# numguard_nb itself: its frames at the top of a replayed traceback are the replay's, not the user's.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+RAISED = "raised"  # a frame of the error
+CALL_SITE = "call site"  # the line calling the module (an error raised inside torch's own code)
+
+
+@dataclass
+class Location:
+    """A line of Python: where an exception was raised, or the line that made the call."""
+
+    filename: str
+    lineno: int
+    line: str = ""
+    function: str = ""
+    kind: str = RAISED  # RAISED or CALL_SITE
+
+    def __str__(self) -> str:
+        where = f"{self.filename}:{self.lineno}" + (f" in {self.function}" if self.function else "")
+        return f"{where}: {self.line}" if self.line else where
+
+    @classmethod
+    def of(cls, filename, lineno, function="", kind=RAISED, line=None) -> "Location":
+        if line is None:
+            line = linecache.getline(filename, lineno).strip()
+        return cls(filename=filename, lineno=int(lineno), line=line, function=function, kind=kind)
+
+
+def with_source_line(location: Optional[Location]) -> Optional[Location]:
+    """`location` with its source line read from the file where it was left out (at capture time,
+    reading it would cost every step)."""
+    if location is not None and not location.line:
+        location.line = linecache.getline(location.filename, location.lineno).strip()
+    return location
+
+
+def call_site() -> Optional[Location]:
+    """The innermost frame outside torch and numguard_nb: the user's line that made the call
+    (its source line is left out, to be read only when shown)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not is_internal_file(filename):
+            return Location.of(filename, frame.f_lineno, frame.f_code.co_name, CALL_SITE, line="")
+        frame = frame.f_back
+    return None
+
+
+def error_location(exc: BaseException) -> Optional[Location]:
+    """Innermost frame of the traceback in the user's or the model's code (not torch's)."""
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not is_internal_file(frame.filename):
+            found = frame
+    if found is None:
+        return None
+    return Location.of(found.filename, found.lineno, found.name, RAISED, (found.line or "").strip())
+
+
+def format_traceback(exc: BaseException) -> str:
+    """The exception's traceback without numguard's own replay frames at its top."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
