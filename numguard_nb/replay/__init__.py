@@ -14,7 +14,8 @@ the real line. So the data needed for that has to be on the host *before* the er
 - `Capture.record` (called by the guard at the start of every top-level call of a guarded module)
   keeps the last two calls of each guarded module: host copies of their inputs (copied
   asynchronously into pinned memory for CUDA tensors: no synchronisation per step; CPU tensors
-  are cloned), the CPU and CUDA RNG states, the grad and training modes, and the line that made
+  are cloned), the state the call ran in (a `CallState`: CPU and CUDA RNG, autocast, grad mode;
+  the guard takes it once per call and passes it), the training mode, and the line that made
   the call.
 - `CapturedCall.replay()` rebuilds the model on CPU from the snapshot (a deep copy of the live
   module in which every parameter and buffer is replaced by its host copy: the live model and
