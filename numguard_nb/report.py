@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 from ._schema import (  # noqa: F401  (re-exported: the report's vocabulary)
     BACKWARD, BUFFER, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
-    OUTPUT, PARAM, TRACE,
+    OUTPUT, PARAM, TRACE, VALUE_TENSOR,
 )
 
 # Largest finite value of the floating dtypes people train in, by dtype name.
@@ -68,7 +68,7 @@ class TensorRow:
 
     role: str  # "weight", "input[0]", "input[attention_mask]", "output[0]", "grad_output", "weight.grad"
     category: str  # PARAM, BUFFER, INPUT, OUTPUT, GRAD_OUTPUT, GRAD_INPUT or GRAD_PARAM
-    kind: str = "tensor"  # "tensor", "none", "not a tensor", "empty", "unsupported"
+    kind: str = VALUE_TENSOR  # one of _schema's VALUE_* kinds
     dtype: Optional[str] = None
     shape: Optional[Tuple[int, ...]] = None
     abs_min: Optional[float] = None
@@ -174,11 +174,9 @@ class Report:
     frames: list
     first_nonfinite: Optional[Frame] = None
     batch_number: int = 0
-    kind: str = LATEST
+    kind: str = LATEST  # DETECTION, TRACE or LATEST
     reason: str = ""  # one sentence naming the culprit, empty when nothing is wrong
-    # "forward", "backward", "backward-inline" (a module's own code between its submodules),
-    # "weights", "data", "loss-gradient", "unattributed" or ""
-    cause: str = ""
+    cause: str = ""  # one of _schema.CAUSES ("" when nothing is wrong)
     rank: Optional[int] = None
     world_size: Optional[int] = None
     limit_dtype: Optional[str] = None
@@ -381,9 +379,9 @@ def compare_reports(a: Report, b: Report, factor: float = 10.0, details: int = 5
             continue
         matched.add(key)
         result.frames_compared += 1
-        other_rows = {(row.category, row.role): row for row in other.rows if row.kind == "tensor"}
+        other_rows = {(row.category, row.role): row for row in other.rows if row.kind == VALUE_TENSOR}
         for row in frame.rows:
-            if row.kind != "tensor":
+            if row.kind != VALUE_TENSOR:
                 continue
             twin = other_rows.get((row.category, row.role))
             if twin is None:

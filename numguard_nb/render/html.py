@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..report import FORWARD, Frame, Report, TensorRow, dtype_smallest_normal
+from .._schema import FORWARD, VALUE_TENSOR
+from ..report import Frame, Report, TensorRow, dtype_smallest_normal
 from ._format import esc
 
 __all__ = [
@@ -263,7 +264,7 @@ def tensor_table_html(rows: List[TensorRow]) -> str:
             classes.append("ng-flagged")
         if row.nonfinite:
             classes.append("ng-nonfinite")
-        if row.kind == "tensor":
+        if row.kind == VALUE_TENSOR:
             min_text = fmt_value(row.abs_min)
             if row.nonzero_abs_min is not None and row.abs_min == 0:
                 min_text += f" (\u2260 0: {fmt_value(row.nonzero_abs_min)})"

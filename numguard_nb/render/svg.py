@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Tuple
 
-from ..report import (
-    BACKWARD, GRAD_INPUT, GRAD_PARAM, OUTPUT, Frame, Report, dtype_max,
-)
+from .._schema import BACKWARD, GRAD_INPUT, GRAD_PARAM, OUTPUT, VALUE_TENSOR
+from ..report import Frame, Report, dtype_max
 from ._format import esc
 
 __all__ = ["chart_svg", "chart_points"]
@@ -27,8 +26,8 @@ MAX_MARKED_POINTS = 300
 
 def _produced(frame: Frame) -> list:
     wanted = (GRAD_INPUT, GRAD_PARAM) if frame.phase == BACKWARD else (OUTPUT,)
-    rows = [r for r in frame.rows if r.category in wanted and r.kind == "tensor"]
-    return rows or [r for r in frame.rows if r.kind == "tensor"]
+    rows = [r for r in frame.rows if r.category in wanted and r.kind == VALUE_TENSOR]
+    return rows or [r for r in frame.rows if r.kind == VALUE_TENSOR]
 
 
 def chart_points(report: Report) -> Tuple[List[Tuple[Frame, Optional[float], bool]], Optional[int]]:

@@ -9,7 +9,8 @@ mimebundle's text/plain use `report_text`.
 
 from __future__ import annotations
 
-from ..report import FORWARD, TRACE, Frame, Report, TensorRow
+from .._schema import FORWARD, TRACE, VALUE_EMPTY, VALUE_NONE, VALUE_TENSOR, VALUE_UNSUPPORTED
+from ..report import Frame, Report, TensorRow
 
 __all__ = ["COLUMNS_LINE", "row_line", "frame_lines", "report_text"]
 
@@ -17,12 +18,12 @@ _INDENT = " " * 17  # the width of the two number columns and their separator
 COLUMNS_LINE = f"{'abs min':8} {'abs max':8} metadata"
 
 # What stands in the number columns of a row that has no statistics, by row kind.
-_NO_NUMBERS = {"none": "None", "empty": "empty tensor", "unsupported": "no statistics"}
+_NO_NUMBERS = {VALUE_NONE: "None", VALUE_EMPTY: "empty tensor", VALUE_UNSUPPORTED: "no statistics"}
 
 
 def row_line(row: TensorRow) -> str:
     """One tensor: `abs min abs max role`, or what the value was instead of a tensor."""
-    if row.kind == "tensor":
+    if row.kind == VALUE_TENSOR:
         return f"{row.abs_min:8.2e} {row.abs_max:8.2e} {row.role}"
     return f"{_NO_NUMBERS.get(row.kind, 'not a tensor'):>17} {row.role}"
 
