@@ -1,8 +1,13 @@
 """The report: one representation of what the guard saw, feeding every view.
 
 A `Report` holds `Frame`s (one module call, forward or backward) made of `TensorRow`s (one
-tensor's summary). The views (Hugging Face's text format, a pandas DataFrame, static HTML, the
-widget tree) only read these objects; statistics are computed by the engine, never here.
+tensor's summary); `Report.compare` (`compare_reports`) matches two reports and returns a
+`Comparison`. This module holds the data and what is derived from it; statistics are computed
+by the engine, never here, and the views live in `render/`.
+
+The one upward edge of the package: the views of these objects (`to_text`, `to_frame`,
+`_repr_html_`, `_repr_mimebundle_`, `hf_line`, `hf_lines`) import their `render` module inside
+the method, so `render` can import this module and nothing here needs a view to load.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Optional, Tuple
 
 from ._schema import (  # noqa: F401  (re-exported: the report's vocabulary)
     BACKWARD, BUFFER, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
-    OUTPUT, PARAM, TRACE,
+    OUTPUT, PARAM, TRACE, VALUE_TENSOR,
 )
 
 # Largest finite value of the floating dtypes people train in, by dtype name.
@@ -63,7 +68,7 @@ class TensorRow:
 
     role: str  # "weight", "input[0]", "input[attention_mask]", "output[0]", "grad_output", "weight.grad"
     category: str  # PARAM, BUFFER, INPUT, OUTPUT, GRAD_OUTPUT, GRAD_INPUT or GRAD_PARAM
-    kind: str = "tensor"  # "tensor", "none", "not a tensor", "empty", "unsupported"
+    kind: str = VALUE_TENSOR  # one of _schema's VALUE_* kinds
     dtype: Optional[str] = None
     shape: Optional[Tuple[int, ...]] = None
     abs_min: Optional[float] = None
@@ -116,16 +121,10 @@ class TensorRow:
         return ", ".join(words)
 
     def hf_line(self) -> str:
-        """This row in Hugging Face's DebugUnderflowOverflow format."""
-        if self.kind == "tensor":
-            return f"{self.abs_min:8.2e} {self.abs_max:8.2e} {self.role}"
-        if self.kind == "none":
-            return f"{'None':>17} {self.role}"
-        if self.kind == "empty":
-            return f"{'empty tensor':>17} {self.role}"
-        if self.kind == "unsupported":
-            return f"{'no statistics':>17} {self.role}"
-        return f"{'not a tensor':>17} {self.role}"
+        """This row in Hugging Face's DebugUnderflowOverflow format (`render.text`)."""
+        from .render.text import row_line
+
+        return row_line(self)
 
 
 @dataclass
@@ -156,9 +155,10 @@ class Frame:
         return any(row.nonfinite for row in self.rows)
 
     def hf_lines(self) -> list:
-        suffix = "" if self.phase == FORWARD else " (backward)"
-        head = f"{' ' * 17} {self.module_name} {self.module_class}{suffix}"
-        return [head] + [row.hf_line() for row in self.rows]
+        """This frame in Hugging Face's DebugUnderflowOverflow format (`render.text`)."""
+        from .render.text import frame_lines
+
+        return frame_lines(self)
 
     def __repr__(self) -> str:
         return (
@@ -174,11 +174,9 @@ class Report:
     frames: list
     first_nonfinite: Optional[Frame] = None
     batch_number: int = 0
-    kind: str = LATEST
+    kind: str = LATEST  # DETECTION, TRACE or LATEST
     reason: str = ""  # one sentence naming the culprit, empty when nothing is wrong
-    # "forward", "backward", "backward-inline" (a module's own code between its submodules),
-    # "weights", "data", "loss-gradient", "unattributed" or ""
-    cause: str = ""
+    cause: str = ""  # one of _schema.CAUSES ("" when nothing is wrong)
     rank: Optional[int] = None
     world_size: Optional[int] = None
     limit_dtype: Optional[str] = None
@@ -203,69 +201,23 @@ class Report:
                     f"{self.batch_number}); some carry +-inf that only passed through (masks){where}")
         return f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number}){where}"
 
-    def compare(self, other: "Report", factor: float = 10.0):
+    def compare(self, other: "Report", factor: float = 10.0) -> "Comparison":
         """The first module whose abs max differs by more than `factor` between two reports
         (e.g. the traces of a batch that worked and one that did not)."""
-        from .compare import compare_reports
-
         return compare_reports(self, other, factor=factor)
 
-    # ---- views -------------------------------------------------------------------------
+    # ---- views (render/) ---------------------------------------------------------------
     def to_text(self) -> str:
         """Hugging Face's DebugUnderflowOverflow text format (plus backward frames, if any)."""
-        rank = f" (rank {self.rank}/{self.world_size})" if self.rank is not None else ""
-        phases = {frame.phase for frame in self.frames}
-        which = "forward" if phases <= {FORWARD} else "forward and backward"
-        if self.kind == TRACE:
-            lines = [
-                f"{' ' * 17} *** Starting batch number={self.batch_number} ***{rank}",
-                f"{'abs min':8} {'abs max':8} metadata",
-            ]
-            for frame in self.frames:
-                lines.extend(frame.hf_lines())
-            lines.append(f"{' ' * 17} *** Finished batch number={self.batch_number} ***")
-        else:
-            if self.first_nonfinite is not None:
-                lines = [f"Detected inf/nan during batch_number={self.batch_number}{rank}"]
-            else:
-                lines = [f"No inf/nan detected up to batch_number={self.batch_number}{rank}"]
-            lines.append(f"Last {len(self.frames)} {which} frames:")
-            lines.append(f"{'abs min':8} {'abs max':8} metadata")
-            for frame in self.frames:
-                lines.extend(frame.hf_lines())
-        if self.first_nonfinite is not None:
-            lines.append("")
-            lines.append(self.reason)
-            frame = self.first_nonfinite
-            if frame.op:
-                lines.append(f"first non-finite op: {frame.op}")
-            if frame.source:
-                lines.append(f"called from: {frame.source}")
-            if frame.op_note and not frame.op:
-                lines.append(f"op localisation: {frame.op_note}")
-        return "\n".join(lines)
+        from .render.text import report_text
+
+        return report_text(self)
 
     def to_frame(self):
         """A pandas DataFrame with one row per tensor of every frame."""
-        import pandas as pd
+        from .render.table import report_frame
 
-        columns = [
-            "frame", "batch_number", "phase", "call_index", "module_name", "module_class",
-            "role", "category", "kind", "dtype", "shape", "abs_min", "abs_max", "nan",
-            "posinf", "neginf", "range_share", "nonzero_abs_min", "predicted_overflow",
-            "predicted_underflow", "flagged",
-        ]
-        records = []
-        for index, frame in enumerate(self.frames):
-            for row in frame.rows:
-                records.append((
-                    index, frame.batch_number, frame.phase, frame.call_index, frame.module_name,
-                    frame.module_class, row.role, row.category, row.kind, row.dtype, row.shape,
-                    row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf, row.range_share,
-                    row.nonzero_abs_min, row.predicted_overflow, row.predicted_underflow,
-                    row.flagged,
-                ))
-        return pd.DataFrame.from_records(records, columns=columns)
+        return report_frame(self)
 
     def _repr_html_(self) -> str:
         from .render.html import report_html
@@ -283,3 +235,170 @@ class Report:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+# ---- comparing two reports -----------------------------------------------------------------
+# Hugging Face's debugging guide traces the batch that worked and the one that did not ("batch
+# 149 worked, batch 150 did not") and compares the numbers by eye; `compare_reports` does it.
+# It lives here, with the reports it reads, so that `Report.compare` needs no upward import.
+
+
+@dataclass
+class Comparison:
+    """Result of `compare_reports`. Falsy when no module differs by more than `factor`."""
+
+    factor: float
+    a_label: str
+    b_label: str
+    frames_compared: int = 0
+    only_in_a: int = 0
+    only_in_b: int = 0
+    module_name: Optional[str] = None  # None: nothing differs by more than the factor
+    module_class: Optional[str] = None
+    phase: Optional[str] = None
+    call_index: Optional[int] = None
+    role: Optional[str] = None
+    category: Optional[str] = None
+    a_value: Optional[float] = None  # abs max in the first report
+    b_value: Optional[float] = None  # abs max in the second report
+    ratio: Optional[float] = None  # larger / smaller (inf when one side is 0 or non-finite)
+    frame_position: Optional[int] = None  # index of the frame in the first report's frames
+    details: list = field(default_factory=list, repr=False)  # the next differing tensors, if any
+
+    @property
+    def found(self) -> bool:
+        return self.module_name is not None
+
+    def __bool__(self) -> bool:
+        return self.found
+
+    @property
+    def where(self) -> str:
+        if not self.found:
+            return ""
+        label = self.module_name or self.module_class or "the model"
+        return f"{label} ({self.module_class}) {self.phase} call {self.call_index}, {self.role}"
+
+    @property
+    def unmatched_note(self) -> str:
+        """'; 2 only in batch 3, 1 only in batch 4' for frames without a match ('' if none)."""
+        words = []
+        if self.only_in_a:
+            words.append(f"{self.only_in_a} only in {self.a_label}")
+        if self.only_in_b:
+            words.append(f"{self.only_in_b} only in {self.b_label}")
+        return "; " + ", ".join(words) if words else ""
+
+    def summary(self) -> str:
+        if not self.found:
+            return (f"no module's abs max differs by more than {self.factor:g}x between "
+                    f"{self.a_label} and {self.b_label} ({self.frames_compared} matching frames"
+                    f"{self.unmatched_note})")
+        return (f"first difference > {self.factor:g}x: {self.where}: abs max "
+                f"{format_abs_max(self.a_value)} in {self.a_label} vs "
+                f"{format_abs_max(self.b_value)} in {self.b_label} ({format_ratio(self.ratio)})")
+
+    def __repr__(self) -> str:
+        return f"<numguard comparison: {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        from .render.compare import comparison_html
+
+        return comparison_html(self)
+
+
+def format_abs_max(value: Optional[float]) -> str:
+    """An abs max as a comparison shows it: '1.2e+03', 'inf', 'nan', '-' when missing."""
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.3g}"
+
+
+def format_ratio(ratio: Optional[float]) -> str:
+    """'12.5x', or what an infinite ratio means."""
+    if ratio is None:
+        return "-"
+    if math.isinf(ratio):
+        return "finite vs inf/nan or 0"
+    return f"{ratio:.3g}x"
+
+
+def _abs_max_ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """How many times larger the larger abs max is; inf when exactly one is non-finite or zero."""
+    if a is None or b is None:
+        return None
+    a_bad = not math.isfinite(a)
+    b_bad = not math.isfinite(b)
+    if a_bad or b_bad:
+        if a_bad and b_bad:
+            return 1.0  # both inf/nan: the same failure, not a difference
+        return math.inf
+    big, small = max(a, b), min(a, b)
+    if big == 0:
+        return 1.0
+    if small == 0:
+        return math.inf
+    return big / small
+
+
+def compare_reports(a: Report, b: Report, factor: float = 10.0, details: int = 5) -> Comparison:
+    """The first module (frame order of `a`) whose abs max differs by more than `factor` in `b`.
+
+    Frames are matched on (module_name, phase, call_index) and tensors on (category, role).
+    The result names the module, the tensor, both values and their ratio; it is falsy (and says
+    so) when nothing differs by more than `factor`. `details` more differing tensors are listed in
+    `.details` (the first one included).
+    """
+    if not isinstance(a, Report) or not isinstance(b, Report):
+        raise TypeError(
+            f"compare_reports needs two numguard Reports, got {type(a).__name__} and {type(b).__name__}"
+        )
+    try:
+        factor = float(factor)
+    except (TypeError, ValueError):
+        raise ValueError(f"factor must be a number > 1, got {factor!r}") from None
+    if not factor > 1:
+        raise ValueError(f"factor must be a number > 1 (e.g. 10), got {factor!r}")
+    a_label, b_label = f"batch {a.batch_number}", f"batch {b.batch_number}"
+    if a_label == b_label:
+        a_label, b_label = f"A ({a_label})", f"B ({b_label})"
+    result = Comparison(factor=factor, a_label=a_label, b_label=b_label)
+    b_frames = {}
+    for frame in b.frames:
+        b_frames.setdefault((frame.module_name, frame.phase, frame.call_index), frame)
+    matched = set()
+    for position, frame in enumerate(a.frames):
+        key = (frame.module_name, frame.phase, frame.call_index)
+        other = b_frames.get(key)
+        if other is None or key in matched:
+            result.only_in_a += other is None
+            continue
+        matched.add(key)
+        result.frames_compared += 1
+        other_rows = {(row.category, row.role): row for row in other.rows if row.kind == VALUE_TENSOR}
+        for row in frame.rows:
+            if row.kind != VALUE_TENSOR:
+                continue
+            twin = other_rows.get((row.category, row.role))
+            if twin is None:
+                continue
+            ratio = _abs_max_ratio(row.abs_max, twin.abs_max)
+            if ratio is None or not ratio > factor:
+                continue
+            entry = {
+                "module_name": frame.module_name, "module_class": frame.module_class,
+                "phase": frame.phase, "call_index": frame.call_index, "role": row.role,
+                "category": row.category, "a_value": row.abs_max, "b_value": twin.abs_max,
+                "ratio": ratio, "frame_position": position,
+            }
+            if not result.found:
+                for name, value in entry.items():
+                    setattr(result, name, value)
+            if len(result.details) < details:
+                result.details.append(entry)
+    result.only_in_b = sum(1 for key in b_frames if key not in matched)
+    return result

@@ -272,6 +272,30 @@ def test_nan_in_the_data_fails_at_data():
     assert report.step("data").message == "sample 5 has NaN/inf in inputs"
 
 
+class KeywordClassifier(nn.Module):
+    def __init__(self, features=20):
+        super().__init__()
+        self.linear = nn.Linear(features, 2)
+
+    def forward(self, features, labels=None):
+        logits = self.linear(features)
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)}
+
+
+def test_nan_in_python_lists_of_samples_fails_at_data():
+    samples = [{"features": [0.5] * 20, "labels": index % 2} for index in range(6)]
+    samples[3]["features"][17] = float("nan")  # a long list of numbers, read as one tensor
+    report = check_pipeline(KeywordClassifier(), samples)
+    assert_stopped_at(report, "data")
+    assert report.step("data").message == "sample 3 has NaN/inf in features"
+
+    samples[3]["features"][17] = 0.5
+    samples[4]["features"] = [[0.5, 0.5], ("text", float("inf"))]  # numbers nested beside text
+    report = check_pipeline(KeywordClassifier(), samples, collate_fn=list)  # a collate_fn that reads text
+    assert_stopped_at(report, "data")
+    assert report.step("data").message == "sample 4 has NaN/inf in features"
+
+
 def test_targets_beyond_the_output_size_fail_before_the_loss():
     report = check_pipeline(TwoLayers(classes=3), classification_data(classes=5), loss_fn=nn.CrossEntropyLoss())
 

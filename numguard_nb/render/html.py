@@ -23,11 +23,12 @@ DOM (stable CSS classes, also used by the widget):
 
 from __future__ import annotations
 
-import html as _html
 import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..report import FORWARD, Frame, Report, TensorRow, dtype_smallest_normal
+from .._schema import FORWARD, VALUE_TENSOR
+from ..report import Frame, Report, TensorRow, dtype_smallest_normal
+from ._format import esc
 
 __all__ = [
     "ModuleNode", "build_tree", "report_html", "frames_html", "frame_html", "header_html",
@@ -127,15 +128,12 @@ def _culprit_index(report: Report) -> Optional[int]:
 
 def _frame_marks(frame: Frame) -> Tuple[bool, Optional[float]]:
     """(holds a non-finite value, largest shown share) of one frame, from its rows' fields."""
-    bad = False
     worst = None
     for row in frame.rows:
-        if row.nan or row.posinf or row.neginf or (row.abs_max is not None and row.abs_max == math.inf):
-            bad = True
         share = shown_share(row)
         if share is not None and (worst is None or share > worst):
             worst = share
-    return bad, worst
+    return frame.nonfinite, worst
 
 
 def build_tree(report: Report) -> Tuple[ModuleNode, Optional[int]]:
@@ -188,10 +186,6 @@ def build_tree(report: Report) -> Tuple[ModuleNode, Optional[int]]:
 
 
 # ---- formatting ----------------------------------------------------------------------------
-def esc(value) -> str:
-    return _html.escape(str(value), quote=True)
-
-
 def fmt_value(value: Optional[float]) -> str:
     if value is None:
         return ""
@@ -225,7 +219,7 @@ def shown_share(row: TensorRow) -> Optional[float]:
 
 def share_class(row: TensorRow) -> str:
     """Heat class of the abs max cell: how close the value is to its dtype's largest value."""
-    if row.nan or row.posinf or row.neginf or (row.abs_max is not None and row.abs_max == math.inf):
+    if row.nonfinite:
         return "ng-bad"
     if row.predicted_overflow:
         return "ng-h4"
@@ -268,11 +262,9 @@ def tensor_table_html(rows: List[TensorRow]) -> str:
         classes = ["ng-row", "ng-" + row.category.replace("_", "-")]
         if row.flagged:
             classes.append("ng-flagged")
-        bad = row.nan or row.posinf or row.neginf or (
-            row.abs_max is not None and row.abs_max == math.inf)
-        if bad:
+        if row.nonfinite:
             classes.append("ng-nonfinite")
-        if row.kind == "tensor":
+        if row.kind == VALUE_TENSOR:
             min_text = fmt_value(row.abs_min)
             if row.nonzero_abs_min is not None and row.abs_min == 0:
                 min_text += f" (\u2260 0: {fmt_value(row.nonzero_abs_min)})"

@@ -8,13 +8,12 @@ tooltips are SVG <title> elements.
 
 from __future__ import annotations
 
-import html as _html
 import math
 from typing import List, Optional, Tuple
 
-from ..report import (
-    BACKWARD, GRAD_INPUT, GRAD_PARAM, OUTPUT, Frame, Report, dtype_max,
-)
+from .._schema import BACKWARD, GRAD_INPUT, GRAD_PARAM, OUTPUT, VALUE_TENSOR
+from ..report import Frame, Report, dtype_max
+from ._format import esc
 
 __all__ = ["chart_svg", "chart_points"]
 
@@ -25,14 +24,10 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 44, 10, 12, 22
 MAX_MARKED_POINTS = 300
 
 
-def _esc(text) -> str:
-    return _html.escape(str(text), quote=True)
-
-
 def _produced(frame: Frame) -> list:
     wanted = (GRAD_INPUT, GRAD_PARAM) if frame.phase == BACKWARD else (OUTPUT,)
-    rows = [r for r in frame.rows if r.category in wanted and r.kind == "tensor"]
-    return rows or [r for r in frame.rows if r.kind == "tensor"]
+    rows = [r for r in frame.rows if r.category in wanted and r.kind == VALUE_TENSOR]
+    return rows or [r for r in frame.rows if r.kind == VALUE_TENSOR]
 
 
 def chart_points(report: Report) -> Tuple[List[Tuple[Frame, Optional[float], bool]], Optional[int]]:
@@ -54,12 +49,10 @@ def chart_points(report: Report) -> Tuple[List[Tuple[Frame, Optional[float], boo
         value = None
         bad = False
         for row in _produced(frame):
-            if row.nan or row.posinf or row.neginf or row.abs_max is None or math.isinf(row.abs_max) \
-                    or math.isnan(row.abs_max):
-                bad = bad or row.nan or bool(row.posinf or row.neginf) or (
-                    row.abs_max is not None and not math.isfinite(row.abs_max))
-                continue
-            if value is None or row.abs_max > value:
+            # An abs max of nan counts as non-finite here even where the row's flags missed it.
+            if row.nonfinite or (row.abs_max is not None and not math.isfinite(row.abs_max)):
+                bad = True
+            elif row.abs_max is not None and (value is None or row.abs_max > value):
                 value = row.abs_max
         points.append((frame, value, bad))
     return points, stop
@@ -121,8 +114,8 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
         title += ", up to the culprit"
     out = [
         f'<svg class="ng-chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"'
-        f' viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
-        f"<title>{_esc(title)}</title>",
+        f' viewBox="0 0 {width} {height}" role="img" aria-label="{esc(title)}">',
+        f"<title>{esc(title)}</title>",
         f'<rect x="{_LEFT}" y="{_TOP}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#ddd"/>',
     ]
     # y ticks: about five powers of ten
@@ -141,7 +134,7 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
             f'<line class="ng-limit" x1="{_LEFT}" y1="{_num(y)}" x2="{_LEFT + plot_w}" y2="{_num(y)}"'
             f' stroke="#c00" stroke-dasharray="4 3"/>'
             f'<text x="{_LEFT + plot_w - 2}" y="{_num(y - 3)}" font-size="9" text-anchor="end" fill="#c00">'
-            f"{_esc(dtype)} max {limit:.5g}</text>"
+            f"{esc(dtype)} max {limit:.5g}</text>"
         )
     # the line through the finite points
     segment: list = []
@@ -169,7 +162,7 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
             text = f"{label}: inf/nan"
             out.append(
                 f'<path class="ng-point ng-point-bad" d="M{x},{_num(y + 7)} l-4,-7 l8,0 z" fill="#c00">'
-                f"<title>{_esc(text)}</title></path>"
+                f"<title>{esc(text)}</title></path>"
             )
         if value is not None and value > 0:
             y = _num(y_of(math.log10(value)))
@@ -178,7 +171,7 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
             radius = 3.5 if is_culprit else 2
             out.append(
                 f'<circle class="ng-point{" ng-point-culprit" if is_culprit else ""}" cx="{x}" cy="{y}"'
-                f' r="{radius}" fill="{colour}"><title>{_esc(text)}</title></circle>'
+                f' r="{radius}" fill="{colour}"><title>{esc(text)}</title></circle>'
             )
     out.append(
         f'<text x="{_LEFT}" y="{height - 6}" font-size="9" fill="#666">frame 0</text>'

@@ -30,8 +30,9 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ..report import Report
+from ._format import esc
 from .html import (
-    STYLE, ModuleNode, build_tree, esc, frames_html, header_html, node_classes, node_info_html,
+    STYLE, ModuleNode, build_tree, frames_html, header_html, node_classes, node_info_html,
     report_html,
 )
 

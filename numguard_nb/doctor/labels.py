@@ -1,0 +1,80 @@
+"""Class labels against the model's outputs: a label beyond the classifier's size fails deep
+inside the loss (a device-side assert on GPU), so the doctor compares them before the forward
+(Hugging Face classifiers, whose forward computes the loss) or before the loss (a loss_fn)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .checklist import StepFailed
+from .samples import numeric_leaves
+
+__all__ = [
+    "IGNORED_LABEL", "LABEL_KEYS", "LABEL_ALIASES", "classifier_size", "class_count",
+    "label_values", "raise_on_label_range",
+]
+
+# Hugging Face losses skip positions labelled -100.
+IGNORED_LABEL = -100
+LABEL_KEYS = ("labels", "label", "label_ids")
+# Hugging Face collators rename these to "labels" before the model sees them.
+LABEL_ALIASES = ("label", "label_ids")
+
+
+def classifier_size(model: nn.Module) -> int | None:
+    """The number of logits of a Hugging Face single-label classification head, or None."""
+    config = getattr(model, "config", None)
+    num_labels = getattr(config, "num_labels", None)
+    if "Classification" not in type(model).__name__ or not isinstance(num_labels, int) or num_labels < 2:
+        return None
+    if getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
+        return None
+    return num_labels
+
+
+def class_count(logits: torch.Tensor | None, target: Any) -> int | None:
+    """How many classes the logits score, when they and the target are laid out for classification."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return None
+    if not logits.is_floating_point() or target.is_floating_point() or target.dtype == torch.bool:
+        return None
+    if logits.ndim != target.ndim + 1:
+        return None
+    if logits.shape[:-1] == target.shape:
+        return logits.shape[-1]  # (..., classes): the Hugging Face layout
+    if (logits.shape[0],) + logits.shape[2:] == target.shape:
+        return logits.shape[1]  # (batch, classes, ...): CrossEntropyLoss's layout
+    return None
+
+
+def label_values(samples: list, batch: Any, style: str) -> torch.Tensor | None:
+    """The integer labels of the scanned samples and the batch, -100 left out; None if not integers."""
+    if style == "keyword":
+        found = [sample[key] for sample in samples for key in LABEL_KEYS if key in sample]
+        found += [batch[key] for key in LABEL_KEYS if key in batch]
+    else:
+        found = [target for _, target in samples] + [batch[1]]
+    leaves = [leaf.reshape(-1) for value in found for leaf in numeric_leaves(value)]
+    if not leaves or any(leaf.is_floating_point() or leaf.dtype == torch.bool for leaf in leaves):
+        return None
+    values = torch.cat([leaf.long() for leaf in leaves])
+    return values[values != IGNORED_LABEL]
+
+
+def raise_on_label_range(values: torch.Tensor | None, num_outputs: int, fix: Callable[[int], str]) -> None:
+    """Fail when a label is not a class of ``num_outputs``; ``fix(needed)`` says how to get enough."""
+    if values is None or values.numel() == 0:
+        return
+    highest, lowest = int(values.max()), int(values.min())
+    if highest >= num_outputs:
+        raise StepFailed(f"labels go up to {highest} but the model outputs {num_outputs} logits", fix(highest + 1))
+    if lowest < 0:
+        raise StepFailed(
+            f"labels go down to {lowest}: class labels must be in 0..{num_outputs - 1} "
+            f"({IGNORED_LABEL} marks positions to ignore)",
+            "map the labels to 0..n-1 before training",
+        )
+

@@ -1,0 +1,36 @@
+"""The tabular view of a `Report`: a pandas DataFrame with one row per tensor of every frame.
+
+`report.to_frame()` returns it; the widget shows one module's slice of it. pandas is imported
+only when a table is asked for.
+"""
+
+from __future__ import annotations
+
+from ..report import Report
+
+__all__ = ["COLUMNS", "report_frame"]
+
+COLUMNS = [
+    "frame", "batch_number", "phase", "call_index", "module_name", "module_class",
+    "role", "category", "kind", "dtype", "shape", "abs_min", "abs_max", "nan",
+    "posinf", "neginf", "range_share", "nonzero_abs_min", "predicted_overflow",
+    "predicted_underflow", "flagged",
+]
+
+
+def report_frame(report: Report):
+    """The DataFrame: frame-level columns (index in `report.frames`, batch, phase, call, module)
+    followed by the row's fields, in `COLUMNS` order."""
+    import pandas as pd
+
+    records = []
+    for index, frame in enumerate(report.frames):
+        for row in frame.rows:
+            records.append((
+                index, frame.batch_number, frame.phase, frame.call_index, frame.module_name,
+                frame.module_class, row.role, row.category, row.kind, row.dtype, row.shape,
+                row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf, row.range_share,
+                row.nonzero_abs_min, row.predicted_overflow, row.predicted_underflow,
+                row.flagged,
+            ))
+    return pd.DataFrame.from_records(records, columns=COLUMNS)

@@ -1,0 +1,71 @@
+"""Hugging Face's DebugUnderflowOverflow text format of a `Report`.
+
+The lines are the ones `transformers.debug_utils.DebugUnderflowOverflow` prints, so a report
+reads like the tool people already know: per frame a head line (module name and class), then
+one line per tensor (`abs min`, `abs max`, role). Backward frames, which Hugging Face's tool
+does not have, say so in their head line. `report.to_text()`, `str(report)` and the
+mimebundle's text/plain use `report_text`.
+"""
+
+from __future__ import annotations
+
+from .._schema import FORWARD, TRACE, VALUE_EMPTY, VALUE_NONE, VALUE_TENSOR, VALUE_UNSUPPORTED
+from ..report import Frame, Report, TensorRow
+
+__all__ = ["COLUMNS_LINE", "row_line", "frame_lines", "report_text"]
+
+_INDENT = " " * 17  # the width of the two number columns and their separator
+COLUMNS_LINE = f"{'abs min':8} {'abs max':8} metadata"
+
+# What stands in the number columns of a row that has no statistics, by row kind.
+_NO_NUMBERS = {VALUE_NONE: "None", VALUE_EMPTY: "empty tensor", VALUE_UNSUPPORTED: "no statistics"}
+
+
+def row_line(row: TensorRow) -> str:
+    """One tensor: `abs min abs max role`, or what the value was instead of a tensor."""
+    if row.kind == VALUE_TENSOR:
+        return f"{row.abs_min:8.2e} {row.abs_max:8.2e} {row.role}"
+    return f"{_NO_NUMBERS.get(row.kind, 'not a tensor'):>17} {row.role}"
+
+
+def frame_lines(frame: Frame) -> list:
+    """One module call: its head line, then a line per tensor."""
+    suffix = "" if frame.phase == FORWARD else " (backward)"
+    head = f"{_INDENT} {frame.module_name} {frame.module_class}{suffix}"
+    return [head] + [row_line(row) for row in frame.rows]
+
+
+def report_text(report: Report) -> str:
+    """The whole report: a trace as Hugging Face prints a batch, a detection as it prints the
+    frames before the first inf/nan, then the reason and where the culprit was called from."""
+    rank = f" (rank {report.rank}/{report.world_size})" if report.rank is not None else ""
+    phases = {frame.phase for frame in report.frames}
+    which = "forward" if phases <= {FORWARD} else "forward and backward"
+    if report.kind == TRACE:
+        lines = [
+            f"{_INDENT} *** Starting batch number={report.batch_number} ***{rank}",
+            COLUMNS_LINE,
+        ]
+        for frame in report.frames:
+            lines.extend(frame_lines(frame))
+        lines.append(f"{_INDENT} *** Finished batch number={report.batch_number} ***")
+    else:
+        if report.first_nonfinite is not None:
+            lines = [f"Detected inf/nan during batch_number={report.batch_number}{rank}"]
+        else:
+            lines = [f"No inf/nan detected up to batch_number={report.batch_number}{rank}"]
+        lines.append(f"Last {len(report.frames)} {which} frames:")
+        lines.append(COLUMNS_LINE)
+        for frame in report.frames:
+            lines.extend(frame_lines(frame))
+    if report.first_nonfinite is not None:
+        lines.append("")
+        lines.append(report.reason)
+        frame = report.first_nonfinite
+        if frame.op:
+            lines.append(f"first non-finite op: {frame.op}")
+        if frame.source:
+            lines.append(f"called from: {frame.source}")
+        if frame.op_note and not frame.op:
+            lines.append(f"op localisation: {frame.op_note}")
+    return "\n".join(lines)
