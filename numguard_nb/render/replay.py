@@ -6,12 +6,12 @@ made from one list of (style, text) lines, so they always say the same thing.
 
 from __future__ import annotations
 
-import html
 from typing import List, Tuple
 
 import torch
 
 from .._util import dtype_name, error_line
+from ._format import esc
 
 Lines = List[Tuple[str, str]]  # (style, text); styles: head, section, error, info, code, note
 
@@ -105,7 +105,7 @@ def _html(lines: Lines, ok: bool) -> str:
     parts = [f'<div class="numguard-replay" style="font-family:monospace;border-left:4px solid {colour};'
              'padding:4px 8px">']
     for style, text in lines:
-        text = html.escape(text)
+        text = esc(text)
         if style == "head":
             parts.append(f'<div style="font-weight:bold;color:{colour}">{text}</div>')
         elif style == "code":
