@@ -37,9 +37,7 @@ from ..ops.recorder import OpRecorder
 from ..report import Report
 from . import detect, frames
 from .options import GuardOptions
-from .passes import (
-    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, CallRecord, PassRecord,
-)
+from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, CallRecord, PassRecord
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
@@ -400,7 +398,7 @@ class Guard:
             recomputing = _graph_task_id() != -1
             self._begin_forward(module_id, recomputing)
             if not recomputing:
-                # One call state for everything that may re-run this call.
+                # The state the call starts in (RNG, autocast, grad mode), to re-run it from.
                 state = take_call_state() if self._op_recorder is not None else None
                 if self._capture is not None:
                     self._capture.record(self._names[module_id], module, args, kwargs)

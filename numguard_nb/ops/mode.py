@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .. import _tree
-from .._schema import BACKWARD, FORWARD, PROBLEM_NAN
+from .._schema import FORWARD, PROBLEM_NAN
 from .._util import error_line, is_internal_file
 
 __all__ = ["RerunMode", "nonfinite_kinds", "kinds_phrase"]

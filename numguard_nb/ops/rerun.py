@@ -163,6 +163,8 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
 
 
 def _run_backward(mode: RerunMode, output, root_grad_outputs, culprit, outcome: dict) -> None:
+    # Paired by position with the gradients kept at the failing call's outputs: both sides walk
+    # the outputs with _tree.tensors (see OpRecorder.keep_root_grads).
     outputs = _tree.tensors(output)
     grads = list(root_grad_outputs) if root_grad_outputs is not None else []
     if len(grads) != len(outputs):
