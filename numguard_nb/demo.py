@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .guard import Guard, NonFiniteError
+from .errors import NonFiniteError
+from .guard import Guard
 
 
 def build_overflowing_t5(seed: int = 0):

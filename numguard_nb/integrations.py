@@ -28,7 +28,7 @@ from typing import Callable
 
 from torch import nn
 
-from .guard import Guard
+from .guard import Guard, GuardOptions
 from .report import Report
 
 
@@ -37,9 +37,7 @@ class _GuardedRun:
 
     def __init__(self, **guard_options):
         # Fail at construction on a misspelt option or a bad value, not when training starts.
-        Guard(nn.Identity(), **guard_options)
-        self._user_on_detect = guard_options.pop("on_detect", None)
-        self.guard_options = guard_options
+        self.options = GuardOptions(**guard_options)
         self.guard: Guard | None = None
 
     @property
@@ -49,7 +47,8 @@ class _GuardedRun:
 
     def start(self, model: nn.Module) -> None:
         self.detach()  # a run that crashed outside `with` may have left its hooks
-        self.guard = Guard(model, on_detect=self._on_detect, **self.guard_options).attach()
+        options = self.options.replace(on_detect=self._on_detect)
+        self.guard = Guard(model, **options.as_kwargs()).attach()
 
     def detach(self) -> None:
         """Remove the guard's hooks (idempotent); the report stays available."""
@@ -59,7 +58,8 @@ class _GuardedRun:
     def _on_detect(self, report: Report):
         # The NonFiniteError about to be raised ends the run: leave no hooks behind.
         self.detach()
-        return self._user_on_detect(report) if self._user_on_detect is not None else None
+        user_on_detect = self.options.on_detect
+        return user_on_detect(report) if user_on_detect is not None else None
 
     def __enter__(self):
         return self

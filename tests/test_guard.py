@@ -817,7 +817,7 @@ def test_memory_stays_bounded_over_thousands_of_steps():
                 if step in (10, 1000, 2000):
                     gc.collect()
                     tensors[step] = _live_tensors()
-                    handles[step] = len(guard._tensor_handles)
+                    handles[step] = len(guard._grad_hooks.handles)
                     traced[step] = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()

@@ -119,6 +119,14 @@ def test_callback_rejects_an_unknown_guard_option():
         NumguardCallback(max_frame=3)
 
 
+def test_callback_checks_option_values_at_construction():
+    with pytest.raises(ValueError, match="backward must be True or False, got 'no'"):
+        NumguardCallback(backward="no")
+    with pytest.raises(ValueError, match="max_frames must be a positive integer"):
+        NumguardCallback(max_frames=0)
+    assert NumguardCallback(max_frames=3, trace_batches=[1]).options.trace_batches == frozenset({1})
+
+
 # ------------------------------------------------------------------ Lightning
 
 

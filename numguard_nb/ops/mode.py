@@ -1,8 +1,6 @@
-"""Op localisation: re-run the failing step and name the ATen op and the source line that went bad.
+"""The dispatch mode of an op-localisation re-run, and the checks it makes on every ATen op.
 
-The guard finds the culprit at module granularity. On a detection (with `ops=True`) it calls
-`localise_forward` or `localise_backward`, which re-run the last top-level call of the model with
-the same inputs, the same RNG state and the same weights, under a `TorchDispatchMode` that:
+`RerunMode` is entered around the re-run of a top-level call (see `rerun`). It:
 
 - outside the culprit's call only watches writes, so that every parameter, buffer or input the
   re-run writes to is copied first and put back afterwards (values and version counters), and a
@@ -13,37 +11,35 @@ the same inputs, the same RNG state and the same weights, under a `TorchDispatch
   magnitude beyond it) that its inputs, tensors and scalars, did not hold, noting the innermost
   Python frame outside torch/ and numguard_nb/;
 - for backward, records the autograd nodes created inside the culprit's call with the line that
-  created each, then runs `torch.autograd.grad` from the root's outputs (never `.backward()`, so
-  no `.grad` field is touched) and names the first op executed by one of those nodes
-  (`torch._C._current_autograd_node()`) that turned finite gradients non-finite.
-
-The user's RNG stream, the modules' training flags, parameters, buffers and inputs are left as
-they were; every failure of this module is caught and returned as an `OpLocation` note.
+  created each, and in the backward stage checks only the ops executed by one of those nodes
+  (`torch._C._current_autograd_node()`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import linecache
 import math
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _tree
-from .callstate import CallState, enter_autocast, take as rng_state
-from ._util import error_line, is_internal_file
+from .. import _tree
+from .._schema import FORWARD, PROBLEM_NAN
+from .._util import error_line, is_internal_file
 
-__all__ = ["OpLocation", "CallState", "rng_state", "localise_forward", "localise_backward"]
+__all__ = ["RerunMode", "nonfinite_kinds", "kinds_phrase"]
 
+# What an op's values can hold that matters here: nan, and inf of either sign (or, with a limit,
+# a magnitude beyond it). Coarser than the guard's problem kinds: an op is only asked whether it
+# made something non-finite that it was not given.
 _EMPTY = frozenset()
-_NAN = "nan"
+_NAN = PROBLEM_NAN
 _INF = "inf"
+
 
 # Ops whose outputs hold uninitialised memory: garbage in them is not a numerical problem.
 _UNINITIALISED = frozenset((
@@ -57,30 +53,8 @@ _UNANNOTATED_STAT_WRITERS = frozenset((
     "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
 ))
 
-# ---- the result ----------------------------------------------------------------------------------
-@dataclass
-class OpLocation:
-    """Where a re-run of the failing step first produced a non-finite value, at op level."""
 
-    op: Optional[str] = None  # e.g. "aten.exp.default"
-    node: Optional[str] = None  # backward only: the autograd node, e.g. "SqrtBackward0"
-    # the Python line that called the op (backward: the forward line that created the node)
-    filename: Optional[str] = None
-    lineno: Optional[int] = None
-    line: Optional[str] = None
-    reproduced: bool = False  # the re-run reproduced the non-finite value in the culprit
-    note: str = ""  # one sentence: what was found, or why it could not be localised
-
-    @property
-    def source(self) -> Optional[str]:
-        """"file:line: code" of the Python line, or None when unknown."""
-        if self.filename is None:
-            return None
-        where = f"{self.filename}:{self.lineno}"
-        return f"{where}: {self.line}" if self.line else where
-
-
-# ---- small helpers -------------------------------------------------------------------------------
+# ---- checks on values and ops ----------------------------------------------------------------
 def _user_frame():
     """(filename, lineno) of the innermost Python frame outside torch/ and numguard_nb/."""
     frame = sys._getframe(1)
@@ -90,17 +64,6 @@ def _user_frame():
             return filename, frame.f_lineno
         frame = frame.f_back
     return None, None
-
-
-def _code_line(filename, lineno) -> Optional[str]:
-    if filename is None or lineno is None:
-        return None
-    text = linecache.getline(filename, lineno).strip()
-    return text or None
-
-
-def _describe(kinds) -> str:
-    return " and ".join(k for k in (_NAN, _INF) if k in kinds) or "finite values"
 
 
 def _scalar_kinds(value, limit) -> frozenset:
@@ -119,10 +82,10 @@ def _scalar_kinds(value, limit) -> frozenset:
     return frozenset(kinds)
 
 
-def _kinds(values, limit=None) -> frozenset:
+def nonfinite_kinds(values, limit=None) -> frozenset:
     """{'nan', 'inf'} subset held by tensors and float scalars in `values` (one sync per device).
 
-    With `limit`, a magnitude above it counts as 'inf'. Call with autograd and the watch off.
+    With `limit`, a magnitude above it counts as 'inf'. Call with autograd and the mode's checks off.
     """
     kinds = set()
     flags: dict = {}
@@ -152,6 +115,11 @@ def _kinds(values, limit=None) -> frozenset:
     return frozenset(kinds)
 
 
+def kinds_phrase(kinds) -> str:
+    """'nan and inf', 'inf', ... for a sentence."""
+    return " and ".join(k for k in (_NAN, _INF) if k in kinds) or "finite values"
+
+
 def _storage_key(t: torch.Tensor):
     try:
         ptr = t.untyped_storage().data_ptr()
@@ -160,32 +128,6 @@ def _storage_key(t: torch.Tensor):
     if not ptr:
         return None
     return (t.device.type, t.device.index, ptr)
-
-
-def _leafify(value, depth: int = 0):
-    """Replace non-leaf tensors that require grad by detached leaves (same storage), so that the
-    re-run's backward stops at the inputs instead of walking into the original graph."""
-    if isinstance(value, torch.Tensor):
-        if value.requires_grad and value.grad_fn is not None:
-            return value.detach().requires_grad_(True)
-        return value
-    if depth >= 4:
-        return value
-    if isinstance(value, (tuple, list)):
-        items = [_leafify(v, depth + 1) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        if isinstance(value, list):
-            return items
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return tuple(items) if type(value) is tuple else value
-    if type(value) is dict:
-        items = {k: _leafify(v, depth + 1) for k, v in value.items()}
-        if all(items[k] is value[k] for k in value):
-            return value
-        return items
-    return value
 
 
 class _OpInfo:
@@ -224,12 +166,8 @@ def _current_node():
     return getter() if getter is not None else None
 
 
-# ---- the watch -----------------------------------------------------------------------------------
-FORWARD = "forward"
-BACKWARD = "backward"
-
-
-class _Watch(TorchDispatchMode):
+# ---- the mode ----------------------------------------------------------------------------------
+class RerunMode(TorchDispatchMode):
     """The dispatch mode of one re-run: protects state everywhere, checks ops in the culprit."""
 
     def __init__(self, culprit, call_index, limit, record_nodes, has_rng, allow_inf=False):
@@ -349,7 +287,7 @@ class _Watch(TorchDispatchMode):
             with self.internal():
                 received = _tree.tensors((args, kwargs))
                 weights = [p for p in module._parameters.values() if p is not None]
-                self.in_kinds = _kinds(received + weights, self.limit)
+                self.in_kinds = nonfinite_kinds(received + weights, self.limit)
                 if self.stage == FORWARD and self.record_nodes:
                     self.grad_inputs = [t for t in received if t.requires_grad]
         except Exception as error:
@@ -365,7 +303,7 @@ class _Watch(TorchDispatchMode):
         self.target_done = True
         try:
             with self.internal():
-                self.out_kinds = _kinds(_tree.tensors(output), self.limit)
+                self.out_kinds = nonfinite_kinds(_tree.tensors(output), self.limit)
                 if self.record_nodes:
                     self._resolve(final=True)
                     for t in _tree.tensors(output):
@@ -378,7 +316,7 @@ class _Watch(TorchDispatchMode):
     def _grad_output_hook(self, grad):
         try:
             with self.internal():
-                kinds = _kinds([grad], self.limit)
+                kinds = nonfinite_kinds([grad], self.limit)
             with self.lock:
                 self.grad_out_kinds = self.grad_out_kinds | kinds
         except Exception as error:
@@ -488,7 +426,7 @@ class _Watch(TorchDispatchMode):
         """What the tensors an op is about to update in place hold before it runs (`out=`
         arguments excluded: their old values are overwritten, not used)."""
         updated = [t for t, kwarg_only in written if not kwarg_only]
-        return _kinds(updated, self.limit) if updated else _EMPTY
+        return nonfinite_kinds(updated, self.limit) if updated else _EMPTY
 
     def _after(self, func, args, kwargs, out, context):
         info, written, where, node, check, held = context
@@ -502,12 +440,12 @@ class _Watch(TorchDispatchMode):
         if not check or self.found is not None:
             return
         with torch.no_grad():
-            produced = _kinds(outputs, self.limit)
+            produced = nonfinite_kinds(outputs, self.limit)
             if not produced:
                 return
             written_ids = {id(t) for t, _ in written}
             # tensors updated in place count with what they held before the op
-            received = held | _kinds(
+            received = held | nonfinite_kinds(
                 [v for v in tree_leaves((args, kwargs))
                  if not (isinstance(v, torch.Tensor) and id(v) in written_ids)],
                 self.limit,
@@ -536,229 +474,3 @@ class _Watch(TorchDispatchMode):
         self.versions = {}
         self.snapshots = {}
 
-
-# ---- the re-run ----------------------------------------------------------------------------------
-def _problem(root, culprit, call_index, limit) -> Optional[str]:
-    if not isinstance(root, torch.nn.Module):
-        return f"the root is a {type(root).__name__}, not a torch.nn.Module"
-    if not isinstance(culprit, torch.nn.Module):
-        return f"the culprit is a {type(culprit).__name__}, not a torch.nn.Module"
-    if isinstance(call_index, bool) or not isinstance(call_index, int) or call_index < 0:
-        return f"call_index must be a call number >= 0, got {call_index!r}"
-    if limit is not None and not isinstance(limit, (int, float)):
-        return f"limit must be a number or None, got {limit!r}"
-    return None
-
-
-def _failure(note: str) -> OpLocation:
-    return OpLocation(reproduced=False, note=note)
-
-
-def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
-              backward: bool, allow_inf: bool = False) -> OpLocation:
-    problem = _problem(root, culprit, call_index, limit)
-    if problem is not None:
-        return _failure(f"could not localise the op: {problem}")
-    if args is None:
-        args = ()
-    if not isinstance(args, tuple):
-        args = tuple(args) if isinstance(args, list) else (args,)
-    kwargs = dict(kwargs or {})
-    limit = float(limit) if limit is not None else None
-    if rng is not None and not isinstance(rng, CallState):
-        return _failure(f"could not localise the op: rng is a {type(rng).__name__}, "
-                        "not a snapshot taken with numguard_nb.ops.rng_state()")
-
-    user_state = rng_state()
-    modules = {id(m): m for m in root.modules()}
-    modules.update((id(m), m) for m in culprit.modules())
-    flags = [(m, m.training) for m in modules.values()]
-    watch = _Watch(culprit, call_index, limit, record_nodes=backward, has_rng=rng is not None,
-                   allow_inf=bool(allow_inf))
-    handles = []
-    outcome: dict = {}
-    try:
-        for owner in (root, culprit):
-            for name, p in owner.named_parameters():
-                watch.protect("param", name, p)
-            for name, b in owner.named_buffers():
-                watch.protect("buffer", name, b)
-        for role, t in list(_tree.named_leaves(args, "input")) + list(_tree.named_leaves(kwargs, "input")):
-            if isinstance(t, torch.Tensor):
-                watch.protect("input", role, t)
-        handles.append(culprit.register_forward_pre_hook(watch.pre_hook, with_kwargs=True,
-                                                         prepend=True))
-        handles.append(culprit.register_forward_hook(watch.post_hook, with_kwargs=True,
-                                                     always_call=True))
-        if backward:
-            args, kwargs = _leafify(args), _leafify(kwargs)
-        if rng is not None:
-            rng.restore()
-        with contextlib.ExitStack() as stack:
-            enter_autocast(rng, stack)
-            if backward:
-                stack.enter_context(torch.enable_grad())
-            elif rng is not None and rng.inference:
-                stack.enter_context(torch.inference_mode())
-            else:
-                stack.enter_context(torch.no_grad())
-            try:
-                with watch:
-                    output = root(*args, **kwargs)
-            except Exception as error:
-                outcome["raised"] = error_line(error)
-                output = None
-        # backward runs outside autocast, as the user's own backward does
-        if backward and "raised" not in outcome:
-            _run_backward(watch, output, root_grad_outputs, culprit, outcome)
-        output = None
-    finally:
-        for handle in handles:
-            handle.remove()
-        failed = watch.restore()
-        if failed:
-            outcome["unrestored"] = failed
-        for module, flag in flags:
-            module.training = flag
-        user_state.restore()
-    try:
-        return _conclude(watch, outcome, culprit, call_index, limit, backward)
-    finally:
-        watch.clear()
-
-
-def _run_backward(watch: _Watch, output, root_grad_outputs, culprit, outcome: dict) -> None:
-    outputs = _tree.tensors(output)
-    grads = list(root_grad_outputs) if root_grad_outputs is not None else []
-    if len(grads) != len(outputs):
-        outcome["backward"] = (f"root_grad_outputs holds {len(grads)} gradient(s) for the "
-                               f"{len(outputs)} output tensor(s) of the re-run")
-        return
-    pairs = [(o, g) for o, g in zip(outputs, grads)
-             if g is not None and isinstance(g, torch.Tensor) and o.requires_grad]
-    if not pairs:
-        outcome["backward"] = "no output of the re-run both requires grad and got a gradient"
-        return
-    if not watch.target_done:
-        return  # _conclude says the call did not happen
-    inputs, seen = [], set()
-    candidates = list(watch.grad_inputs) + list(watch.leaves.values()) + [
-        p for p in culprit.parameters() if p.requires_grad
-    ]
-    for t in candidates:
-        if id(t) not in seen:
-            seen.add(id(t))
-            inputs.append(t)
-    if not inputs:
-        outcome["backward"] = "nothing the culprit's call used requires grad"
-        return
-    watch.stage = BACKWARD
-    try:
-        with watch:
-            results = torch.autograd.grad(
-                [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True,
-            )
-    except Exception as error:
-        outcome["raised"] = f"{error_line(error)} (in backward)"
-        return
-    finally:
-        pairs = outputs = None
-    if all(r is None for r in results):
-        outcome["backward"] = "no gradient from the root's outputs reached the culprit's call"
-        return
-    with watch.internal():
-        outcome["grad_in_kinds"] = _kinds([r for r in results if r is not None], watch.limit)
-
-
-def _conclude(watch: _Watch, outcome: dict, culprit, call_index, limit, backward) -> OpLocation:
-    name = watch.culprit_class
-    call = f"call {call_index} of {name}"
-    errors = f" (numguard's own checks failed: {watch.errors[0]})" if watch.errors else ""
-    if "unrestored" in outcome:
-        errors += f" (could not put back {', '.join(outcome['unrestored'])})"
-    if "raised" in outcome:
-        return _failure(f"the re-run raised {outcome['raised']}, so the op could not be "
-                        f"localised{errors}")
-    if watch.calls <= call_index:
-        return _failure(f"the re-run called {name} {watch.calls} time(s), so {call} never ran: "
-                        f"the step cannot be reproduced{errors}")
-    reason = watch.inexact_reason()
-    if reason is not None:
-        return _failure(f"the re-run cannot reproduce the failing step exactly: {reason}{errors}")
-    found = watch.found
-    where = ""
-    if found is not None:
-        line = _code_line(found["filename"], found["lineno"])
-        where = f" at {found['filename']}:{found['lineno']}" if found["filename"] else ""
-    bound = f" or values beyond {limit:g}" if limit is not None else ""
-
-    if not backward:
-        produced = watch.out_kinds - watch.in_kinds - watch.ignored
-        if not produced:
-            hint = (f" (an intermediate {found['op']}{where} did produce "
-                    f"{_describe(found['kinds'])})" if found is not None else "")
-            return _failure(f"the re-run of {call} returned only finite values{hint}: the failing "
-                            f"step could not be reproduced{errors}")
-        if found is None:
-            return OpLocation(
-                reproduced=True,
-                note=(f"the re-run of {call} produced {_describe(produced)}{bound} again, but no "
-                      f"single ATen op turned values free of them into them{errors}"),
-            )
-        return OpLocation(
-            op=found["op"], filename=found["filename"], lineno=found["lineno"], line=line,
-            reproduced=True,
-            note=(f"{found['op']} turned finite inputs into {_describe(found['kinds'])}{bound} "
-                  f"in {call}{where}{errors}"),
-        )
-
-    if "backward" in outcome:
-        return _failure(f"could not re-run backward: {outcome['backward']}{errors}")
-    if found is not None:
-        created = f", created{where}" if where else ""
-        return OpLocation(
-            op=found["op"], node=found["node"], filename=found["filename"],
-            lineno=found["lineno"], line=line, reproduced=True,
-            note=(f"{found['op']} in {found['node']}{created}, turned finite gradients into "
-                  f"{_describe(found['kinds'])}{bound} in the backward of {call}{errors}"),
-        )
-    produced = outcome.get("grad_in_kinds", _EMPTY) - watch.grad_out_kinds - watch.ignored
-    if produced:
-        return OpLocation(
-            reproduced=True,
-            note=(f"the re-run's backward of {call} produced {_describe(produced)}{bound} again, "
-                  "but no single ATen op of its autograd nodes turned finite gradients into them "
-                  f"(e.g. gradients summed where they meet){errors}"),
-        )
-    return _failure(f"the re-run's backward of {call} produced only finite gradients: the "
-                    f"failing step could not be reproduced{errors}")
-
-
-# ---- the API -------------------------------------------------------------------------------------
-def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *,
-                     allow_inf=False) -> OpLocation:
-    """Re-run `root(*args, **kwargs)` under no_grad with the RNG state `rng` (from `rng_state()`,
-    taken before the failing call) and name the first ATen op inside call `call_index` of
-    `culprit` that turned finite inputs into inf/nan (or, with `limit`, beyond it). With
-    `allow_inf` (the culprit is allowed to produce inf), only nan counts. Never raises.
-    """
-    try:
-        return _localise(root, args, kwargs, rng, None, culprit, call_index, limit, backward=False,
-                         allow_inf=allow_inf)
-    except Exception as error:
-        return _failure(f"op localisation failed: {error_line(error)}")
-
-
-def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_index,
-                      limit=None, *, allow_inf=False) -> OpLocation:
-    """Re-run the forward with grad enabled, then backward from the root's output tensors (in
-    `_tree.tensors` order) with `root_grad_outputs` (None entries: no gradient), and name the first
-    ATen op run by an autograd node created in call `call_index` of `culprit` that turned finite
-    gradients non-finite, with the forward line that created the node. `.grad` fields are not
-    touched (`torch.autograd.grad`). With `allow_inf`, only nan counts. Never raises.
-    """
-    try:
-        return _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
-                         backward=True, allow_inf=allow_inf)
-    except Exception as error:
-        return _failure(f"op localisation failed: {error_line(error)}")

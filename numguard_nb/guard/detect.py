@@ -1,0 +1,188 @@
+"""Who made the first non-finite value: the producer-vs-carrier rules, over a pass's recorded slots.
+
+A value's *kinds* say what is wrong with it: a subset of {nan, +inf, -inf, overflow}. Kinds are
+compared between what a call received and what it gave out: a -inf attention mask passing
+through a call is no news, a +inf appearing next to it is. So the culprit is the first call
+whose outputs (forward) or input and parameter gradients (backward) hold a kind that nothing it
+received held; weights, buffers and the data fed to the model are named as such.
+
+Every function reads slots (see `passes`) and a pass's host values. `rules` is anything with
+`limit_max` (a float, or None) and `inf_allowed(module_name) -> bool`: a `GuardOptions` is one.
+A culprit is `(call, bad slots, cause)`, the cause one of `_schema`'s CAUSE_* names.
+
+The search also keeps the bookkeeping that lets sync mode feed calls (forward) or slots
+(backward) one at a time: what a parent received from its children (`CallRecord.child_kinds`),
+and what each backward call has received so far (`PassRecord.note_received`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from .. import stats as _stats
+from .._schema import (
+    BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
+    CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM,
+    INPUT, OUTPUT, PARAM, PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_OVERFLOW, PROBLEM_POSINF,
+)
+from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassRecord
+
+__all__ = [
+    "NAN", "OVERFLOW", "INF_KINDS", "has_problem", "value_kinds", "forward_culprit",
+    "backward_culprit", "first_nan", "find_in_forward", "find_in_backward", "find_in_trace",
+]
+
+NAN = frozenset((PROBLEM_NAN,))
+OVERFLOW = frozenset((PROBLEM_OVERFLOW,))  # finite, but beyond limit_dtype's largest value
+INF_KINDS = frozenset((PROBLEM_POSINF, PROBLEM_NEGINF, PROBLEM_OVERFLOW))  # what allow_inf allows
+
+
+def has_problem(pass_: PassRecord, limit_max) -> bool:
+    """Quick scan of a pass: any nan/inf (or, with `limit_max`, any value beyond it)?"""
+    limit = limit_max if limit_max is not None else sys.float_info.max
+    for values in pass_.values:
+        # `not x <= limit` is true for nan, inf and overflow alike.
+        if not values[1] <= limit or values[0] != values[0]:
+            return True
+    return False
+
+
+def value_kinds(pass_: PassRecord, slot: tuple, limit_max) -> frozenset:
+    """What is wrong with one value: a subset of {'nan', '+inf', '-inf', 'overflow'}."""
+    if slot[SLOT_INDEX] is None:
+        return FINE
+    values = pass_.values[slot[SLOT_INDEX]]
+    abs_min, abs_max = values[0], values[1]
+    if math.isnan(abs_max) or math.isnan(abs_min):
+        return NAN
+    if abs_max == math.inf:
+        _, _, _, posinf, neginf, _ = _stats.decode(values)
+        return frozenset(k for k, present in ((PROBLEM_POSINF, posinf), (PROBLEM_NEGINF, neginf))
+                         if present)
+    if limit_max is not None and abs_max > limit_max and slot[SLOT_DTYPE] is not None \
+            and slot[SLOT_DTYPE].is_floating_point:
+        return OVERFLOW
+    return FINE
+
+
+def forward_culprit(pass_: PassRecord, calls, rules):
+    """(call, bad slots, cause) of the first of `calls` (in closing order) that produced a
+    non-finite value, or None."""
+    limit_max = rules.limit_max
+    for call in calls:
+        received = set(call.child_kinds)
+        from_parent = set()  # what came in through the call's inputs
+        bad_params, bad_inputs, produced = [], [], []
+        for slot in call.slots:
+            kinds = value_kinds(pass_, slot, limit_max)
+            if not kinds:
+                continue
+            category = slot[SLOT_CATEGORY]
+            if category == PARAM or (category == BUFFER and PROBLEM_NAN in kinds):
+                bad_params.append(slot)
+                received |= kinds
+            elif category == BUFFER:  # a stored -inf mask is something it received
+                received |= kinds
+            elif category == INPUT:
+                received |= kinds
+                from_parent |= kinds
+                if call.is_root and PROBLEM_NAN in kinds:
+                    bad_inputs.append(slot)
+        if bad_params:
+            return call, bad_params, CAUSE_WEIGHTS
+        if bad_inputs:
+            return call, bad_inputs, CAUSE_DATA
+        allowed = rules.inf_allowed(call.module_name)
+        given = set()
+        for slot in call.slots:
+            if slot[SLOT_CATEGORY] != OUTPUT:
+                continue
+            kinds = value_kinds(pass_, slot, limit_max)
+            given |= kinds
+            new = kinds - received
+            if allowed:
+                new = new - INF_KINDS
+            if new:
+                produced.append(slot)
+        if produced:
+            return call, produced, CAUSE_FORWARD
+        if call.parent is not None:
+            # What the child gave out beyond what the parent handed it (an allowed inf, a
+            # stored mask) is news the parent received; what it only passed on came from the
+            # parent, who may have made it.
+            call.parent.child_kinds |= given - from_parent
+    return None
+
+
+def backward_culprit(pass_: PassRecord, slots, owner, rules):
+    """The first gradient (in arrival order) made non-finite by a call: a call's input or
+    parameter gradient holding what its output gradients (and its children's input gradients)
+    did not, or an output gradient its parent's own code made between its submodules.
+    `owner` maps id(slot) to its backward call. Slots must come in arrival order, across calls
+    of this function too (sync mode)."""
+    limit_max = rules.limit_max
+    received, by_module = pass_.received, pass_.received_by_module
+    for slot in slots:
+        kinds = value_kinds(pass_, slot, limit_max)
+        call = owner[id(slot)]
+        forward = call.forward
+        parent = forward.parent if forward is not None else None
+        category = slot[SLOT_CATEGORY]
+        if category == GRAD_OUTPUT:
+            if kinds:
+                if parent is None:
+                    return call, [slot], CAUSE_LOSS_GRADIENT
+                if kinds - received.get(id(parent), FINE):
+                    return pass_.backward_call(parent), [slot], CAUSE_BACKWARD_INLINE
+            pass_.note_received(forward, kinds)
+            continue
+        if kinds:
+            if category == GRAD_PARAM:  # summed over every call of the module
+                got = by_module.get(call.module_id, FINE)
+            else:
+                got = received.get(id(forward), FINE)
+            new = kinds - got
+            if rules.inf_allowed(call.module_name):
+                new = new - INF_KINDS
+            if new:
+                return call, [slot], CAUSE_BACKWARD
+        if category == GRAD_INPUT and parent is not None:
+            pass_.note_received(parent, kinds)
+    return None
+
+
+def first_nan(pass_: PassRecord, calls):
+    """A nan the producer rules could not attribute (never let one pass in silence): the
+    first of `calls` holding one."""
+    for call in calls:
+        # nan is nan whatever the limit: no rules needed
+        bad = [slot for slot in call.slots if PROBLEM_NAN in value_kinds(pass_, slot, None)]
+        if bad:
+            return call, bad, CAUSE_UNATTRIBUTED
+    return None
+
+
+def find_in_forward(pass_: PassRecord, rules):
+    """The culprit of a finished forward pass, a nan no rule attributes included, or None."""
+    return forward_culprit(pass_, pass_.calls, rules) or first_nan(pass_, pass_.calls)
+
+
+def find_in_backward(pass_: PassRecord, rules):
+    """The culprit of a finished backward pass, a nan no rule attributes included, or None."""
+    slots, owner = pass_.slots_in_arrival_order()
+    return backward_culprit(pass_, slots, owner, rules) or first_nan(
+        pass_, sorted(pass_.calls, key=_first_arrival))
+
+
+def find_in_trace(pass_: PassRecord, rules):
+    """The culprit of a finished pass of a traced batch, or None: what the rules attribute only
+    (a trace records every frame anyway)."""
+    if any(call.phase == BACKWARD for call in pass_.calls):
+        slots, owner = pass_.slots_in_arrival_order()
+        return backward_culprit(pass_, slots, owner, rules)
+    return forward_culprit(pass_, pass_.calls, rules)
+
+
+def _first_arrival(call) -> int:
+    return min((slot[SLOT_SEQ] for slot in call.slots), default=call.seq)

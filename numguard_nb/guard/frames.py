@@ -1,0 +1,188 @@
+"""From recorded slots to the report: frames and rows, the reason sentence, report assembly.
+
+Frames are built only when a report needs them (a detection, a traced batch, `guard.report`):
+most passes are clean and never shown, so a pass is kept as slots and host values
+(`RecentPasses`) and turned into frames on demand. `options` is the Guard's `GuardOptions`.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+
+from .. import stats as _stats
+from .._schema import (
+    BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_LOSS_GRADIENT,
+    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, TRACE,
+)
+from .._util import dtype_name
+from ..report import Frame, Report, TensorRow
+from .passes import (
+    SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_KIND, SLOT_ROLE, SLOT_SEQ, SLOT_SHAPE, CallRecord,
+    PassRecord,
+)
+
+__all__ = [
+    "build_frame", "reason_sentence", "make_report", "detection_report", "add_to_trace",
+    "add_op_location", "RecentPasses",
+]
+
+
+def build_frame(pass_: PassRecord, call: CallRecord, options, flagged=frozenset()) -> Frame:
+    """The frame of one recorded call; rows whose slot's id is in `flagged` are marked."""
+    rows = []
+    for slot in call.slots:
+        row = TensorRow(
+            role=slot[SLOT_ROLE], category=slot[SLOT_CATEGORY], kind=slot[SLOT_KIND],
+            dtype=dtype_name(slot[SLOT_DTYPE]) if slot[SLOT_DTYPE] is not None else None,
+            shape=slot[SLOT_SHAPE],
+            flagged=id(slot) in flagged,
+        )
+        if slot[SLOT_INDEX] is not None:
+            (row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf,
+             row.nonzero_abs_min) = _stats.decode(pass_.values[slot[SLOT_INDEX]])
+            _mark_limits(row, slot, options)
+        rows.append(row)
+    return Frame(
+        module_name=call.module_name, module_class=call.module_class, phase=call.phase,
+        batch_number=call.batch_number, call_index=call.call_index, rows=rows,
+        raised=call.raised,
+    )
+
+
+def _mark_limits(row: TensorRow, slot: tuple, options) -> None:
+    limit_max = options.limit_max
+    if limit_max is None or not slot[SLOT_DTYPE].is_floating_point:
+        return
+    if row.abs_max is not None and not row.nonfinite and row.abs_max > limit_max:
+        row.predicted_overflow = True
+    if row.nonzero_abs_min is not None and row.nonzero_abs_min < options.limit_tiny:
+        row.predicted_underflow = True
+    if row.abs_max is not None and not row.nan:
+        row.limit_share = row.abs_max / limit_max
+
+
+def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame] = None) -> str:
+    """The one sentence a report gives for its culprit `frame`. `evidence`: for a gradient made
+    in a module's own code, the frame of the submodule that received it."""
+    rows = frame.flagged_rows
+    what = "; ".join(f"{row.role} holds {row.problems}" for row in rows)
+    where = f"{frame.label} ({frame.module_class})"
+    call = f"call {frame.call_index} of batch {frame.batch_number}"
+    predicted = any(row.predicted_overflow for row in rows)
+    limit = (
+        f" (beyond {dtype_name(options.limit_dtype)}'s largest value {options.limit_max:.5g}: "
+        "predicted overflow)" if predicted else ""
+    )
+    if cause == CAUSE_WEIGHTS and predicted:
+        return (f"the weights of {where} in batch {frame.batch_number} exceed "
+                f"{dtype_name(options.limit_dtype)}'s largest value {options.limit_max:.5g} ({what})")
+    if cause == CAUSE_WEIGHTS and all(row.category == BUFFER for row in rows):
+        return (f"the buffers of {where} are non-finite in batch {frame.batch_number} ({what}): "
+                "running statistics went bad in an earlier batch")
+    if cause == CAUSE_WEIGHTS:
+        return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
+                "an earlier optimizer step wrote them")
+    if cause == CAUSE_DATA:
+        return f"the data fed to {where} in batch {frame.batch_number} holds nan ({what})"
+    if cause == CAUSE_LOSS_GRADIENT:
+        return (f"the gradient entering {where} in backward of batch {frame.batch_number} is "
+                f"already non-finite ({what}): the loss or code outside the guarded modules "
+                "produced it")
+    if cause == CAUSE_UNATTRIBUTED:
+        return (f"{where} holds nan in {frame.phase} ({call}): {what}; numguard could not tell "
+                "which module produced it (its frames below show where it first appears)")
+    if cause == CAUSE_BACKWARD_INLINE and evidence is not None:
+        what = "; ".join(f"{row.role} of {evidence.label} holds {row.problems}"
+                         for row in evidence.flagged_rows)
+        return (f"{where} produced a non-finite gradient in backward ({call}), in its own code "
+                f"between its submodules: {what}, while the gradients {frame.label} received "
+                f"were finite{limit}")
+    if cause in (CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE):
+        return (f"{where} produced a non-finite gradient in backward ({call}): {what}, "
+                f"while the gradient it received was finite{limit}")
+    return (f"{where} produced a non-finite value in forward ({call}): {what}, "
+            f"which its inputs and weights did not hold{limit}")
+
+
+def make_report(frames, culprit, kind, reason, cause, batch_number, options) -> Report:
+    """A Report of `frames`, with the process's rank where torch.distributed runs."""
+    rank = world = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return Report(
+        frames=frames, first_nonfinite=culprit, batch_number=batch_number, kind=kind,
+        reason=reason, cause=cause, rank=rank, world_size=world,
+        limit_dtype=dtype_name(options.limit_dtype) if options.limit_dtype else None,
+    )
+
+
+def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots, culprit: Frame,
+                     cause: str, context: list, options, batch_number: int) -> Report:
+    """The report of a detection: the culprit's frame (`culprit`, built already), after the
+    frames of the pass that led up to it and, before those, `context` (earlier passes' frames)."""
+    flagged = {id(s) for s in bad_slots}
+    if phase == FORWARD:
+        led_up = [c for c in pass_.calls if c.seq < call.seq]
+    else:
+        limit = min(s[SLOT_SEQ] for s in bad_slots)
+        led_up = [c for c in pass_.calls if c is not call and c.seq <= limit]
+    max_frames = options.max_frames
+    led_up_frames = [build_frame(pass_, c, options, flagged) for c in led_up[-max_frames:]]
+    frames = (context + led_up_frames + [culprit])[-max_frames:]
+    # A gradient made in a module's own code shows in the submodule that received it.
+    evidence = next((f for f in led_up_frames if f.flagged_rows), None)
+    reason = reason_sentence(cause, culprit, options, evidence)
+    return make_report(frames, culprit, DETECTION, reason, cause, batch_number, options)
+
+
+def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
+                 batch_number: int) -> Report:
+    """`report` (a new one when None) with every frame of the pass added; the first culprit
+    found in the batch (`(call, bad slots, cause)` or None) is noted, without stopping."""
+    flagged = {id(s) for s in culprit[1]} if culprit is not None else set()
+    calls = sorted(pass_.calls, key=lambda c: c.seq)
+    frames = [build_frame(pass_, c, options, flagged) for c in calls]
+    if report is None:
+        report = make_report([], None, TRACE, "", "", batch_number, options)
+    report.frames.extend(frames)
+    if culprit is not None and report.first_nonfinite is None:
+        call, _, cause = culprit
+        frame = frames[calls.index(call)]
+        evidence = next((f for f in frames if f.flagged_rows and f is not frame), None)
+        report.first_nonfinite = frame
+        report.cause = cause
+        report.reason = reason_sentence(cause, frame, options, evidence)
+    return report
+
+
+def add_op_location(frame: Frame, where) -> None:
+    """Put an `ops.OpLocation` found for the culprit on its frame."""
+    frame.op_note = where.note
+    if where.reproduced:
+        frame.op = f"{where.node}: {where.op}" if where.node else where.op
+        frame.source = where.source
+
+
+class RecentPasses:
+    """The last passes, kept as (pass, its last calls) and turned into frames only when a report
+    needs them as context."""
+
+    def __init__(self):
+        self.passes: collections.deque = collections.deque()
+
+    def remember(self, pass_: PassRecord, max_frames: int) -> None:
+        """Keep the pass's last calls (it has been read back) as context for a later report."""
+        pass_.release()
+        calls = sorted(pass_.calls, key=lambda c: c.seq)[-max_frames:]
+        self.passes.append((pass_, calls))
+        # Keep just enough passes to fill max_frames frames of context.
+        while len(self.passes) > 1 and sum(len(c) for _, c in list(self.passes)[1:]) >= max_frames:
+            self.passes.popleft()
+
+    def frames(self, options) -> list:
+        """The last `options.max_frames` frames of the kept passes."""
+        frames = [build_frame(p, c, options) for p, calls in self.passes for c in calls]
+        return frames[-options.max_frames:]

@@ -1,0 +1,151 @@
+"""The Guard's options, validated once into one immutable object.
+
+`GuardOptions(**keywords)` takes the keyword arguments of `Guard` and checks them, raising a
+one-line `ValueError` naming the option (a `TypeError` for a callback that cannot be called, or
+for a misspelt option). The Guard builds one in `__init__`; the Trainer and Lightning callbacks
+and the magics build one to check what they were given before anything runs, then hand it to
+the Guard with `Guard(model, **options.as_kwargs())`.
+
+The options also carry the numbers the detection rules need (`limit_max`, `limit_tiny`,
+`inf_allowed`), so that `detect` and `frames` read them from here rather than from the Guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Callable, FrozenSet, Iterable, Optional, Tuple, Union
+
+import torch
+
+__all__ = ["GuardOptions", "LIMIT_DTYPES"]
+
+# The names limit_dtype accepts (after dropping a "torch." prefix, in any case).
+LIMIT_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardOptions:
+    """Everything a Guard is told besides the models, checked; see `Guard` for what each means.
+
+    Normalised on the way in: `trace_batches` becomes a frozenset, `allow_inf` True, False or a
+    tuple of module-name globs, `limit_dtype` a torch dtype (names like "fp16" are accepted).
+    `replace(**changes)` gives a checked copy.
+    """
+
+    max_frames: int = 21
+    trace_batches: FrozenSet[int] = frozenset()
+    abort_after_batch: Optional[int] = None
+    backward: bool = True
+    sync: bool = False
+    allow_inf: Union[bool, Tuple[str, ...]] = False
+    limit_dtype: Optional[torch.dtype] = None
+    on_trace: Optional[Callable] = None
+    on_detect: Optional[Callable] = None
+    ops: bool = False
+    capture: bool = False
+    # Derived from limit_dtype: its largest finite value, and its smallest positive (subnormal)
+    # value, below which a value flushes to 0. None without limit_dtype.
+    limit_max: Optional[float] = dataclasses.field(init=False, default=None)
+    limit_tiny: Optional[float] = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self):
+        set_field = object.__setattr__  # frozen: normalised values are written this once
+        _check_max_frames(self.max_frames)
+        set_field(self, "trace_batches", _parse_trace_batches(self.trace_batches))
+        _check_abort_after_batch(self.abort_after_batch)
+        for name in ("backward", "sync", "ops", "capture"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        set_field(self, "allow_inf", _parse_allow_inf(self.allow_inf))
+        limit_dtype = _parse_limit_dtype(self.limit_dtype)
+        set_field(self, "limit_dtype", limit_dtype)
+        if limit_dtype is not None:
+            info = torch.finfo(limit_dtype)
+            set_field(self, "limit_max", float(info.max))
+            set_field(self, "limit_tiny", float(info.smallest_normal) * float(info.eps))
+        for name in ("on_trace", "on_detect"):
+            callback = getattr(self, name)
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be a function taking a Report, got {callback!r}")
+
+    def inf_allowed(self, module_name: str) -> bool:
+        """Whether `module_name` may produce +-inf (allow_inf True, or a glob matching it)."""
+        allow_inf = self.allow_inf
+        if allow_inf is True or allow_inf is False:
+            return allow_inf
+        return any(fnmatch.fnmatchcase(module_name, glob) for glob in allow_inf)
+
+    def replace(self, **changes) -> "GuardOptions":
+        """A copy with `changes` applied, checked like the original."""
+        return dataclasses.replace(self, **changes)
+
+    def as_kwargs(self) -> dict:
+        """The keyword arguments of `Guard` that build a guard with these options."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+def _check_max_frames(max_frames) -> None:
+    if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+        raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
+
+
+def _parse_trace_batches(trace_batches) -> FrozenSet[int]:
+    try:
+        batches = list(trace_batches)
+    except TypeError:
+        batches = [None]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in batches):
+        raise ValueError(f"trace_batches must be batch numbers like [1, 3], got {trace_batches!r}")
+    if any(b < 0 for b in batches):
+        raise ValueError(f"trace_batches are 0-indexed batch numbers, got {sorted(set(batches))}")
+    return frozenset(batches)
+
+
+def _check_abort_after_batch(abort_after_batch) -> None:
+    if abort_after_batch is not None and (
+        isinstance(abort_after_batch, bool) or not isinstance(abort_after_batch, int)
+        or abort_after_batch < 0
+    ):
+        raise ValueError(
+            f"abort_after_batch must be None or a batch number >= 0, got {abort_after_batch!r}"
+        )
+
+
+def _parse_allow_inf(allow_inf: Union[bool, str, Iterable[str]]) -> Union[bool, Tuple[str, ...]]:
+    if allow_inf is True or allow_inf is False:
+        return allow_inf
+    if isinstance(allow_inf, str):
+        return (allow_inf,)
+    try:
+        globs = tuple(allow_inf)
+    except TypeError:
+        raise ValueError(
+            f"allow_inf must be True/False or module-name globs like ['*.attn*'], got {allow_inf!r}"
+        ) from None
+    if not all(isinstance(g, str) for g in globs):
+        raise ValueError(f"allow_inf globs must be strings, got {allow_inf!r}")
+    return globs
+
+
+def _parse_limit_dtype(limit_dtype) -> Optional[torch.dtype]:
+    if limit_dtype is None:
+        return None
+    if isinstance(limit_dtype, str):
+        key = limit_dtype.replace("torch.", "").lower()
+        if key not in LIMIT_DTYPES:
+            raise ValueError(
+                f"limit_dtype {limit_dtype!r} is not a float dtype: use float16, bfloat16, float32 or float64"
+            )
+        return LIMIT_DTYPES[key]
+    if isinstance(limit_dtype, torch.dtype) and limit_dtype.is_floating_point:
+        return limit_dtype
+    raise ValueError(
+        f"limit_dtype must be a floating torch dtype such as torch.float16, got {limit_dtype!r}"
+    )

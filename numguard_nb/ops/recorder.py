@@ -1,0 +1,76 @@
+"""What op localisation needs from a guarded run, kept by the Guard when `ops=True`.
+
+For each top-level call: the module, its inputs, its call state (RNG streams, autocast, grad
+mode, taken once by the Guard for everything that may re-run the call) and how often each module
+had been called before it in the batch; and the gradients that arrive at the call's outputs, from
+which a backward re-run starts. On a detection, `localise` re-runs the step (`rerun`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict
+
+from .. import _tree
+from .._schema import CAUSE_FORWARD
+from ..callstate import CallState
+from .rerun import OpLocation, localise_backward, localise_forward
+
+__all__ = ["OpRecorder"]
+
+
+def _store_grad(grads: list, position: int, grad) -> None:
+    grads[position] = grad
+
+
+class OpRecorder:
+    """The last top-level call of each guarded root, and the gradients at its outputs."""
+
+    def __init__(self):
+        self.calls: Dict[int, tuple] = {}  # root id -> (root, args, kwargs, state, counts before)
+        self.root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
+
+    def remember_call(self, root, args, kwargs, state: CallState, call_counts: dict) -> None:
+        """Keep a top-level call for a re-run. `call_counts` (module id -> calls so far in the
+        batch): the culprit's call index within this call is its batch-wide index minus these."""
+        self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts))
+        self.root_grads.pop(id(root), None)
+
+    def keep_root_grads(self, root_id: int, output, handles: list) -> None:
+        """Hold the gradients arriving at a root's outputs (hook handles go to `handles`).
+
+        They are kept by position in `_tree.tensors(output)`; the backward re-run walks its own
+        outputs the same way and pairs them by position, so both sides must use that walk."""
+        tensors = _tree.tensors(output)
+        grads: list = [None] * len(tensors)
+        self.root_grads[root_id] = grads
+        for position, tensor in enumerate(tensors):
+            if tensor.requires_grad:
+                handles.append(tensor.register_hook(partial(_store_grad, grads, position)))
+
+    def forget_grads(self) -> None:
+        """A backward pass ended: its gradients are needed no longer."""
+        self.root_grads.clear()
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.root_grads.clear()
+
+    def localise(self, root_id: int, culprit, module_id: int, call_index: int, cause: str,
+                 limit, allow_inf: bool) -> OpLocation:
+        """Re-run the recorded call of root `root_id` and find the op that made the culprit's
+        call (`call_index`-th call of `culprit` in the batch) go non-finite, forward when `cause`
+        is CAUSE_FORWARD, else backward. Never raises."""
+        recorded = self.calls.get(root_id)
+        if recorded is None or culprit is None:
+            return OpLocation(note="op localisation needs the top-level call, which was not recorded")
+        root, args, kwargs, state, counts_before = recorded
+        index = call_index - counts_before.get(module_id, 0)
+        if cause == CAUSE_FORWARD:
+            return localise_forward(root, args, kwargs, state, culprit, index, limit,
+                                    allow_inf=allow_inf)
+        grads = self.root_grads.get(root_id)
+        if grads is None:
+            return OpLocation(note="op localisation needs the gradients of the model's outputs")
+        return localise_backward(root, args, kwargs, state, grads, culprit, index, limit,
+                                 allow_inf=allow_inf)
