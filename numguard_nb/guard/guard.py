@@ -399,9 +399,10 @@ class Guard:
             self._begin_forward(module_id, recomputing)
             if not recomputing:
                 # The state the call starts in (RNG, autocast, grad mode), to re-run it from.
-                state = take_call_state() if self._op_recorder is not None else None
+                state = (take_call_state() if self._op_recorder is not None or self._capture is not None
+                         else None)
                 if self._capture is not None:
-                    self._capture.record(self._names[module_id], module, args, kwargs)
+                    self._capture.record(self._names[module_id], module, args, kwargs, state=state)
                 if self._op_recorder is not None:
                     self._op_recorder.remember_call(module, args, kwargs, state, self._call_counts)
         index = self._call_counts.get(module_id, 0)
