@@ -108,8 +108,8 @@ def _seed(seed: int) -> torch.Generator:
 
 
 # ---- 1. T5 feed-forward overflows float16 ---------------------------------------------------
-# huggingface/transformers#5651 ("the source of the nan is an overflow in T5DenseReluDense when
-# running h = self.wo(h)"), huggingface/transformers#9295, #4586. The modules copy T5's (RMS
+# huggingface/transformers#5651 (a fine-tuned t5-base in fp16 overflows in T5DenseReluDense, at
+# self.wo, after 34 iterations), huggingface/transformers#9295, #4586. The modules copy T5's (RMS
 # layer norm in fp32, wi -> relu -> dropout -> wo, residual) before the fp16 clamp was added;
 # token 7 is the rare input whose activation the trained wi/wo blow past 65504.
 
@@ -132,9 +132,9 @@ def build_t5_overflow() -> Run:
 
 
 # ---- 2. ViT attention scores overflow float16 -----------------------------------------------
-# facebookresearch/deit#29 and #109 ("the loss becomes NAN in attention; using FP32 for attention
-# solves it"), LTH14/mage#26. timm's Attention with the explicit (non-fused) q @ k^T; a saturated
-# patch gives one token an outlier feature that q and k both weigh heavily.
+# facebookresearch/deit#29 and #109 (DeiT under AMP: the nan starts in the attention, which
+# trains when computed in fp32), LTH14/mage#26. timm's Attention with the explicit (non-fused)
+# q @ k^T; a saturated patch gives one token an outlier feature that q and k both weigh heavily.
 
 def build_vit_overflow() -> Run:
     gen = _seed(2)
@@ -158,8 +158,8 @@ def build_vit_overflow() -> Run:
 
 # ---- 3. softmax over a fully masked attention row -------------------------------------------
 # pytorch/pytorch#41508 and #103749 (a query row whose keys are all masked gives nan),
-# allenai/allennlp#890, huggingface/transformers#15326 (DistilBERT masked with -inf: "when a
-# sequence contains all 0s as attention mask, weights are nan and the loss is nan").
+# allenai/allennlp#890, huggingface/transformers#15326 (DistilBERT masked with -inf: a sequence
+# whose attention mask is all zeros gets nan weights, and a nan loss).
 
 def build_fully_masked_row() -> Run:
     gen = _seed(3)
@@ -178,8 +178,8 @@ def build_fully_masked_row() -> Run:
 
 
 # ---- 4. masked mean over an empty sequence --------------------------------------------------
-# verl-project/verl#782 ("prevent NaN when all items are masked by adding epsilon to
-# masked_mean"), hiyouga/EasyR1#181: sum(x * mask) / sum(mask) with an all-zero mask is 0/0.
+# verl-project/verl#782 (masked_mean gave nan when every item was masked; fixed with an epsilon),
+# hiyouga/EasyR1#181: sum(x * mask) / sum(mask) with an all-zero mask is 0/0.
 
 def build_masked_mean_empty() -> Run:
     gen = _seed(4)
@@ -198,9 +198,9 @@ def build_masked_mean_empty() -> Run:
 
 
 # ---- 5. the gradient of a Euclidean distance at zero ----------------------------------------
-# pytorch/pytorch#2421 ("Gradient of zero norm is nan"; the fix notes that
-# .pow(2).sum().sqrt() still gives nan at 0), pytorch/pytorch#4320 (torch.std), and
-# richzhang/PerceptualSimilarity#69 ("Function 'SqrtBackward' returned nan values").
+# pytorch/pytorch#2421 (the gradient of a zero norm is nan; the fix, pytorch/pytorch#2775, notes
+# that .pow(2).sum().sqrt() stays nan at 0), pytorch/pytorch#4320 (torch.std), and
+# richzhang/PerceptualSimilarity#69 (SqrtBackward returns nan for a zero norm).
 
 def contrastive_loss(distance, same, margin: float = 1.0):
     return (same * distance.pow(2) + (1 - same) * F.relu(margin - distance).pow(2)).mean()
@@ -222,9 +222,9 @@ def build_distance_at_zero() -> Run:
 
 
 # ---- 6. log(0) in a hand-written binary cross-entropy -----------------------------------------
-# NVIDIA/apex#358 (a hand-written BCE returns nan once sigmoid saturates: "add eps to the argument
-# in torch.log"), mathiaszinnen/focal_loss_torch#3, Alibaba-MIIL/ASL#6. The loss is written in
-# the training loop, outside every module.
+# NVIDIA/apex#358 (a hand-written BCE is nan once predictions reach exactly 0 or 1; the advice
+# is an eps inside torch.log), mathiaszinnen/focal_loss_torch#3, Alibaba-MIIL/ASL#6. The loss is
+# written in the training loop, outside every module.
 
 def handwritten_bce(logits, target):
     p = torch.sigmoid(logits)
@@ -292,9 +292,9 @@ def build_all_labels_ignored() -> Run:
 
 
 # ---- 9. layer-norm variance in float16 ------------------------------------------------------
-# pytorch/pytorch#66707 ("layer_norm needs to be done in fp32 for fp16 inputs, otherwise overflow
-# happens"), microsoft/onnxruntime#17692 (variance 246419 in fp16). A hand-written LayerNorm
-# computing the variance as E[x^2] - E[x]^2 in the input's dtype.
+# pytorch/pytorch#66707 (layer norm of fp16 inputs must be computed in fp32 or it overflows),
+# microsoft/onnxruntime#17692 (a variance of 246419 in an fp16 LayerNormalization). A
+# hand-written LayerNorm computing the variance as E[x^2] - E[x]^2 in the input's dtype.
 
 def build_layernorm_fp16_variance() -> Run:
     gen = _seed(9)
@@ -311,8 +311,8 @@ def build_layernorm_fp16_variance() -> Run:
 
 
 # ---- 10. a learning rate that makes training diverge ----------------------------------------
-# facebookresearch/maskrcnn-benchmark#295 ("the learning rate is too large and training
-# diverges": the single-GPU run kept the 8-GPU learning rate), facebookresearch/detr#285,
+# facebookresearch/maskrcnn-benchmark#295 (losses turn nan mid-training: a single-GPU run kept
+# the 8-GPU learning rate, and training diverged), facebookresearch/detr#285,
 # OpenNMT/OpenNMT-tf#744. Each SGD step overshoots more, until the loss overflows float32.
 
 def build_lr_explosion() -> Run:
@@ -326,9 +326,9 @@ def build_lr_explosion() -> Run:
 
 
 # ---- 11. nan in the input data --------------------------------------------------------------
-# avalonstrel/GatedConvolution_pytorch#27 ("my net input is (img-min)/(max-min)-1, some images
-# have max = min, so the input is nan"), prs-eth/Marigold#111, timeseriesAI/tsai#506. The
-# normalisation runs in the data pipeline, outside the model.
+# avalonstrel/GatedConvolution_pytorch#27 (inputs normalised as (img - min) / (max - min) - 1
+# are nan for images whose max equals their min), prs-eth/Marigold#111, timeseriesAI/tsai#506.
+# The normalisation runs in the data pipeline, outside the model.
 
 def minmax_normalise(batch):
     images, labels = batch
@@ -352,9 +352,9 @@ def build_nan_in_data() -> Run:
 
 
 # ---- 12. inf in the input data --------------------------------------------------------------
-# amdegroot/ssd.pytorch#73 ("when 'matched' is all zero, the encoded box coords become -inf or
-# nan": log(w / prior_w) of a zero-size box), pytorch/pytorch#110805 ("I should figure out why
-# the model has this input data"). Log-size box features computed in the data pipeline.
+# amdegroot/ssd.pytorch#73 (the box encoding turns an all-zero match into -inf or nan
+# coordinates: log(w / prior_w) of a zero-size box), pytorch/pytorch#110805 (an fp16 -inf traced
+# back to the model's input data). Log-size box features computed in the data pipeline.
 
 def encode_boxes(batch):
     boxes, priors, targets = batch
@@ -378,9 +378,9 @@ def build_inf_in_data() -> Run:
 
 
 # ---- 13. Adam's epsilon in float16 ----------------------------------------------------------
-# discuss.pytorch.org/t/adam-half-precision-nans/1765 ("the default 1e-8 is rounded to 0 in half
-# precision"), afiaka87/glide-finetune#5, chainer/chainer#6299. Embedding rows the first batch
-# does not use get a zero gradient: Adam's update is 0 / (sqrt(0) + 0).
+# discuss.pytorch.org/t/adam-half-precision-nans/1765 (Adam's default eps of 1e-8 rounds to 0 in
+# half precision), afiaka87/glide-finetune#5, chainer/chainer#6299. Embedding rows the first
+# batches do not use get a zero gradient: Adam's update is 0 / (sqrt(0) + 0).
 
 def build_adam_eps_fp16() -> Run:
     gen = _seed(13)
@@ -394,9 +394,9 @@ def build_adam_eps_fp16() -> Run:
 
 
 # ---- 14. a VAE decoder's convolution overflows float16 ----------------------------------------
-# huggingface/diffusers#7188 ("nan in StableDiffusionXLPipeline's vae" in fp16: "upcast to full
-# precision"), huggingface/diffusers#6815 (black images). The SDXL VAE's internal activations
-# exceed 65504; here latents that skipped the scaling factor push conv_in past it.
+# huggingface/diffusers#7188 (the SDXL VAE gives nan in fp16; the advice is to upcast it to
+# fp32), huggingface/diffusers#6815 (black images). The SDXL VAE's internal activations exceed
+# 65504; here latents divided by the scaling factor twice push conv_in past it.
 
 def build_vae_fp16_overflow() -> Run:
     gen = _seed(14)
@@ -417,10 +417,10 @@ def build_vae_fp16_overflow() -> Run:
 
 
 # ---- traps: inf passes through, nothing is wrong --------------------------------------------
-# Lightning-AI/pytorch-lightning#18828 and #5558 (with 16-bit mixed precision the first
-# optimizer steps are skipped: "This is expected behaviour" while GradScaler finds inf gradients
-# and lowers its scale). The loss is scaled by 2**16, the fp16 gradients overflow, the scaler
-# skips the step and halves the scale.
+# Lightning-AI/pytorch-lightning#18828 and #5558 (with 16-bit mixed precision some first
+# optimizer steps are skipped, as expected: GradScaler found inf gradients and lowers its scale).
+# The loss is scaled by 2**16, the fp16 gradients overflow, the scaler skips the step and halves
+# the scale.
 
 def build_grad_scaler_warmup() -> Run:
     gen = _seed(15)
