@@ -529,7 +529,7 @@ CASES = (
           "afiaka87/glide-finetune#5", "chainer/chainer#6299"),
          build_adam_eps_fp16,
          Truth(IN_OPTIMIZER, OPTIMIZER, "aten.addcdiv_.default", 0)),
-    Case("vae_conv_fp16_overflow", "VAE decoder conv_in overflows float16 on unscaled latents",
+    Case("vae_conv_fp16_overflow", "VAE decoder conv_in overflows float16 on latents divided by the scaling factor twice",
          ("huggingface/diffusers#7188", "huggingface/diffusers#6815"),
          build_vae_fp16_overflow,
          Truth("decoder.conv_in", FORWARD, "aten.convolution.default", 1)),
