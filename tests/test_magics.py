@@ -281,6 +281,14 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%numguard", "%numguard needs on, off, status or compare"),
     ("%numguard net", "unknown command 'net'"),
     ("%numguard off net", "%numguard off takes no names"),
+    ("%numguard status net", "%numguard status takes no names"),
+    # each form takes only its own options
+    ("%numguard on --factor 3", "%numguard on: unrecognized arguments: --factor; see %numguard?"),
+    ("%numguard off --frames 2", "%numguard off: unrecognized arguments: --frames; see %numguard?"),
+    ("%numguard status -q", "%numguard status: unrecognized arguments: -q"),
+    ("%numguard compare a b --trace 1", "%numguard compare: unrecognized arguments: --trace"),
+    ("%%numguard --factor 3\n1", "%%numguard: unrecognized arguments: --factor; see %%numguard?"),
+    ("%numguard --frames 2 on", "unknown command '--frames'"),
     ("%numguard compare _numguard", "%numguard compare needs two reports"),
     ("%numguard compare a+b c", "'a+b' is not a variable name"),
     ("%numguard_dist --nproc 0", "argument --nproc: expected a positive integer"),
@@ -302,14 +310,16 @@ def test_empty_namespace_is_a_usage_error(ip):
 
 
 def test_options_reach_the_guard(ip, monkeypatch):
+    from numguard_nb import session
+
     seen = {}
-    original = ng_magics.Guard
+    original = session.Guard  # the session builds the guard of a run
 
     def spy(models, **kwargs):
         seen.update(kwargs, models=models)
         return original(models, **kwargs)
 
-    monkeypatch.setattr(ng_magics, "Guard", spy)
+    monkeypatch.setattr(session, "Guard", spy)
     result, _ = run(ip, "%%numguard net --frames 5 --trace 1-2,7 --abort-after 9 --no-backward --sync "
                         "--ops --limit-dtype bfloat16 --no-capture --allow-inf '*.attn*' 'x?'\nstep(net, xs[0])")
     assert result.success
