@@ -301,7 +301,10 @@ class NumguardMagics(Magics):
 
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
-        submodule of another one is guarded, and each Trainer stands for its model.
+        submodule of another one is guarded, and each Trainer stands for its model. The guard follows
+        these names: before each cell under `%numguard on`, and before each top-level statement of a
+        `%%numguard` cell, it looks them up again, so a model rebuilt (or a submodule replaced) is
+        guarded from then on.
 
         On a detection the cell fails with a one-line error naming the culprit and the batch, the report
         (the module tree, collapsible, with the path to the culprit open) is displayed, and kept as
@@ -313,7 +316,7 @@ class NumguardMagics(Magics):
         __tracebackhide__ = True  # noqa: F841 (IPython leaves this frame out of tracebacks)
         if cell is not None:
             return self._guard_cell(line, cell)
-        command, _, rest = line.strip().partition(" ")
+        command, rest = (line.split(maxsplit=1) + ["", ""])[:2]
         if not command:
             raise UsageError(
                 "%numguard needs on, off, status or compare; to guard one cell use %%numguard "
@@ -501,30 +504,31 @@ class NumguardMagics(Magics):
 
     # ---- running a guarded cell ----------------------------------------------------------
     def _compile_cell(self, cell: str) -> list:
-        """The cell's code: the statements, then the last expression (whose value the cell
-        returns), compiled the way %%time compiles."""
+        """The cell's code, one top-level statement at a time (the last one, an expression,
+        compiled to give the cell's value), compiled the way IPython compiles a cell: all of it
+        before any of it runs."""
         shell = self.shell
         # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
         source = "\n" + shell.transform_cell(cell)
         filename = shell.compile.cache(source, shell.execution_count)
         tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
-        last = None
+        code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        code = [shell.compile(tree, filename, "exec")]
-        if last is not None:
-            code.append(shell.compile(last, filename, "eval"))
+            code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
         return code
 
     def _run_cell(self, run: GuardedRun, code: list) -> _CellOutcome:
+        """Run the statements one by one, each on the models their names stand for by then: a
+        model the cell rebuilds is guarded from the statement after (never by running a statement
+        again)."""
         __tracebackhide__ = True  # noqa: F841
         shell = self.shell
         value = None
         try:
             try:
-                self._show(ToShow(lines=run.attach()))
-                for unit in code:  # eval of exec code runs it and gives None
-                    value = eval(unit, shell.user_global_ns, shell.user_ns)
+                for statement in code:
+                    self._show(run.step())
+                    value = eval(statement, shell.user_global_ns, shell.user_ns)  # exec code gives None
             finally:
                 run.guard.detach()
         except BaseException as error:

@@ -2,6 +2,11 @@
 them for a `%%numguard` cell or from `%numguard on` to `%numguard off`, what it reported, and
 where the reports are kept.
 
+A run follows its names: before each cell (and, in a `%%numguard` cell, before each top-level
+statement) it looks them up again and moves the hooks where a model was rebuilt, a submodule or
+a parameter replaced, or a parameter frozen or unfrozen. It checks between steps only, never in
+the hooks: a model rebuilt inside a loop is followed at the next step.
+
 No IPython here. `numguard_nb.magics` parses the magics' arguments, hands over the user namespace
 (a plain dict) and wires `Session.before_cell` / `Session.after_cell` to IPython's pre_run_cell /
 post_run_cell events; it prints and displays what these return (a `ToShow`). The tests drive the
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -124,6 +130,30 @@ def _as_is(error: BaseException, hint: str) -> BaseException:
     return error
 
 
+# ---- what the hooks go on -------------------------------------------------------------------
+def _layout(model: nn.Module) -> list:
+    """What a guard hooks in `model`: each module and parameter by name, and whether the
+    parameter takes gradients (only those get a gradient hook)."""
+    entries = []
+    for name, module in model.named_modules():
+        entries.append((name, module, None))
+        for pname, param in module.named_parameters(recurse=False):
+            entries.append((f"{name}.{pname}", param, param.requires_grad))
+    return entries
+
+
+class _HeldLayout:
+    """A layout held by weak references: it keeps no replaced module alive."""
+
+    def __init__(self, entries: list):
+        self.entries = [(name, weakref.ref(obj), flag) for name, obj, flag in entries]
+
+    def matches(self, entries: list) -> bool:
+        return len(entries) == len(self.entries) and all(
+            name == held_name and obj is ref() and flag == held_flag
+            for (name, obj, flag), (held_name, ref, held_flag) in zip(entries, self.entries))
+
+
 # ---- one guard and what it reported ---------------------------------------------------------
 class GuardedRun:
     """A Guard over models of the notebook and the reports it made since they were last shown:
@@ -143,7 +173,10 @@ class GuardedRun:
                  output: Optional[str] = None, quiet: bool = False,
                  shorten: Callable[[BaseException, str], BaseException] = _as_is):
         self.namespace = namespace
-        self.models = dict(models)
+        self.names = tuple(models)  # the names followed from step to step
+        self.models = dict(models)  # what they stand for now
+        self.missing: Dict[str, str] = {}  # name -> why it stands for no model now
+        self._layouts = {name: _HeldLayout(_layout(model)) for name, model in models.items()}
         self.output = output
         self.quiet = quiet
         kept_in = REPORT_NAME + (f" and {output}" if output else "")
@@ -164,12 +197,76 @@ class GuardedRun:
 
     def describe(self) -> str:
         """'net (Sequential), loss_fn (MSELoss)': the models guarded, by name (a trainer's
-        name with its model's class)."""
-        return ", ".join(f"{name} ({type(model).__name__})" for name, model in self.models.items())
+        name with its model's class), then the names that stand for none now."""
+        guarded = ", ".join(f"{name} ({type(model).__name__})" for name, model in self.models.items())
+        missing = "; ".join(self.missing.values())
+        return f"{guarded or 'nothing'}{f' ({missing})' if missing else ''}"
+
+    # ---- following the names ----------------------------------------------------------------
+    def step(self) -> ToShow:
+        """Before a cell, or a statement of a %%numguard cell: follow the names and hook what
+        they stand for now."""
+        moved = self.follow()
+        return ToShow(lines=([] if self.quiet else moved) + self.attach())
+
+    def follow(self) -> List[str]:
+        """Look the names up again; where what they stand for changed, unhook (`attach` hooks
+        the new state). Lines that say what changed, none where nothing did."""
+        models, missing = self._look_up()
+        layouts = {name: _layout(model) for name, model in models.items()}
+        moved = self._changes(models, missing, layouts)
+        self.missing = missing
+        if moved:
+            self.guard.detach()
+            self.models = models
+            self._layouts = {name: _HeldLayout(layout) for name, layout in layouts.items()}
+            # The guard reads `models` when it attaches: detached, it may be pointed elsewhere
+            # and keeps its batch count, traces and detection. One model is named "", as Guard does.
+            self.guard.models = {"": next(iter(models.values()))} if len(models) == 1 else dict(models)
+        return moved
+
+    def _look_up(self) -> Tuple[Dict[str, nn.Module], Dict[str, str]]:
+        found: Dict[str, nn.Module] = {}
+        missing: Dict[str, str] = {}
+        for name in self.names:
+            try:
+                obj = lookup(self.namespace, name)
+            except LookupError as error:
+                gone = message_line(error) if "." in name else f"{name} is gone from the namespace"
+                missing[name] = f"{gone}: not guarded"
+                continue
+            model = model_of(obj)
+            if model is None:
+                missing[name] = (f"{name} is a {type(obj).__name__}, not a torch.nn.Module or a "
+                                 "Trainer: not guarded")
+            else:
+                found[name] = model
+        models = _top_level(found)
+        for name in found.keys() - models.keys():
+            missing[name] = f"{name} is inside another guarded model: guarded through it"
+        return models, missing
+
+    def _changes(self, models, missing, layouts) -> List[str]:
+        lines = []
+        for name in self.names:
+            if name in missing:
+                if name not in self.missing:
+                    lines.append(f"numguard: {missing[name]}")
+                continue
+            kind = type(models[name]).__name__
+            if name not in self.models:
+                lines.append(f"numguard: {name} is a {kind} again: guarding it")
+            elif models[name] is not self.models[name]:
+                lines.append(f"numguard: {name} is a new {kind}: guarding it")
+            elif not self._layouts[name].matches(layouts[name]):
+                lines.append(f"numguard: {name} has new modules or parameters: guarding them")
+        return lines
 
     def attach(self) -> List[str]:
         """Hook the models (idempotent). Where the weights' host copy stopped fitting in memory,
         guard without the capture, and say so."""
+        if not self.models:
+            return []
         try:
             self.guard.attach()
         except CaptureTooLarge as error:
@@ -213,6 +310,9 @@ class GuardedRun:
             return ToShow()
         if latest.frames:
             return ToShow(lines=[f"numguard: {latest.summary()}"])
+        if not self.models:
+            missing = "; ".join(self.missing.values())
+            return ToShow(lines=[f"numguard: no model was guarded at the end of this cell ({missing})"])
         return ToShow(lines=[f"numguard: {self.describe()} was not called in this cell"])
 
 
@@ -243,6 +343,7 @@ class Session:
         return f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})"
 
     def status(self) -> str:
+        """What is guarded now (as the last step found it), at which batch, and what was found."""
         run = self.run
         if run is None:
             return "numguard: off (%numguard on [MODEL ...] guards every following cell)"
@@ -252,7 +353,7 @@ class Session:
         return f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}{found}"
 
     def before_cell(self, source: str) -> ToShow:
-        """Hook the models before a cell runs (pre_run_cell)."""
+        """Before a cell runs (pre_run_cell): follow the names and hook what they stand for."""
         run = self.run
         if run is None:
             return ToShow()
@@ -261,10 +362,11 @@ class Session:
             # That cell brings its own guard: two guards on one model would double every hook.
             run.guard.detach()
             return ToShow()
-        return ToShow(lines=run.attach())
+        return run.step()
 
     def after_cell(self, success: bool, error: Optional[BaseException]) -> ToShow:
-        """What the guard reported during the cell (post_run_cell)."""
+        """After a cell (post_run_cell): what the guard reported during it, and what the cell
+        changed in the models (guarded from the next cell on)."""
         run = self.run
         if run is None or self._stepped_aside:
             return ToShow()
@@ -276,4 +378,11 @@ class Session:
             error.with_traceback(None)
             if getattr(sys, "last_value", None) is error:
                 sys.last_traceback = None
-        return run.show_collected()
+        shown = run.show_collected()
+        moved = run.follow()
+        if moved and not run.quiet:
+            # Only a %%numguard cell is followed statement by statement.
+            shown.lines.extend(moved + [
+                "numguard: that changed during this cell: what is new is guarded from the next cell on "
+                "(a %%numguard cell follows such changes as they happen)"])
+        return shown

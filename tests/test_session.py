@@ -263,3 +263,107 @@ def test_the_capture_is_dropped_when_it_stops_fitting(ns, monkeypatch):
     assert line.startswith("numguard: no CPU replay after a CUDA error from now on: capture refused")
     assert session.run.guard.attached and not session.run.guard.capture_enabled
     session.stop()
+
+
+# ---- following the names from cell to cell -------------------------------------------------
+class Wrapper(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_model_rebuilt_in_a_later_cell_is_guarded_and_the_status_says_so(ns):
+    old = ns["net"]
+    session = start_session(ns)
+    run_cell(session, lambda: [step(old, x) for x in ns["xs"][:2]])
+    ns["net"] = Wrapper(build())  # a cell rebuilds the model (and its class)
+    before = session.before_cell("")
+    assert before.lines == ["numguard: net is a new Wrapper: guarding it"]
+    assert hook_count(old) == 0 and hook_count(ns["net"]) > 0
+    assert session.status() == "numguard: on, guarding net (Wrapper), at batch 1"
+    error, (_, after) = run_cell(session, lambda: [step(ns["net"], x) for x in ns["xs"]])
+    assert isinstance(error, NonFiniteError) and after.reports == [error.report]
+    # the batches go on counting from the run's start; the report names the new model's modules
+    assert error.report.batch_number == 2 + GLITCH
+    assert error.report.first_nonfinite.module_name == "inner.1"
+    session.stop()
+    assert hook_count(ns["net"]) == 0
+
+
+def test_a_submodule_replaced_in_a_later_cell_is_named_in_the_detection(ns):
+    net = ns["net"]
+    session = start_session(ns)
+    run_cell(session, lambda: step(net, ns["xs"][0]))
+    net[1] = Scale(1e30)  # a new module where Scale was: unhooked until the session looks again
+    assert session.before_cell("").lines == ["numguard: net has new modules or parameters: guarding them"]
+    error, _ = run_cell(session, lambda: [step(net, x) for x in ns["xs"]])
+    culprit = error.report.first_nonfinite
+    assert (culprit.module_name, culprit.module_class) == ("1", "Scale")
+    assert session.before_cell("").lines == []  # nothing changed since
+    session.stop()
+
+
+def test_a_parameter_unfrozen_in_a_later_cell_gets_its_gradient_hook(ns):
+    net = ns["net"]
+    net[2].weight.requires_grad_(False)
+    session = start_session(ns)
+    run_cell(session, lambda: step(net, ns["xs"][0]))
+    assert not net[2].weight._backward_hooks
+    net[2].weight.requires_grad_(True)
+    assert session.before_cell("").lines == ["numguard: net has new modules or parameters: guarding them"]
+    assert len(net[2].weight._backward_hooks) == 1
+    session.stop()
+
+
+def test_a_name_that_stands_for_no_model_is_said_once_and_followed_when_it_is_back(ns):
+    session = start_session(ns, ("net", "loss_fn"))
+    session.before_cell("")
+    net = ns.pop("net")
+    assert session.before_cell("").lines == ["numguard: net is gone from the namespace: not guarded"]
+    assert hook_count(net) == 0 and session.before_cell("").lines == []
+    assert session.status() == ("numguard: on, guarding loss_fn (MSELoss) (net is gone from the "
+                                "namespace: not guarded), at batch 0")
+    ns["loss_fn"] = "not a model"
+    assert session.before_cell("").lines == [
+        "numguard: loss_fn is a str, not a torch.nn.Module or a Trainer: not guarded"]
+    assert session.status().startswith("numguard: on, guarding nothing (")
+    ns["net"] = net
+    assert session.before_cell("").lines == ["numguard: net is a Sequential again: guarding it"]
+    error, _ = run_cell(session, lambda: [step(net, x) for x in ns["xs"]])
+    assert error.report.first_nonfinite.module_name == "1"  # one model again: no prefix
+    session.stop()
+
+
+def test_a_change_during_a_cell_is_said_after_it_and_followed_from_the_next_cell(ns):
+    session = start_session(ns)
+
+    def rebuild_and_train():
+        ns["net"] = build()
+        for x in ns["xs"]:
+            step(ns["net"], x)
+
+    error, (_, after) = run_cell(session, rebuild_and_train)
+    assert error is None  # the cell ran on a model built in it, which no one had hooked yet
+    assert after.lines[0] == "numguard: net is a new Sequential: guarding it"
+    assert after.lines[1].startswith("numguard: that changed during this cell: what is new is guarded "
+                                     "from the next cell on")
+    error, _ = run_cell(session, lambda: [step(ns["net"], x) for x in ns["xs"]])
+    assert isinstance(error, NonFiniteError)
+    session.stop()
+
+
+def test_a_replaced_model_is_not_kept_alive_by_the_run(ns):
+    import gc
+    import weakref
+
+    session = start_session(ns)
+    run_cell(session, lambda: step(ns["net"], ns["xs"][0]))
+    old = weakref.ref(ns["net"])
+    ns["net"] = build()
+    session.before_cell("")
+    gc.collect()
+    assert old() is None
+    session.stop()
