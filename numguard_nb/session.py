@@ -122,8 +122,7 @@ def choose_capture(requested: Optional[bool], models: Dict[str, nn.Module]) -> T
         return False, ""
     from .replay import snapshot_fits
 
-    fits, why = snapshot_fits(models)
-    return fits, why
+    return snapshot_fits(models)
 
 
 def _as_is(error: BaseException, hint: str) -> BaseException:

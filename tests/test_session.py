@@ -367,3 +367,14 @@ def test_a_replaced_model_is_not_kept_alive_by_the_run(ns):
     gc.collect()
     assert old() is None
     session.stop()
+
+
+def test_the_capture_follows_a_rebuilt_model(ns):
+    session = start_session(ns, capture=True)
+    run_cell(session, lambda: step(ns["net"], ns["xs"][0]))
+    assert session.run.guard.capture.module_class == "Sequential"
+    ns["net"] = Wrapper(build())
+    run_cell(session, lambda: step(ns["net"], ns["xs"][1]))
+    call = session.run.guard.capture
+    assert call.module_class == "Wrapper" and call.replay().exception is None  # the new weights' snapshot
+    session.stop()
