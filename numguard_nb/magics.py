@@ -1,8 +1,10 @@
 """IPython magics: `%%numguard`, `%numguard on|off|status|compare`, `%numguard_dist`,
 `%numguard_check`, `%numguard_replay`.
 
-The layer is thin: argument parsing, namespace lookup and display. The work is the engine's
-(`Guard`, `Report`) and the renderers' (`render.widget`, `render.html`).
+A thin layer: each magic parses its line, looks its objects up in the namespace, runs the engine
+(`Guard` through `numguard_nb.session`, the doctor, distcheck, the replay) and shows the result
+(`render.widget` for reports). The state of `%numguard on` lives in `session.Session`; this
+module wires it to IPython's pre_run_cell / post_run_cell events.
 
     %load_ext numguard_nb
 
@@ -19,26 +21,25 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
+import inspect
 import re
 import sys
 from typing import Dict, List, Optional
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import MagicArgumentParser, argument, magic_arguments
 from IPython.utils.process import arg_split
-from torch import nn
 
 from ._util import message_line
-from .guard import BatchLimitReached, Guard, NonFiniteError
+from .errors import BatchLimitReached, NonFiniteError
 from .report import Report
+from .session import GuardedRun, Session, ToShow, choose_capture, find_models, lookup
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
-_LAST = "_numguard"  # the last report, in the user namespace
-_TRACES = "_numguard_traces"  # {batch: trace report} of the last guarded cell that traced
 _LIMIT_DTYPES = ("float16", "bfloat16")
+_COMMANDS = ("on", "off", "status", "compare")
 
 # The shells the extension is loaded in, and their magics (for unload).
 _loaded: Dict[int, "NumguardMagics"] = {}
@@ -114,6 +115,119 @@ def _positive_number(text: str) -> float:
     return _number_above(text, 0.0, "a number > 0")
 
 
+# ---- the parsers: one per form of %numguard, each with only its own options ---------------
+# MagicHelpFormatter writes one % before each prog: "numguard on" shows as %numguard on.
+def _guard_parser(prog: str) -> MagicArgumentParser:
+    """The options of a guarded run: the cell form and `%numguard on`."""
+    parser = MagicArgumentParser(prog=prog)
+    parser.add_argument("names", nargs="*", metavar="MODEL",
+                        help="models (nn.Module or Trainer) to guard; default: all in the namespace")
+    add = parser.add_argument
+    add("--frames", type=_positive_int, default=21, metavar="N",
+        help="frames kept in the report, leading up to the culprit (default 21)")
+    add("--trace", type=_batch_list, default=None, metavar="B,B",
+        help="batch numbers to trace (every frame recorded, no stop): 1,3 or 149-150")
+    add("--abort-after", type=_batch_number, default=None, metavar="N",
+        help="stop (BatchLimitReached) when batch N+1 starts")
+    add("--no-backward", action="store_true", help="watch the forward pass only")
+    add("--sync", action="store_true",
+        help="check in every hook (slower; for when the process would crash first)")
+    add("--allow-inf", nargs="*", default=None, metavar="GLOB",
+        help="let modules produce +-inf on purpose: all of them, or those matching the globs")
+    add("--ops", action="store_true",
+        help="on a detection, name the first ATen op that turned non-finite and its source line")
+    add("--limit-dtype", choices=_LIMIT_DTYPES, default=None,
+        help="count values beyond this dtype's range as overflow/underflow (predicted)")
+    add("--capture", dest="capture", action="store_const", const=True, default=None,
+        help="keep the last inputs to replay a call on CPU after a CUDA error "
+             "(default: on when a guarded model has a parameter on CUDA)")
+    add("--no-capture", dest="capture", action="store_const", const=False,
+        help="do not capture inputs")
+    add("-q", "--quiet", action="store_true", help="display nothing; only store the report")
+    add("-o", "--output", type=_identifier, default=None, metavar="NAME",
+        help="also store the report in the namespace as NAME")
+    return parser
+
+
+def _bare_parser(prog: str) -> MagicArgumentParser:
+    """`%numguard off` and `status`: no options (names are collected to say they are not taken)."""
+    parser = MagicArgumentParser(prog=prog)
+    parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
+    return parser
+
+
+def _compare_parser() -> MagicArgumentParser:
+    parser = MagicArgumentParser(prog="numguard compare")
+    parser.add_argument("reports", nargs="*", metavar="REPORT",
+                        help="two reports: GOOD BAD (names, or _numguard_traces[batch])")
+    parser.add_argument("--factor", type=_factor, default=10.0, metavar="F",
+                        help="the ratio of abs max that counts as a difference (default 10)")
+    return parser
+
+
+_CELL = _guard_parser("%numguard")
+_ON = _guard_parser("numguard on")
+_OFF = _bare_parser("numguard off")
+_STATUS = _bare_parser("numguard status")
+_COMPARE = _compare_parser()
+
+
+def _magic(parser: MagicArgumentParser) -> str:
+    """'%numguard on' for the parser of `%numguard on`."""
+    return "%" + parser.prog
+
+
+def _parse(parser: MagicArgumentParser, line: str, magic: Optional[str] = None):
+    """Parse with `parser`; options and names may come in any order. Errors are one-line
+    UsageErrors that point at the magic's help."""
+    magic = magic or _magic(parser)
+    help_name = magic.split()[0]
+    try:
+        args = parser.parse_intermixed_args(arg_split(line))
+    except UsageError as error:
+        raise UsageError(f"{magic}: {message_line(error)}; see {help_name}? for the options") from None
+    except SystemExit:
+        raise UsageError(f"{magic}: cannot parse {line.strip()!r}; see {help_name}? for the options") from None
+    except ValueError as error:  # unbalanced quotes
+        raise UsageError(f"{magic}: {message_line(error)} in {line.strip()!r}") from None
+    # IPython splits like a shell but keeps the quotes: 'a b' is one word, written 'a b'.
+    for key, value in vars(args).items():
+        if isinstance(value, str):
+            setattr(args, key, _unquote(value))
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            setattr(args, key, [_unquote(v) for v in value])
+    return args
+
+
+def _parse_bare(parser: MagicArgumentParser, line: str) -> None:
+    args = _parse(parser, line)
+    if args.names:
+        raise UsageError(f"{_magic(parser)} takes no names (got {' '.join(args.names)})")
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _guard_keywords(args, capture: bool) -> dict:
+    """The Guard's keyword arguments from the parsed options of a guarded run: the one place
+    that turns options into engine settings."""
+    allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
+    return dict(
+        max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
+        backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
+        limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
+    )
+
+
+def _with_usage(*parsers: MagicArgumentParser):
+    """Append each parser's usage and options to the magic's docstring (what `%numguard?` shows)."""
+    def document(func):
+        func.__doc__ = "\n\n".join([inspect.cleandoc(func.__doc__)] + [p.format_help() for p in parsers])
+        return func
+    return document
 
 
 # ---- the short error display ---------------------------------------------------------------
@@ -145,87 +259,36 @@ def _is_device_error(error: BaseException) -> bool:
     return is_device_error(error)
 
 
-# ---- what one guard saw, between two displays ----------------------------------------------
-class _Watch:
-    """A Guard plus what it reported since the last `collect()`: detections and traced batches."""
+class _CellOutcome:
+    """How a guarded cell ended: the value of its last expression, or the exception it raised."""
 
-    def __init__(self, models, options: dict, output: Optional[str], quiet: bool, label: str):
-        self.output = output
-        self.quiet = quiet
-        self.label = label
-        self.detections: List[Report] = []
-        self.traced: List[int] = []  # batch numbers whose trace grew since the last collect
-        names = _LAST + (f" and {output}" if output else "")
-        self.hint = f"numguard: the frames that led to it are in {names}"
-        self.guard = Guard(models, on_trace=self._on_trace, on_detect=self._on_detect, **options)
+    def __init__(self, value=None, error: Optional[BaseException] = None):
+        self.value = value
+        self.error = error
 
-    def _on_detect(self, report: Report) -> BaseException:
-        self.detections.append(report)
-        return _make_short(NonFiniteError(report), self.hint)
-
-    def _on_trace(self, report: Report) -> None:
-        if report.batch_number not in self.traced:
-            self.traced.append(report.batch_number)
-
-    def collect(self) -> List[Report]:
-        """Reports to show since the last call: the traces that grew, then the detections."""
-        reports = [self.guard.traces[b] for b in self.traced if b in self.guard.traces]
-        reports.extend(self.detections)
-        self.traced = []
-        self.detections = []
-        return reports
-
-    def describe(self) -> str:
-        models = self.guard.models
-        if list(models) == [""]:
-            module = models[""]
-            return f"{self.label} ({type(module).__name__})"
-        return ", ".join(f"{name} ({type(m).__name__})" for name, m in models.items())
+    def result(self, hint: str):
+        """The cell's value, or its exception raised again (numguard's own in one line)."""
+        __tracebackhide__ = True  # noqa: F841
+        error = self.error
+        if error is None:
+            return self.value
+        if isinstance(error, (NonFiniteError, BatchLimitReached)):
+            # The hooks' frames hold activations: drop them, and show one line (see _make_short).
+            hint = hint if isinstance(error, NonFiniteError) else ""
+            raise _make_short(error, hint).with_traceback(None) from None
+        raise error
 
 
 # ---- the magics ----------------------------------------------------------------------------
-
-
 @magics_class
 class NumguardMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
-        self._session: Optional[_Watch] = None  # the guard of `%numguard on`
-        self._session_suspended = False
-        self._pre = self._pre_run_cell
-        self._post = self._post_run_cell
+        self._session = Session()  # the state of %numguard on
 
     # ---- %%numguard / %numguard ----------------------------------------------------------
-    @magic_arguments()
-    @argument("names", nargs="*", metavar="MODEL",
-              help="models (nn.Module or Trainer) to guard; default: all in the namespace. "
-                   "In line mode the first word is on, off, status or compare.")
-    @argument("--frames", type=_positive_int, default=21, metavar="N",
-              help="frames kept in the report, leading up to the culprit (default 21)")
-    @argument("--trace", type=_batch_list, default=None, metavar="B,B",
-              help="batch numbers to trace (every frame recorded, no stop): 1,3 or 149-150")
-    @argument("--abort-after", type=_batch_number, default=None, metavar="N",
-              help="stop (BatchLimitReached) when batch N+1 starts")
-    @argument("--no-backward", action="store_true", help="watch the forward pass only")
-    @argument("--sync", action="store_true",
-              help="check in every hook (slower; for when the process would crash first)")
-    @argument("--allow-inf", nargs="*", default=None, metavar="GLOB",
-              help="let modules produce +-inf on purpose: all of them, or those matching the globs")
-    @argument("--ops", action="store_true",
-              help="on a detection, name the first ATen op that turned non-finite and its source line")
-    @argument("--limit-dtype", choices=_LIMIT_DTYPES, default=None,
-              help="count values beyond this dtype's range as overflow/underflow (predicted)")
-    @argument("--capture", dest="capture", action="store_const", const=True, default=None,
-              help="keep the last inputs to replay a call on CPU after a CUDA error "
-                   "(default: on when a guarded model has a parameter on CUDA)")
-    @argument("--no-capture", dest="capture", action="store_const", const=False,
-              help="do not capture inputs")
-    @argument("-q", "--quiet", action="store_true", help="display nothing; only store the report")
-    @argument("-o", "--output", type=_identifier, default=None, metavar="NAME",
-              help="also store the report in the namespace as NAME")
-    @argument("--factor", type=_factor, default=10.0, metavar="F",
-              help="compare: the ratio of abs max that counts as a difference (default 10)")
     @line_cell_magic
+    @_with_usage(_CELL, _COMPARE)
     def numguard(self, line="", cell=None):
         """Guard a cell (`%%numguard`), or every following cell (`%numguard on`), with a
         numguard Guard: find the first module that produces an inf or a nan, forward or backward.
@@ -238,38 +301,76 @@ class NumguardMagics(Magics):
 
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
-        submodule of another one is guarded, and each Trainer stands for its model.
+        submodule of another one is guarded, and each Trainer stands for its model. The guard follows
+        these names: before each cell under `%numguard on`, and before each top-level statement of a
+        `%%numguard` cell, it looks them up again, so a model rebuilt (or a submodule replaced) is
+        guarded from then on.
 
         On a detection the cell fails with a one-line error naming the culprit and the batch, the report
         (the module tree, collapsible, with the path to the culprit open) is displayed, and kept as
         `_numguard` (and in -o NAME). With --trace, one report per traced batch is displayed and
         `_numguard_traces` maps each traced batch to its report. Put MODEL names before --allow-inf,
-        which takes the globs that follow it.
+        which takes the globs that follow it. `%numguard on` takes the options of `%%numguard`
+        below; off and status take none.
         """
         __tracebackhide__ = True  # noqa: F841 (IPython leaves this frame out of tracebacks)
-        args = self._parse(self.numguard, line, "%%numguard" if cell is not None else "%numguard")
         if cell is not None:
-            return self._guard_cell(args, cell)
-        if not args.names:
+            return self._guard_cell(line, cell)
+        command, rest = (line.split(maxsplit=1) + ["", ""])[:2]
+        if not command:
             raise UsageError(
                 "%numguard needs on, off, status or compare; to guard one cell use %%numguard "
                 "(two %) on the cell's first line"
             )
-        command, rest = args.names[0], args.names[1:]
-        if command == "on":
-            return self._on(args, rest)
-        if command == "off":
-            self._no_names("off", rest)
-            return self._off()
-        if command == "status":
-            self._no_names("status", rest)
-            return self._status()
-        if command == "compare":
-            return self._compare(rest, args.factor)
-        raise UsageError(
-            f"%numguard: unknown command {command!r}: use on, off, status or compare "
-            "(to guard one cell, write %%numguard on its first line)"
-        )
+        if command not in _COMMANDS:
+            raise UsageError(
+                f"%numguard: unknown command {command!r}: use on, off, status or compare "
+                "(to guard one cell, write %%numguard on its first line)"
+            )
+        run_command = {"on": self._on, "off": self._off, "status": self._status,
+                       "compare": self._compare}[command]
+        return run_command(rest)
+
+    def _guard_cell(self, line: str, cell: str):
+        __tracebackhide__ = True  # noqa: F841
+        args = _parse(_CELL, line)
+        command = args.names[0] if args.names else None
+        if command in _COMMANDS and command not in self.shell.user_ns:
+            raise UsageError(f"%%numguard guards the cell below it; for '{command}' use the line "
+                             f"magic %numguard {command} (one %)")
+        run = self._start_run(args, "%%numguard")
+        code = self._compile_cell(cell)  # a SyntaxError is raised before any hook
+        outcome = self._run_cell(run, code)
+        self._show(run.finish_cell(failed=outcome.error is not None))
+        if outcome.error is not None and run.guard.capture is not None \
+                and _is_device_error(outcome.error):
+            self._replay_after_error(run, outcome.error)
+        return outcome.result(run.hint)
+
+    def _on(self, rest: str) -> None:
+        args = _parse(_ON, rest)
+        run = self._start_run(args, "%numguard on")
+        self._show(self._session.start(run))
+        self._listen(True)
+
+    def _off(self, rest: str) -> None:
+        _parse_bare(_OFF, rest)
+        self._listen(False)
+        print(self._session.stop())
+
+    def _status(self, rest: str) -> None:
+        _parse_bare(_STATUS, rest)
+        print(self._session.status())
+
+    def _compare(self, rest: str):
+        args = _parse(_COMPARE, rest)
+        if len(args.reports) != 2:
+            raise UsageError(
+                "%numguard compare needs two reports: %numguard compare GOOD BAD "
+                "(names such as good bad, or _numguard_traces[149] _numguard_traces[150])"
+            )
+        good, bad = (self._report_named(text) for text in args.reports)
+        return good.compare(bad, factor=args.factor)
 
     # ---- %numguard_dist ------------------------------------------------------------------
     @magic_arguments()
@@ -286,10 +387,11 @@ class NumguardMagics(Magics):
         verify all_reduce and broadcast, and show one row per rank (ok, error, bandwidth,
         latency). The table is kept as `_numguard_dist`.
         """
-        args = self._parse(self.numguard_dist, line, "%numguard_dist")
+        args = _parse(self.numguard_dist.parser, line, "%numguard_dist")
+        extra = {"size_mb": args.size} if args.size is not None else {}
         from . import distcheck
+
         try:
-            extra = {"size_mb": args.size} if args.size is not None else {}
             table = distcheck.run(nproc=args.nproc, backend=args.backend, timeout=args.timeout, **extra)
         except ValueError as error:
             raise UsageError(f"%numguard_dist: {message_line(error)}") from None
@@ -312,19 +414,17 @@ class NumguardMagics(Magics):
         optimizer, overfit) on a copy of the model, and show where it breaks. The report is kept
         as `_numguard_check`.
         """
-        args = self._parse(self.numguard_check, line, "%numguard_check")
-        obj = self._lookup(args.name, "%numguard_check")
-        data = self._lookup(args.data, "%numguard_check") if args.data is not None else None
-        options = {"loss_fn": self._lookup(args.loss, "%numguard_check")} if args.loss else {}
+        magic = "%numguard_check"
+        args = _parse(self.numguard_check.parser, line, magic)
+        target = self._look_up(args.name, magic)
+        data = () if args.data is None else (self._look_up(args.data, magic),)
+        options = {"loss_fn": self._look_up(args.loss, magic)} if args.loss else {}
         from . import doctor
 
         try:
-            if data is None and not options:
-                report = doctor.check_pipeline(obj)
-            else:
-                report = doctor.check_pipeline(obj, data, **options)
+            report = doctor.check_pipeline(target, *data, **options)
         except (TypeError, ValueError) as error:
-            raise UsageError(f"%numguard_check: {message_line(error)}") from None
+            raise UsageError(f"{magic}: {message_line(error)}") from None
         self.shell.user_ns["_numguard_check"] = report
         self._display(report)
 
@@ -340,190 +440,106 @@ class NumguardMagics(Magics):
         call that failed on the GPU, run again where the error is raised at the real line. The
         result is kept as `_numguard_replay`.
         """
+        magic = "%numguard_replay"
         if not line.strip():  # argparse would also ask for the optional MODEL
-            raise UsageError("%numguard_replay needs the bundle's path: %numguard_replay PATH [MODEL ...]")
-        args = self._parse(self.numguard_replay, line, "%numguard_replay")
-        models = self._resolve(args.names, "%numguard_replay")
+            raise UsageError(f"{magic} needs the bundle's path: {magic} PATH [MODEL ...]")
+        args = _parse(self.numguard_replay.parser, line, magic)
+        models = self._find_models(args.names, magic)
         target = next(iter(models.values())) if len(models) == 1 else models
         from . import replay
+
         try:
             call = replay.load_capture(args.path, target)
         except (OSError, TypeError, ValueError) as error:  # replay.ReplayError is a ValueError
-            raise UsageError(f"%numguard_replay: {message_line(error)}") from None
+            raise UsageError(f"{magic}: {message_line(error)}") from None
         result = call.replay()
         self.shell.user_ns["_numguard_replay"] = result
         self._display(result)
 
-    # ---- argument parsing and lookup -----------------------------------------------------
-    def _parse(self, func, line: str, magic: str):
-        """Parse with the magic's own parser; options and names may come in any order."""
-        try:
-            args = func.parser.parse_intermixed_args(arg_split(line))
-        except UsageError as error:
-            raise UsageError(f"{magic}: {message_line(error)}; see {magic}? for the options") from None
-        except SystemExit:
-            raise UsageError(f"{magic}: cannot parse {line.strip()!r}; see {magic}? for the options") from None
-        except ValueError as error:  # unbalanced quotes
-            raise UsageError(f"{magic}: {message_line(error)} in {line.strip()!r}") from None
-        # IPython splits like a shell but keeps the quotes: 'a b' is one word, written 'a b'.
-        for key, value in vars(args).items():
-            if isinstance(value, str):
-                setattr(args, key, _unquote(value))
-            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-                setattr(args, key, [_unquote(v) for v in value])
-        return args
-
-    @staticmethod
-    def _no_names(command: str, rest: list) -> None:
-        if rest:
-            raise UsageError(f"%numguard {command} takes no names (got {' '.join(rest)})")
-
-    def _lookup(self, name: str, magic: str):
+    # ---- looking objects up --------------------------------------------------------------
+    def _look_up(self, name: str, magic: str):
         """A variable of the namespace, or an attribute path such as trainer.model."""
-        ns = self.shell.user_ns
-        first, _, rest = name.partition(".")
-        if not first.isidentifier() or (rest and not all(p.isidentifier() for p in rest.split("."))):
-            raise UsageError(f"{magic}: {name!r} is not a variable name: name an object of the notebook")
-        if first not in ns:
-            close = difflib.get_close_matches(first, [k for k in ns if not k.startswith("_")], n=1)
-            hint = f"; did you mean {close[0]}?" if close else "; define it first (run its cell)"
-            raise UsageError(f"{magic}: no variable named {first!r} in the namespace{hint}")
-        obj = ns[first]
-        path = first
-        for part in rest.split(".") if rest else []:
-            if not hasattr(obj, part):
-                raise UsageError(f"{magic}: {path} ({type(obj).__name__}) has no attribute {part!r}")
-            obj = getattr(obj, part)
-            path += "." + part
-        return obj
-
-    def _resolve(self, names: list, magic: str) -> Dict[str, nn.Module]:
-        """name -> module to guard, from the names given or from the whole namespace."""
-        found: Dict[str, nn.Module] = {}
-        if names:
-            for name in names:
-                obj = self._lookup(name, magic)
-                module = _as_module(obj)
-                if module is None:
-                    raise UsageError(
-                        f"{magic}: {name} is a {type(obj).__name__}, not a torch.nn.Module or a "
-                        "Trainer: name the model to guard"
-                    )
-                found[name] = module
-        else:
-            hidden = getattr(self.shell, "user_ns_hidden", {})
-            for name, obj in list(self.shell.user_ns.items()):
-                if name.startswith("_") or (name in hidden and hidden[name] is obj):
-                    continue
-                module = _as_module(obj)
-                if module is not None:
-                    found[name] = module
-            if not found:
-                raise UsageError(
-                    f"{magic}: no torch.nn.Module (or Trainer) in the namespace: create the model "
-                    "first, or name it after the magic"
-                )
-        return _top_level(found)
-
-    def _guard_options(self, args, models: Dict[str, nn.Module], magic: str) -> dict:
-        allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
-        capture = args.capture
-        if capture is None:  # on by default where asynchronous CUDA errors can happen...
-            capture = any(p.is_cuda for m in models.values() for p in m.parameters())
-        if capture:  # ...and where the weights' host copy fits
-            from .replay import snapshot_fits
-
-            fits, why = snapshot_fits(models)
-            if not fits and args.capture:
-                raise UsageError(f"{magic}: --capture refused: {why}: drop --capture, or free host memory")
-            if not fits:
-                capture = False
-                if not args.quiet:
-                    print(f"numguard: no CPU replay after a CUDA error: {why}")
-        return dict(
-            max_frames=args.frames, trace_batches=args.trace or (),
-            abort_after_batch=args.abort_after, backward=not args.no_backward, sync=args.sync,
-            allow_inf=allow_inf, limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
-        )
-
-    def _watch(self, args, names: list, magic: str) -> _Watch:
-        models = self._resolve(names, magic)
-        options = self._guard_options(args, models, magic)
-        target = next(iter(models.values())) if len(models) == 1 else models
         try:
-            return _Watch(target, options, args.output, args.quiet, ", ".join(models))
+            return lookup(self.shell.user_ns, name)
+        except LookupError as error:
+            raise UsageError(f"{magic}: {message_line(error)}") from None
+
+    def _find_models(self, names: List[str], magic: str):
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        try:
+            return find_models(self.shell.user_ns, names, hidden)
+        except LookupError as error:
+            raise UsageError(f"{magic}: {message_line(error)}") from None
+
+    def _start_run(self, args, magic: str) -> GuardedRun:
+        """The guard of the models named in `args` (all of the namespace's without names)."""
+        models = self._find_models(args.names, magic)
+        capture, refused = choose_capture(args.capture, models)
+        if refused and args.capture:
+            raise UsageError(f"{magic}: --capture refused: {refused}: drop --capture, or free host memory")
+        if refused and not args.quiet:
+            print(f"numguard: no CPU replay after a CUDA error: {refused}")
+        try:
+            return GuardedRun(self.shell.user_ns, models, _guard_keywords(args, capture),
+                              output=args.output, quiet=args.quiet, shorten=_make_short)
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
+    def _report_named(self, text: str) -> Report:
+        """A report of the namespace: a name, or name[key] / name.attr, read without side effects."""
+        magic = "%numguard compare"
+        if re.fullmatch(r"[A-Za-z_]\w*(\.\w+|\[\s*-?\w+\s*\])*", text) is None:
+            raise UsageError(f"{magic}: {text!r} is not a variable name")
+        self._look_up(re.match(r"[A-Za-z_]\w*", text).group(0), magic)  # a helpful error if missing
+        try:
+            obj = eval(text, self.shell.user_global_ns, self.shell.user_ns)
+        except Exception as error:
+            raise UsageError(f"{magic}: cannot read {text}: {message_line(error)}") from None
+        if not isinstance(obj, Report):
+            raise UsageError(
+                f"{magic}: {text} is a {type(obj).__name__}, not a numguard Report "
+                "(use -o NAME on %%numguard, or _numguard / _numguard_traces[batch])"
+            )
+        return obj
+
     # ---- running a guarded cell ----------------------------------------------------------
-    def _compile_cell(self, cell: str):
-        """(exec code, eval code of the last expression or None), the way %%time compiles."""
+    def _compile_cell(self, cell: str) -> list:
+        """The cell's code, one top-level statement at a time (the last one, an expression,
+        compiled to give the cell's value), compiled the way IPython compiles a cell: all of it
+        before any of it runs."""
         shell = self.shell
         # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
         source = "\n" + shell.transform_cell(cell)
         filename = shell.compile.cache(source, shell.execution_count)
-        tree = shell.compile.ast_parse(source, filename=filename)
-        tree = shell.transform_ast(tree)
-        last = None
+        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
+        code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        body = shell.compile(tree, filename, "exec")
-        tail = shell.compile(last, filename, "eval") if last is not None else None
-        return body, tail
+            code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
+        return code
 
-    def _guard_cell(self, args, cell: str):
+    def _run_cell(self, run: GuardedRun, code: list) -> _CellOutcome:
+        """Run the statements one by one, each on the models their names stand for by then: a
+        model the cell rebuilds is guarded from the statement after (never by running a statement
+        again)."""
         __tracebackhide__ = True  # noqa: F841
-        if args.names and args.names[0] in ("on", "off", "status", "compare") \
-                and args.names[0] not in self.shell.user_ns:
-            raise UsageError(
-                f"%%numguard guards the cell below it; for '{args.names[0]}' use the line magic "
-                f"%numguard {args.names[0]} (one %)"
-            )
-        watch = self._watch(args, args.names, "%%numguard")
-        body, tail = self._compile_cell(cell)  # a SyntaxError is raised before any hook
         shell = self.shell
+        value = None
         try:
-            with watch.guard:
-                exec(body, shell.user_global_ns, shell.user_ns)
-                value = eval(tail, shell.user_global_ns, shell.user_ns) if tail is not None else None
-        except (NonFiniteError, BatchLimitReached) as error:
-            self._finish_cell(watch, failed=True)
-            # The hooks' frames hold activations: drop them, and show one line (see _make_short).
-            raise _make_short(error, watch.hint if isinstance(error, NonFiniteError) else "") \
-                .with_traceback(None) from None
+            try:
+                for statement in code:
+                    self._show(run.step())
+                    value = eval(statement, shell.user_global_ns, shell.user_ns)  # exec code gives None
+            finally:
+                run.guard.detach()
         except BaseException as error:
-            self._finish_cell(watch, failed=True)
-            if watch.guard.capture is not None and _is_device_error(error):
-                self._replay_after_error(watch.guard, error)
-            raise
-        self._finish_cell(watch, failed=False)
-        return value
+            return _CellOutcome(error=error)
+        return _CellOutcome(value=value)
 
-    def _finish_cell(self, watch: _Watch, failed: bool) -> None:
-        """Display what the guard found, keep the last report in the namespace."""
-        if self._show_collected(watch):
-            return
-        latest = watch.guard.report
-        self._store([latest], watch)
-        if not watch.quiet and not failed:
-            if latest.frames:
-                print(f"numguard: {latest.summary()}")
-            else:
-                print(f"numguard: {watch.describe()} was not called in this cell")
-
-    def _store(self, reports: List[Report], watch: _Watch) -> None:
-        ns = self.shell.user_ns
-        ns[_LAST] = reports[-1]
-        if watch.output:
-            ns[watch.output] = reports[-1]
-        if watch.guard.traces:
-            ns[_TRACES] = dict(sorted(watch.guard.traces.items()))
-
-    def _replay_after_error(self, guard: Guard, error: BaseException) -> None:
+    def _replay_after_error(self, run: GuardedRun, error: BaseException) -> None:
         try:
             from . import replay
 
-            result = replay.replay_after_error(guard, error)
+            result = replay.replay_after_error(run.guard, error)
         except Exception as replay_error:  # never hide the CUDA error behind a replay failure
             print(f"numguard: could not replay the captured call on CPU: {message_line(replay_error)}",
                   file=sys.stderr)
@@ -531,177 +547,44 @@ class NumguardMagics(Magics):
         self.shell.user_ns["_numguard_replay"] = result
         self._display(result)
 
-    # ---- %numguard on / off / status -----------------------------------------------------
-    def _on(self, args, names: list) -> None:
-        watch = self._watch(args, names, "%numguard on")
-        self._off(quiet=True)
-        self._session = watch
-        self._session_suspended = False
-        self.shell.events.register("pre_run_cell", self._pre)
-        self.shell.events.register("post_run_cell", self._post)
-        if not args.quiet:
-            print(f"numguard: on, guarding {watch.describe()} in every cell until %numguard off")
-
-    def _off(self, quiet: bool = False) -> None:
-        watch = self._session
-        self._session = None
-        for event, callback in (("pre_run_cell", self._pre), ("post_run_cell", self._post)):
+    # ---- %numguard on: the session's events ----------------------------------------------
+    def _listen(self, on: bool) -> None:
+        """Register (or remove) the session's handlers of IPython's cell events."""
+        for event, handler in (("pre_run_cell", self._before_cell), ("post_run_cell", self._after_cell)):
             try:
-                self.shell.events.unregister(event, callback)
+                self.shell.events.unregister(event, handler)
             except ValueError:
                 pass
-        if watch is None:
-            if not quiet:
-                print("numguard: already off")
-            return
-        watch.guard.detach()
-        if not quiet:
-            print(f"numguard: off (guarded {watch.describe()} up to batch {watch.guard.batch_number})")
+            if on:
+                self.shell.events.register(event, handler)
 
-    def _status(self) -> None:
-        watch = self._session
-        if watch is None:
-            print("numguard: off (%numguard on [MODEL ...] guards every following cell)")
-            return
-        guard = watch.guard
-        found = "; a detection is in _numguard" if guard.detection is not None else ""
-        traced = f"; tracing batches {sorted(guard.trace_batches)}" if guard.trace_batches else ""
-        print(f"numguard: on, guarding {watch.describe()}, at batch {guard.batch_number}{traced}{found}")
+    def _before_cell(self, info=None) -> None:
+        self._show(self._session.before_cell(getattr(info, "raw_cell", "") or ""))
 
-    def _pre_run_cell(self, info=None) -> None:
-        watch = self._session
-        if watch is None:
-            return
-        raw = getattr(info, "raw_cell", "") or ""
-        if raw.lstrip().startswith("%%numguard"):
-            # That cell brings its own guard: two guards on one model would double every hook.
-            watch.guard.detach()
-            self._session_suspended = True
-            return
-        self._session_suspended = False
-        from .replay import CaptureTooLarge
-
-        try:
-            watch.guard.attach()
-        except CaptureTooLarge as error:
-            # Memory shrank since %numguard on: guard the cell anyway, without the capture.
-            watch.guard.capture_enabled = False
-            print(f"numguard: no CPU replay after a CUDA error from now on: {message_line(error)}")
-            watch.guard.attach()
-
-    def _post_run_cell(self, result=None) -> None:
-        watch = self._session
-        if watch is None:
-            return
-        if self._session_suspended:
-            return
-        error = getattr(result, "error_in_exec", None)
+    def _after_cell(self, result=None) -> None:
         success = getattr(result, "success", True)
-        if not success:
-            watch.guard.reset()  # an interrupted pass must not leak into the next cell
-        if isinstance(error, NonFiniteError):
-            # The traceback through the hooks keeps the activations alive: drop it.
-            error.with_traceback(None)
-            if getattr(sys, "last_value", None) is error:
-                sys.last_traceback = None
-        self._show_collected(watch)
+        self._show(self._session.after_cell(success, getattr(result, "error_in_exec", None)))
 
-    def _show_collected(self, watch: _Watch) -> bool:
-        """Store and display what the guard reported since last time; False if nothing."""
-        reports = watch.collect()
-        if not reports:
-            return False
-        self._store(reports, watch)
-        if not watch.quiet:
-            for report in reports:
-                self._display_report(report)
-        return True
-
-    # ---- %numguard compare ---------------------------------------------------------------
-    def _compare(self, names: list, factor: float):
-        if len(names) != 2:
-            raise UsageError(
-                "%numguard compare needs two reports: %numguard compare GOOD BAD "
-                "(names such as good bad, or _numguard_traces[149] _numguard_traces[150])"
-            )
-        reports = []
-        for name in names:
-            obj = self._lookup_expression(name)
-            if not isinstance(obj, Report):
-                raise UsageError(
-                    f"%numguard compare: {name} is a {type(obj).__name__}, not a numguard Report "
-                    "(use -o NAME on %%numguard, or _numguard / _numguard_traces[batch])"
-                )
-            reports.append(obj)
-        return reports[0].compare(reports[1], factor=factor)
-
-    def _lookup_expression(self, text: str):
-        """A name (or name[key] / name.attr) of the namespace, evaluated without side effects."""
-        if re.fullmatch(r"[A-Za-z_]\w*(\.\w+|\[\s*-?\w+\s*\])*", text) is None:
-            raise UsageError(f"%numguard compare: {text!r} is not a variable name")
-        head = re.match(r"[A-Za-z_]\w*", text).group(0)
-        if head not in self.shell.user_ns:
-            self._lookup(head, "%numguard compare")  # raises the helpful UsageError
-        try:
-            return eval(text, self.shell.user_global_ns, self.shell.user_ns)
-        except Exception as error:
-            raise UsageError(f"%numguard compare: cannot read {text}: {message_line(error)}") from None
+    def close(self) -> None:
+        """Turn `%numguard on` off and remove its event handlers (for %unload_ext)."""
+        self._listen(False)
+        self._session.stop()
 
     # ---- display -------------------------------------------------------------------------
-    def _display_report(self, report: Report) -> None:
-        from .render.widget import display_report
+    def _show(self, shown: ToShow) -> None:
+        for line in shown.lines:
+            print(line)
+        if shown.reports:
+            from .render.widget import display_report
 
-        display_report(report)
+            for report in shown.reports:
+                display_report(report)
 
     @staticmethod
     def _display(obj) -> None:
         from IPython.display import display
 
         display(obj)
-
-    def close(self) -> None:
-        """Turn `%numguard on` off and remove its event handlers (for %unload_ext)."""
-        self._off(quiet=True)
-
-
-# ---- namespace helpers ---------------------------------------------------------------------
-def _as_module(obj) -> Optional[nn.Module]:
-    """The module an object stands for: itself, or a Trainer's `.model` (duck-typed)."""
-    if isinstance(obj, nn.Module):
-        return obj
-    # A Trainer: its class has a train method (looked up on the class: no instance __getattr__
-    # of arbitrary namespace objects runs) and the instance a .model that is a module.
-    if isinstance(obj, type) or not callable(getattr(type(obj), "train", None)):
-        return None
-    try:
-        model = getattr(obj, "model", None)
-    except Exception:
-        return None
-    return model if isinstance(model, nn.Module) else None
-
-
-def _top_level(found: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
-    """Drop duplicates and modules that are submodules of another found one (order kept)."""
-    unique: Dict[str, nn.Module] = {}
-    seen = set()
-    for name, module in found.items():
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        unique[name] = module
-    if len(unique) < 2:
-        return unique
-    inner = set()
-    for module in unique.values():
-        inner.update(id(sub) for sub in module.modules() if sub is not module)
-    return {name: module for name, module in unique.items() if id(module) not in inner}
-
-
-def _unquote(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
-
 
 
 # ---- extension entry points ----------------------------------------------------------------

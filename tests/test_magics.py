@@ -281,6 +281,14 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%numguard", "%numguard needs on, off, status or compare"),
     ("%numguard net", "unknown command 'net'"),
     ("%numguard off net", "%numguard off takes no names"),
+    ("%numguard status net", "%numguard status takes no names"),
+    # each form takes only its own options
+    ("%numguard on --factor 3", "%numguard on: unrecognized arguments: --factor; see %numguard?"),
+    ("%numguard off --frames 2", "%numguard off: unrecognized arguments: --frames; see %numguard?"),
+    ("%numguard status -q", "%numguard status: unrecognized arguments: -q"),
+    ("%numguard compare a b --trace 1", "%numguard compare: unrecognized arguments: --trace"),
+    ("%%numguard --factor 3\n1", "%%numguard: unrecognized arguments: --factor; see %%numguard?"),
+    ("%numguard --frames 2 on", "unknown command '--frames'"),
     ("%numguard compare _numguard", "%numguard compare needs two reports"),
     ("%numguard compare a+b c", "'a+b' is not a variable name"),
     ("%numguard_dist --nproc 0", "argument --nproc: expected a positive integer"),
@@ -302,14 +310,16 @@ def test_empty_namespace_is_a_usage_error(ip):
 
 
 def test_options_reach_the_guard(ip, monkeypatch):
+    from numguard_nb import session
+
     seen = {}
-    original = ng_magics.Guard
+    original = session.Guard  # the session builds the guard of a run
 
     def spy(models, **kwargs):
         seen.update(kwargs, models=models)
         return original(models, **kwargs)
 
-    monkeypatch.setattr(ng_magics, "Guard", spy)
+    monkeypatch.setattr(session, "Guard", spy)
     result, _ = run(ip, "%%numguard net --frames 5 --trace 1-2,7 --abort-after 9 --no-backward --sync "
                         "--ops --limit-dtype bfloat16 --no-capture --allow-inf '*.attn*' 'x?'\nstep(net, xs[0])")
     assert result.success
@@ -433,6 +443,67 @@ def test_on_with_traces_displays_each_traced_batch_once_per_cell(ip):
     assert [b["text/plain"].split("***")[1].strip() for b in reports_displayed(captured)] == ["Starting batch number=3"]
     assert sorted(ip.user_ns["_numguard_traces"]) == [1, 3]
     run(ip, "%numguard off")
+
+
+REBUILD = """
+def rebuild():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(3)
+    return model.half()
+"""
+
+
+def test_on_follows_a_model_rebuilt_in_a_later_cell(ip):
+    ip.run_cell(REBUILD)
+    old = ip.user_ns["net"]
+    run(ip, "%numguard on net")
+    run(ip, "for x in xs[:2]:\n    step(net, x)")
+    result, captured = run(ip, "net = rebuild()")
+    assert result.success
+    assert captured.stdout.splitlines()[0] == "numguard: net is a new Sequential: guarding it"
+    assert hook_count(old) == 0
+    result, captured = run(ip, LOOP)
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError)  # the new model is guarded; batches go on counting
+    assert (error.report.first_nonfinite.module_name, error.report.batch_number) == ("0", 2 + 4)
+    (bundle,) = reports_displayed(captured)
+    assert hook_count(ip.user_ns["net"]) > 0
+    _, captured = run(ip, "%numguard status")
+    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential), at batch 6; a detection is in _numguard"
+    run(ip, "%numguard off")
+    assert hook_count(ip.user_ns["net"]) == 0
+
+
+def test_on_names_a_submodule_replaced_in_a_later_cell(ip):
+    ip.run_cell("class Overflow(nn.Module):\n    def forward(self, x):\n        return x * 1e5")
+    run(ip, "%numguard on net")
+    run(ip, "step(net, xs[0])")
+    result, captured = run(ip, "net[1] = Overflow()")
+    assert captured.stdout.splitlines()[0] == "numguard: net has new modules or parameters: guarding them"
+    result, _ = run(ip, "step(net, xs[2])")
+    culprit = result.error_in_exec.report.first_nonfinite
+    assert (culprit.module_name, culprit.module_class) == ("1", "Overflow")
+    run(ip, "%numguard off")
+    assert hook_count(ip.user_ns["net"]) == 0
+
+
+def test_a_numguard_cell_that_rebuilds_the_model_guards_the_new_one(ip):
+    ip.run_cell(REBUILD + "ran = []")
+    old = ip.user_ns["net"]
+    result, captured = run(ip, "%%numguard net\nran.append(1)\nnet = rebuild()\n" + LOOP)
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError)
+    assert (error.report.first_nonfinite.module_name, error.report.batch_number) == ("0", 4)
+    assert captured.stdout.startswith("numguard: net is a new Sequential: guarding it\n")
+    assert ip.user_ns["ran"] == [1]  # each statement ran once
+    assert hook_count(old) == 0 and hook_count(ip.user_ns["net"]) == 0
+    # the last expression, whose value the cell returns, runs on the model of the statement before
+    result, captured = run(ip, "%%numguard -q net\nnet = rebuild()\nnet(xs[4]).float().sum().item()")
+    assert isinstance(result.error_in_exec, NonFiniteError) and "guarding it" not in captured.stdout
+    result, _ = run(ip, "%%numguard net\nnet = rebuild()\nnet(xs[0]).shape[-1]")
+    assert result.success and result.result == 2
 
 
 def test_unload_removes_hooks_handlers_and_magics(shell):

@@ -1,0 +1,387 @@
+"""The notebook session: which models the names of the notebook stand for, the Guard that watches
+them for a `%%numguard` cell or from `%numguard on` to `%numguard off`, what it reported, and
+where the reports are kept.
+
+A run follows its names: before each cell (and, in a `%%numguard` cell, before each top-level
+statement) it looks them up again and moves the hooks where a model was rebuilt, a submodule or
+a parameter replaced, or a parameter frozen or unfrozen. It checks between steps only, never in
+the hooks: a model rebuilt inside a loop is followed at the next step.
+
+No IPython here. `numguard_nb.magics` parses the magics' arguments, hands over the user namespace
+(a plain dict) and wires `Session.before_cell` / `Session.after_cell` to IPython's pre_run_cell /
+post_run_cell events; it prints and displays what these return (a `ToShow`). The tests drive the
+session with a dict namespace.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from torch import nn
+
+from ._util import message_line, trainer_model
+from .errors import CaptureTooLarge, NonFiniteError
+from .guard import Guard
+from .report import Report
+
+__all__ = ["REPORT_NAME", "TRACES_NAME", "ToShow", "GuardedRun", "Session", "lookup", "model_of",
+           "find_models", "choose_capture"]
+
+REPORT_NAME = "_numguard"  # the last report, in the user namespace
+TRACES_NAME = "_numguard_traces"  # {batch: trace report} of the last run that traced
+
+
+@dataclass
+class ToShow:
+    """What the notebook shows after a step of the session: lines to print, then reports."""
+
+    lines: List[str] = field(default_factory=list)
+    reports: List[Report] = field(default_factory=list)
+
+
+# ---- the models the names of a namespace stand for -----------------------------------------
+def lookup(namespace: Mapping, name: str):
+    """The object `name` (a variable, or an attribute path such as trainer.model) is bound to.
+    Raises LookupError, whose message tells the user what to write instead."""
+    first, _, rest = name.partition(".")
+    parts = rest.split(".") if rest else []
+    if not first.isidentifier() or not all(part.isidentifier() for part in parts):
+        raise LookupError(f"{name!r} is not a variable name: name an object of the notebook")
+    if first not in namespace:
+        close = difflib.get_close_matches(first, [k for k in namespace if not k.startswith("_")], n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; define it first (run its cell)"
+        raise LookupError(f"no variable named {first!r} in the namespace{hint}")
+    obj, path = namespace[first], first
+    for part in parts:
+        if not hasattr(obj, part):
+            raise LookupError(f"{path} ({type(obj).__name__}) has no attribute {part!r}")
+        obj, path = getattr(obj, part), f"{path}.{part}"
+    return obj
+
+
+def model_of(obj) -> Optional[nn.Module]:
+    """The module an object of the notebook stands for: itself, or a trainer's model."""
+    return obj if isinstance(obj, nn.Module) else trainer_model(obj)
+
+
+def find_models(namespace: Mapping, names: Sequence[str] = (), hidden: Optional[Mapping] = None
+                ) -> Dict[str, nn.Module]:
+    """name -> model to guard: the models `names` stand for or, without names, every model of
+    the namespace (public names; `hidden` holds the shell's own variables). A model found twice,
+    or inside another found one, is kept once, under its first name. Raises LookupError."""
+    found: Dict[str, nn.Module] = {}
+    for name in names:
+        obj = lookup(namespace, name)
+        found[name] = model_of(obj)
+        if found[name] is None:
+            raise LookupError(f"{name} is a {type(obj).__name__}, not a torch.nn.Module or a "
+                              "Trainer: name the model to guard")
+    if names:
+        return _top_level(found)
+    hidden = hidden or {}
+    for name, obj in list(namespace.items()):
+        if name.startswith("_") or (name in hidden and hidden[name] is obj):
+            continue
+        model = model_of(obj)
+        if model is not None:
+            found[name] = model
+    if not found:
+        raise LookupError("no torch.nn.Module (or Trainer) in the namespace: create the model "
+                          "first, or name it after the magic")
+    return _top_level(found)
+
+
+def _top_level(found: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
+    """Drop duplicates and modules that are submodules of another found one (order kept)."""
+    unique: Dict[str, nn.Module] = {}
+    seen = set()
+    for name, module in found.items():
+        if id(module) not in seen:
+            seen.add(id(module))
+            unique[name] = module
+    if len(unique) < 2:
+        return unique
+    inner = set()
+    for module in unique.values():
+        inner.update(id(sub) for sub in module.modules() if sub is not module)
+    return {name: module for name, module in unique.items() if id(module) not in inner}
+
+
+def choose_capture(requested: Optional[bool], models: Dict[str, nn.Module]) -> Tuple[bool, str]:
+    """Whether the guard captures inputs for a CPU replay after a CUDA error, and why not where
+    the weights' host copy would not fit in memory ('' otherwise). `requested` None: capture
+    where a model has a parameter on CUDA, the one place asynchronous errors happen."""
+    capture = requested
+    if capture is None:
+        capture = any(p.is_cuda for model in models.values() for p in model.parameters())
+    if not capture:
+        return False, ""
+    from .replay import snapshot_fits
+
+    return snapshot_fits(models)
+
+
+def _as_is(error: BaseException, hint: str) -> BaseException:
+    return error
+
+
+# ---- what the hooks go on -------------------------------------------------------------------
+def _layout(model: nn.Module) -> list:
+    """What a guard hooks in `model`: each module and parameter by name, and whether the
+    parameter takes gradients (only those get a gradient hook)."""
+    entries = []
+    for name, module in model.named_modules():
+        entries.append((name, module, None))
+        for pname, param in module.named_parameters(recurse=False):
+            entries.append((f"{name}.{pname}", param, param.requires_grad))
+    return entries
+
+
+class _HeldLayout:
+    """A layout held by weak references: it keeps no replaced module alive."""
+
+    def __init__(self, entries: list):
+        self.entries = [(name, weakref.ref(obj), flag) for name, obj, flag in entries]
+
+    def matches(self, entries: list) -> bool:
+        return len(entries) == len(self.entries) and all(
+            name == held_name and obj is ref() and flag == held_flag
+            for (name, obj, flag), (held_name, ref, held_flag) in zip(entries, self.entries))
+
+
+# ---- one guard and what it reported ---------------------------------------------------------
+class GuardedRun:
+    """A Guard over models of the notebook and the reports it made since they were last shown:
+    the run of one `%%numguard` cell, or of every cell from `%numguard on` to `%numguard off`.
+
+    Args:
+        namespace: the user namespace, where the reports are kept.
+        models: name -> model (as `find_models` returns them).
+        keywords: the Guard's options (max_frames, trace_batches, ...).
+        output: a further name to keep the last report under.
+        quiet: show nothing; only keep the reports.
+        shorten: (error, hint) -> the exception to raise on a detection (the magics give it a
+            one-line display).
+    """
+
+    def __init__(self, namespace: dict, models: Dict[str, nn.Module], keywords: dict, *,
+                 output: Optional[str] = None, quiet: bool = False,
+                 shorten: Callable[[BaseException, str], BaseException] = _as_is):
+        self.namespace = namespace
+        self.names = tuple(models)  # the names followed from step to step
+        self.models = dict(models)  # what they stand for now
+        self.missing: Dict[str, str] = {}  # name -> why it stands for no model now
+        self._layouts = {name: _HeldLayout(_layout(model)) for name, model in models.items()}
+        self.output = output
+        self.quiet = quiet
+        kept_in = REPORT_NAME + (f" and {output}" if output else "")
+        self.hint = f"numguard: the frames that led to it are in {kept_in}"
+        self._shorten = shorten
+        self._detections: List[Report] = []
+        self._traced: List[int] = []  # batch numbers whose trace grew since the last collect
+        target = next(iter(models.values())) if len(models) == 1 else dict(models)
+        self.guard = Guard(target, on_trace=self._on_trace, on_detect=self._on_detect, **keywords)
+
+    def _on_detect(self, report: Report) -> BaseException:
+        self._detections.append(report)
+        return self._shorten(NonFiniteError(report), self.hint)
+
+    def _on_trace(self, report: Report) -> None:
+        if report.batch_number not in self._traced:
+            self._traced.append(report.batch_number)
+
+    def describe(self) -> str:
+        """'net (Sequential), loss_fn (MSELoss)': the models guarded, by name (a trainer's
+        name with its model's class), then the names that stand for none now."""
+        guarded = ", ".join(f"{name} ({type(model).__name__})" for name, model in self.models.items())
+        missing = "; ".join(self.missing.values())
+        return f"{guarded or 'nothing'}{f' ({missing})' if missing else ''}"
+
+    # ---- following the names ----------------------------------------------------------------
+    def step(self) -> ToShow:
+        """Before a cell, or a statement of a %%numguard cell: follow the names and hook what
+        they stand for now."""
+        moved = self.follow()
+        return ToShow(lines=([] if self.quiet else moved) + self.attach())
+
+    def follow(self) -> List[str]:
+        """Look the names up again; where what they stand for changed, unhook (`attach` hooks
+        the new state). Lines that say what changed, none where nothing did."""
+        models, missing = self._look_up()
+        layouts = {name: _layout(model) for name, model in models.items()}
+        moved = self._changes(models, missing, layouts)
+        self.missing = missing
+        if moved:
+            self.guard.detach()
+            self.models = models
+            self._layouts = {name: _HeldLayout(layout) for name, layout in layouts.items()}
+            # The guard reads `models` when it attaches: detached, it may be pointed elsewhere
+            # and keeps its batch count, traces and detection. One model is named "", as Guard does.
+            self.guard.models = {"": next(iter(models.values()))} if len(models) == 1 else dict(models)
+        return moved
+
+    def _look_up(self) -> Tuple[Dict[str, nn.Module], Dict[str, str]]:
+        found: Dict[str, nn.Module] = {}
+        missing: Dict[str, str] = {}
+        for name in self.names:
+            try:
+                obj = lookup(self.namespace, name)
+            except LookupError as error:
+                gone = message_line(error) if "." in name else f"{name} is gone from the namespace"
+                missing[name] = f"{gone}: not guarded"
+                continue
+            model = model_of(obj)
+            if model is None:
+                missing[name] = (f"{name} is a {type(obj).__name__}, not a torch.nn.Module or a "
+                                 "Trainer: not guarded")
+            else:
+                found[name] = model
+        models = _top_level(found)
+        for name in found.keys() - models.keys():
+            missing[name] = f"{name} is inside another guarded model: guarded through it"
+        return models, missing
+
+    def _changes(self, models, missing, layouts) -> List[str]:
+        lines = []
+        for name in self.names:
+            if name in missing:
+                if name not in self.missing:
+                    lines.append(f"numguard: {missing[name]}")
+                continue
+            kind = type(models[name]).__name__
+            if name not in self.models:
+                lines.append(f"numguard: {name} is a {kind} again: guarding it")
+            elif models[name] is not self.models[name]:
+                lines.append(f"numguard: {name} is a new {kind}: guarding it")
+            elif not self._layouts[name].matches(layouts[name]):
+                lines.append(f"numguard: {name} has new modules or parameters: guarding them")
+        return lines
+
+    def attach(self) -> List[str]:
+        """Hook the models (idempotent). Where the weights' host copy stopped fitting in memory,
+        guard without the capture, and say so."""
+        if not self.models:
+            return []
+        try:
+            self.guard.attach()
+        except CaptureTooLarge as error:
+            self.guard.capture_enabled = False
+            self.guard.attach()
+            return [f"numguard: no CPU replay after a CUDA error from now on: {message_line(error)}"]
+        return []
+
+    def collect(self) -> List[Report]:
+        """The reports made since the last call (the traces that grew, then the detections),
+        kept in the namespace."""
+        reports = [self.guard.traces[b] for b in self._traced if b in self.guard.traces]
+        reports.extend(self._detections)
+        self._traced = []
+        self._detections = []
+        if reports:
+            self._keep(reports[-1])
+        return reports
+
+    def _keep(self, report: Report) -> None:
+        self.namespace[REPORT_NAME] = report
+        if self.output:
+            self.namespace[self.output] = report
+        if self.guard.traces:
+            self.namespace[TRACES_NAME] = dict(sorted(self.guard.traces.items()))
+
+    def show_collected(self) -> ToShow:
+        """The reports made since they were last shown (none when quiet: they are only kept)."""
+        reports = self.collect()
+        return ToShow(reports=[] if self.quiet else reports)
+
+    def finish_cell(self, failed: bool) -> ToShow:
+        """The end of a `%%numguard` cell: its reports or, without any, the latest frames (kept,
+        and summed up in a line when the cell did not fail)."""
+        reports = self.collect()
+        if reports:
+            return ToShow(reports=[] if self.quiet else reports)
+        latest = self.guard.report
+        self._keep(latest)
+        if self.quiet or failed:
+            return ToShow()
+        if latest.frames:
+            return ToShow(lines=[f"numguard: {latest.summary()}"])
+        if not self.models:
+            missing = "; ".join(self.missing.values())
+            return ToShow(lines=[f"numguard: no model was guarded at the end of this cell ({missing})"])
+        return ToShow(lines=[f"numguard: {self.describe()} was not called in this cell"])
+
+
+# ---- %numguard on .. off --------------------------------------------------------------------
+class Session:
+    """`%numguard on` .. `%numguard off`: one GuardedRun over every cell in between. A
+    `%%numguard` cell brings its own guard: the session steps aside for it."""
+
+    def __init__(self):
+        self.run: Optional[GuardedRun] = None
+        self._stepped_aside = False  # the current cell is a %%numguard cell
+
+    def start(self, run: GuardedRun) -> ToShow:
+        """Guard every following cell with `run` (in place of the current one, if any)."""
+        self.stop()
+        self.run = run
+        self._stepped_aside = False
+        if run.quiet:
+            return ToShow()
+        return ToShow(lines=[f"numguard: on, guarding {run.describe()} in every cell until %numguard off"])
+
+    def stop(self) -> str:
+        """Unhook the models; the line that says what was guarded."""
+        run, self.run = self.run, None
+        if run is None:
+            return "numguard: already off"
+        run.guard.detach()
+        return f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})"
+
+    def status(self) -> str:
+        """What is guarded now (as the last step found it), at which batch, and what was found."""
+        run = self.run
+        if run is None:
+            return "numguard: off (%numguard on [MODEL ...] guards every following cell)"
+        guard = run.guard
+        traced = f"; tracing batches {sorted(guard.trace_batches)}" if guard.trace_batches else ""
+        found = f"; a detection is in {REPORT_NAME}" if guard.detection is not None else ""
+        return f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}{found}"
+
+    def before_cell(self, source: str) -> ToShow:
+        """Before a cell runs (pre_run_cell): follow the names and hook what they stand for."""
+        run = self.run
+        if run is None:
+            return ToShow()
+        self._stepped_aside = source.lstrip().startswith("%%numguard")
+        if self._stepped_aside:
+            # That cell brings its own guard: two guards on one model would double every hook.
+            run.guard.detach()
+            return ToShow()
+        return run.step()
+
+    def after_cell(self, success: bool, error: Optional[BaseException]) -> ToShow:
+        """After a cell (post_run_cell): what the guard reported during it, and what the cell
+        changed in the models (guarded from the next cell on)."""
+        run = self.run
+        if run is None or self._stepped_aside:
+            return ToShow()
+        if not success:
+            run.guard.reset()  # an interrupted pass must not leak into the next cell
+        if isinstance(error, NonFiniteError):
+            # The traceback through the hooks keeps the activations alive: drop it, also where
+            # the shell keeps it for %debug.
+            error.with_traceback(None)
+            if getattr(sys, "last_value", None) is error:
+                sys.last_traceback = None
+        shown = run.show_collected()
+        moved = run.follow()
+        if moved and not run.quiet:
+            # Only a %%numguard cell is followed statement by statement.
+            shown.lines.extend(moved + [
+                "numguard: that changed during this cell: what is new is guarded from the next cell on "
+                "(a %%numguard cell follows such changes as they happen)"])
+        return shown
