@@ -33,6 +33,7 @@ from IPython.utils.process import arg_split
 
 from ._util import message_line
 from .errors import BatchLimitReached, NonFiniteError
+from .guard import GuardOptions
 from .report import Report
 from .session import GuardedRun, Session, ToShow, choose_capture, find_models, lookup
 
@@ -211,11 +212,11 @@ def _unquote(text: str) -> str:
     return text
 
 
-def _guard_keywords(args, capture: bool) -> dict:
-    """The Guard's keyword arguments from the parsed options of a guarded run: the one place
-    that turns options into engine settings."""
+def _guard_options(args, capture: bool) -> GuardOptions:
+    """The Guard's options from the parsed options of a guarded run, checked by the engine: the
+    one place that turns options into engine settings."""
     allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
-    return dict(
+    return GuardOptions(
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
         limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
@@ -480,7 +481,7 @@ class NumguardMagics(Magics):
         if refused and not args.quiet:
             print(f"numguard: no CPU replay after a CUDA error: {refused}")
         try:
-            return GuardedRun(self.shell.user_ns, models, _guard_keywords(args, capture),
+            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture),
                               output=args.output, quiet=args.quiet, shorten=_make_short)
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None

@@ -25,7 +25,7 @@ from torch import nn
 
 from ._util import message_line, trainer_model
 from .errors import CaptureTooLarge, NonFiniteError
-from .guard import Guard
+from .guard import Guard, GuardOptions
 from .report import Report
 
 __all__ = ["REPORT_NAME", "TRACES_NAME", "ToShow", "GuardedRun", "Session", "lookup", "model_of",
@@ -161,14 +161,15 @@ class GuardedRun:
     Args:
         namespace: the user namespace, where the reports are kept.
         models: name -> model (as `find_models` returns them).
-        keywords: the Guard's options (max_frames, trace_batches, ...).
+        options: the Guard's options, checked (its callbacks are the run's own).
         output: a further name to keep the last report under.
         quiet: show nothing; only keep the reports.
         shorten: (error, hint) -> the exception to raise on a detection (the magics give it a
             one-line display).
     """
 
-    def __init__(self, namespace: dict, models: Dict[str, nn.Module], keywords: dict, *,
+    def __init__(self, namespace: dict, models: Dict[str, nn.Module],
+                 options: GuardOptions = GuardOptions(), *,
                  output: Optional[str] = None, quiet: bool = False,
                  shorten: Callable[[BaseException, str], BaseException] = _as_is):
         self.namespace = namespace
@@ -184,7 +185,8 @@ class GuardedRun:
         self._detections: List[Report] = []
         self._traced: List[int] = []  # batch numbers whose trace grew since the last collect
         target = next(iter(models.values())) if len(models) == 1 else dict(models)
-        self.guard = Guard(target, on_trace=self._on_trace, on_detect=self._on_detect, **keywords)
+        options = options.replace(on_trace=self._on_trace, on_detect=self._on_detect)
+        self.guard = Guard(target, **options.as_kwargs())
 
     def _on_detect(self, report: Report) -> BaseException:
         self._detections.append(report)
@@ -219,9 +221,7 @@ class GuardedRun:
             self.guard.detach()
             self.models = models
             self._layouts = {name: _HeldLayout(layout) for name, layout in layouts.items()}
-            # The guard reads `models` when it attaches: detached, it may be pointed elsewhere
-            # and keeps its batch count, traces and detection. One model is named "", as Guard does.
-            self.guard.models = {"": next(iter(models.values()))} if len(models) == 1 else dict(models)
+            self.guard.retarget(next(iter(models.values())) if len(models) == 1 else dict(models))
         return moved
 
     def _look_up(self) -> Tuple[Dict[str, nn.Module], Dict[str, str]]:

@@ -1021,3 +1021,20 @@ def test_public_names():
     assert ng.Guard is Guard and ng.NonFiniteError is NonFiniteError
     assert issubclass(NonFiniteError, FloatingPointError)
     assert issubclass(BatchLimitReached, RuntimeError)
+
+
+def test_retarget_points_a_detached_guard_at_a_rebuilt_model_and_keeps_its_count():
+    old, new = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2), Exp())
+    guard = Guard(old)
+    with guard:
+        old(torch.ones(1, 2))
+        with pytest.raises(RuntimeError, match="detach the guard"):
+            guard.retarget(new)
+    guard.retarget(new)
+    with pytest.raises(NonFiniteError) as caught:
+        with guard:
+            new(torch.full((1, 2), 1e4))
+    assert caught.value.report.first_nonfinite.module_name == "1"
+    assert caught.value.report.batch_number == 1
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        guard.retarget("model")

@@ -326,9 +326,9 @@ def test_options_reach_the_guard(ip, monkeypatch):
     assert seen["models"] is ip.user_ns["net"]
     assert {k: seen[k] for k in ("max_frames", "trace_batches", "abort_after_batch", "backward", "sync",
                                  "ops", "limit_dtype", "capture", "allow_inf")} == {
-        "max_frames": 5, "trace_batches": [1, 2, 7], "abort_after_batch": 9, "backward": False,
-        "sync": True, "ops": True, "limit_dtype": "bfloat16", "capture": False,
-        "allow_inf": ["*.attn*", "x?"],
+        "max_frames": 5, "trace_batches": frozenset({1, 2, 7}), "abort_after_batch": 9, "backward": False,
+        "sync": True, "ops": True, "limit_dtype": torch.bfloat16, "capture": False,
+        "allow_inf": ("*.attn*", "x?"),
     }
     run(ip, "%%numguard net --allow-inf\nstep(net, xs[0])")
     assert seen["allow_inf"] is True and seen["capture"] is False  # CPU model: no capture by default

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from numguard_nb import NonFiniteError, Report
+from numguard_nb.guard import GuardOptions
 from numguard_nb import _util
 from numguard_nb.session import (REPORT_NAME, TRACES_NAME, GuardedRun, Session, choose_capture,
                                  find_models, lookup)
@@ -60,7 +61,8 @@ def ns():
 
 def start_session(ns, names=("net",), **keywords):
     session = Session()
-    run = GuardedRun(ns, find_models(ns, names), keywords, quiet=keywords.pop("quiet", False))
+    quiet = keywords.pop("quiet", False)
+    run = GuardedRun(ns, find_models(ns, names), GuardOptions(**keywords), quiet=quiet)
     session.start(run)
     return session
 
@@ -123,7 +125,7 @@ def test_a_run_keeps_its_detection_and_shortens_the_error(ns):
         shortened.append(hint)
         return error
 
-    run = GuardedRun(ns, find_models(ns, ["net"]), {}, output="bad", shorten=shorten)
+    run = GuardedRun(ns, find_models(ns, ["net"]), output="bad", shorten=shorten)
     with pytest.raises(NonFiniteError) as caught:
         with run.guard:
             for x in ns["xs"]:
@@ -137,21 +139,21 @@ def test_a_run_keeps_its_detection_and_shortens_the_error(ns):
 
 
 def test_a_clean_cell_keeps_the_latest_frames_and_says_so(ns):
-    run = GuardedRun(ns, find_models(ns, ["net", "loss_fn"]), {})
+    run = GuardedRun(ns, find_models(ns, ["net", "loss_fn"]))
     assert run.describe() == "net (Sequential), loss_fn (MSELoss)"
     with run.guard:
         step(ns["net"], ns["xs"][0])
     (line,) = run.finish_cell(failed=False).lines
     assert line.startswith("numguard: no inf/nan in the last") and isinstance(ns[REPORT_NAME], Report)
-    quiet = GuardedRun(ns, find_models(ns, ["net"]), {}, quiet=True)
+    quiet = GuardedRun(ns, find_models(ns, ["net"]), quiet=True)
     assert quiet.finish_cell(failed=False).lines == []
     assert ns[REPORT_NAME].frames == []  # kept all the same
-    assert GuardedRun(ns, find_models(ns, ["net"]), {}).finish_cell(False).lines == [
+    assert GuardedRun(ns, find_models(ns, ["net"])).finish_cell(False).lines == [
         "numguard: net (Sequential) was not called in this cell"]
 
 
 def test_traces_are_collected_once_per_growth_and_kept_by_batch(ns):
-    run = GuardedRun(ns, find_models(ns, ["net"]), {"trace_batches": [1, GLITCH]})
+    run = GuardedRun(ns, find_models(ns, ["net"]), GuardOptions(trace_batches=[1, GLITCH]))
     with run.guard:
         for x in ns["xs"][:2]:
             step(ns["net"], x)
@@ -162,9 +164,10 @@ def test_traces_are_collected_once_per_growth_and_kept_by_batch(ns):
     assert sorted(ns[TRACES_NAME]) == [1, GLITCH]
 
 
-def test_bad_guard_options_fail_when_the_run_is_made(ns):
-    with pytest.raises(ValueError, match="max_frames"):
-        GuardedRun(ns, find_models(ns, ["net"]), {"max_frames": 0})
+def test_the_runs_guard_gets_the_options_and_the_runs_callbacks(ns):
+    run = GuardedRun(ns, find_models(ns, ["net"]), GuardOptions(max_frames=3, sync=True))
+    assert run.guard.max_frames == 3 and run.guard.sync is True
+    assert run.guard.options.on_detect == run._on_detect
 
 
 # ---- %numguard on .. off -------------------------------------------------------------------
@@ -172,7 +175,7 @@ def test_the_session_guards_every_cell_until_it_is_stopped(ns):
     net, xs = ns["net"], ns["xs"]
     session = Session()
     assert session.status() == "numguard: off (%numguard on [MODEL ...] guards every following cell)"
-    run = GuardedRun(ns, find_models(ns, ["net"]), {})
+    run = GuardedRun(ns, find_models(ns, ["net"]))
     assert session.start(run).lines == [
         "numguard: on, guarding net (Sequential) in every cell until %numguard off"]
     error, _ = run_cell(session, lambda: [step(net, x) for x in xs[:2]])
@@ -257,7 +260,7 @@ def test_an_interrupted_pass_does_not_leak_into_the_next_cell(ns, monkeypatch):
 
 def test_the_capture_is_dropped_when_it_stops_fitting(ns, monkeypatch):
     session = Session()
-    session.start(GuardedRun(ns, find_models(ns, ["net"]), {"capture": True}))
+    session.start(GuardedRun(ns, find_models(ns, ["net"]), GuardOptions(capture=True)))
     monkeypatch.setattr(_util, "host_memory_available", lambda: 100)
     (line,) = session.before_cell("").lines
     assert line.startswith("numguard: no CPU replay after a CUDA error from now on: capture refused")

@@ -187,7 +187,7 @@ class _Option:
         guard._use_options(guard.options.replace(**{self.option: value}))
 
 
-def _normalise_models(model_or_models) -> Dict[str, nn.Module]:
+def _normalise_models(model_or_models, allow_none: bool = False) -> Dict[str, nn.Module]:
     if isinstance(model_or_models, nn.Module):
         return {"": model_or_models}
     if isinstance(model_or_models, dict):
@@ -203,6 +203,8 @@ def _normalise_models(model_or_models) -> Dict[str, nn.Module]:
                 f"{' for ' + repr(name) if name else ''}: pass the model (or a list of models)"
             )
     if not items:
+        if allow_none:  # a guard pointed at nothing for now (retarget)
+            return {}
         raise ValueError("Guard needs at least one torch.nn.Module to watch")
     # A model that is a submodule of another is already watched through it.
     kept = []
@@ -346,6 +348,13 @@ class Guard:
         self._attached = False
         self._reset_pass_state()
         _stats.release_workspace()
+
+    def retarget(self, model_or_models) -> None:
+        """Point a detached guard at other models (rebuilt in a notebook cell; an empty dict: none
+        for now), checked as in the constructor; batch count, traces and detection are kept."""
+        if self._attached:
+            raise RuntimeError("numguard: detach the guard before pointing it at other models")
+        self.models = _normalise_models(model_or_models, allow_none=True)
 
     @property
     def attached(self) -> bool:
