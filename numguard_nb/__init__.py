@@ -14,15 +14,18 @@ or, from Python:
 
 from ._version import __version__
 from .compat import DebugUnderflowOverflow, detect_overflow
-from .guard import BatchLimitReached, Guard, NonFiniteError
+from .errors import BatchLimitReached, CaptureTooLarge, NonFiniteError, ReplayError
+from .guard import Guard, GuardOptions
 from .replay import is_device_error, load_capture, replay_after_error
 from .report import Frame, Report, TensorRow
 
-
 __all__ = [
     "Guard",
+    "GuardOptions",
     "NonFiniteError",
     "BatchLimitReached",
+    "ReplayError",
+    "CaptureTooLarge",
     "Report",
     "Frame",
     "TensorRow",
@@ -31,9 +34,32 @@ __all__ = [
     "load_capture",
     "replay_after_error",
     "is_device_error",
+    "check_pipeline",
+    "NumguardCallback",
+    "NumguardLightningCallback",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
+
+# Imported on first use: the doctor and the callbacks pull in data loading and trainer code.
+_LAZY = {
+    "check_pipeline": ("doctor", "check_pipeline"),
+    "NumguardCallback": ("integrations", "NumguardCallback"),
+    "NumguardLightningCallback": ("integrations", "NumguardLightningCallback"),
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'numguard_nb' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(f".{module}", __name__), attribute)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def load_ipython_extension(ipython):
