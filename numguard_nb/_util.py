@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -48,6 +49,17 @@ def is_internal_file(filename: Optional[str]) -> bool:
         path = filename if filename.startswith("<") else os.path.abspath(filename)
         hit = _internal_files[filename] = path.startswith(_TORCH_DIR) or path.startswith(_PACKAGE_DIR)
     return hit
+
+
+def user_frame():
+    """The innermost Python frame outside torch and numguard_nb (the user's line that is running),
+    or None. Uses the live stack: call it from inside the code whose caller is wanted."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not is_internal_file(frame.f_code.co_filename):
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def host_memory_available() -> Optional[int]:

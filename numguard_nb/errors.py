@@ -6,7 +6,7 @@ raise these, and a leaf module keeps them free of cycles.
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteError", "BatchLimitReached", "ReplayError", "CaptureTooLarge"]
+__all__ = ["NonFiniteError", "BatchLimitReached", "ReplayError", "CaptureTooLarge", "StepFailed"]
 
 
 def _red(name: str) -> str:
@@ -42,3 +42,14 @@ class ReplayError(ValueError):
 
 class CaptureTooLarge(MemoryError):
     """The weight snapshot that capture needs does not fit in host memory."""
+
+
+class StepFailed(Exception):
+    """A step of the pipeline doctor failed with a diagnosis (it never leaves `check_pipeline`,
+    which turns it into the step's result); `cause` is the exception behind it, if any."""
+
+    def __init__(self, message: str, hint: str = "", cause: BaseException | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.cause = cause

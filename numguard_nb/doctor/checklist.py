@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..render.checklist import checklist_html, checklist_text
+from ..errors import StepFailed
 
 __all__ = ["STEP_NAMES", "PipelineStep", "PipelineReport", "StepFailed", "listed", "format_number"]
 
@@ -70,16 +71,6 @@ class PipelineReport:
 
     def _repr_html_(self) -> str:
         return checklist_html(self)
-
-
-class StepFailed(Exception):
-    """Raised inside a step with a diagnosis; ``cause`` is the exception behind it, if any."""
-
-    def __init__(self, message: str, hint: str = "", cause: BaseException | None = None):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-        self.cause = cause
 
 
 def listed(names) -> str:

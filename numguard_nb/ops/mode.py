@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import threading
 from typing import Optional
 
@@ -29,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import _tree
 from .._schema import FORWARD, PROBLEM_NAN
-from .._util import error_line, is_internal_file
+from .._util import error_line, user_frame
 
 __all__ = ["RerunMode", "nonfinite_kinds", "kinds_phrase"]
 
@@ -55,15 +54,10 @@ _UNANNOTATED_STAT_WRITERS = frozenset((
 
 
 # ---- checks on values and ops ----------------------------------------------------------------
-def _user_frame():
-    """(filename, lineno) of the innermost Python frame outside torch/ and numguard_nb/."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not is_internal_file(filename):
-            return filename, frame.f_lineno
-        frame = frame.f_back
-    return None, None
+def _user_line():
+    """(filename, lineno) of the user's line that is running, or (None, None)."""
+    frame = user_frame()
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else (None, None)
 
 
 def _scalar_kinds(value, limit) -> frozenset:
@@ -404,7 +398,7 @@ class RerunMode(TorchDispatchMode):
             where = None
             if self.record_nodes:
                 self._resolve()
-                where = _user_frame()
+                where = _user_line()
             # a backward re-run checks ops in backward only: its forward may hold hidden inf
             check = self.found is None and not info.skip and not self.record_nodes
             if not (check or self.record_nodes):
@@ -454,7 +448,7 @@ class RerunMode(TorchDispatchMode):
         if not new:
             return
         if self.stage == FORWARD:
-            filename, lineno = _user_frame()
+            filename, lineno = _user_line()
             found = {"op": info.name, "node": None, "filename": filename, "lineno": lineno,
                      "kinds": new}
         else:

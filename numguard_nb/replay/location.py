@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import linecache
 import os
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Optional
 
-from .._util import is_internal_file
+from .._util import is_internal_file, user_frame
 
 # numguard_nb itself: its frames at the top of a replayed traceback are the replay's, not the user's.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -50,13 +49,10 @@ def with_source_line(location: Optional[Location]) -> Optional[Location]:
 def call_site() -> Optional[Location]:
     """The innermost frame outside torch and numguard_nb: the user's line that made the call
     (its source line is left out, to be read only when shown)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not is_internal_file(filename):
-            return Location.of(filename, frame.f_lineno, frame.f_code.co_name, CALL_SITE, line="")
-        frame = frame.f_back
-    return None
+    frame = user_frame()
+    if frame is None:
+        return None
+    return Location.of(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, CALL_SITE, line="")
 
 
 def error_location(exc: BaseException) -> Optional[Location]:
