@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import Exp, SqrtOfZero
 from numguard_nb import Frame, Guard, NonFiniteError, Report, TensorRow
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -42,11 +43,6 @@ def check_golden(name: str, text: str) -> None:
 
 
 # ---- deterministic models (exact weights, exact inputs) ------------------------------------
-class Exp(nn.Module):
-    def forward(self, x):
-        return torch.exp(x)
-
-
 class Scale(nn.Module):
     """Keyword input, a non-tensor input and a nested output, for the rows they make."""
 
@@ -77,11 +73,6 @@ def exact_head() -> Head:
 
 def head_input(scale: float = 1.0) -> torch.Tensor:
     return torch.tensor([[1.0, 2.0, 3.0], [0.5, -0.5, 0.25]]) * scale
-
-
-class SqrtOfZero(nn.Module):
-    def forward(self, x):
-        return torch.sqrt(x * 0)
 
 
 class MLP(nn.Module):
