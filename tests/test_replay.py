@@ -349,7 +349,7 @@ def test_bad_inputs_raise_one_line_errors_that_say_what_to_do(tmp_path):
         model(torch.randn(2, 8))
     assert guard.capture is None
     with pytest.raises(ReplayError) as info:
-        replay_after_error(guard, RuntimeError("CUDA error: device-side assert triggered"))
+        replay_after_error(guard, RuntimeError("CUDA error: device-side assert triggered"), save_dir=tmp_path)
     errors.append(info.value)
     assert "capture=True" in str(info.value)
 
