@@ -14,7 +14,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +34,6 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 REPO = Path(__file__).resolve().parents[1]
-ARTIFACTS = REPO / "artifacts"
 
 
 def missing_tools() -> list[str]:
@@ -282,10 +280,6 @@ def launch_browser(playwright, user_data_dir: Path, viewport=(1400, 1000)):
     )
     context.route(_OFF_MACHINE, lambda route: route.abort())
     return context
-
-
-def rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ---- driving a JupyterLab notebook page ------------------------------------------------------

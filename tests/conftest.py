@@ -1,5 +1,23 @@
+"""Shared test set-up: the golden-file check, and skipping `cuda` tests where there is no GPU.
+
+Golden files (tests/golden/) hold the exact text a view renders: the `golden(name, text)`
+fixture compares `text` with tests/golden/<name>, byte for byte (a text view that ends without a
+newline is passed with the newline its file ends with). They were written from the code's output
+and read by hand; after an intended change of a view, rewrite them with
+
+    NUMGUARD_UPDATE_GOLDEN=1 python -m pytest tests/test_report.py tests/test_render.py
+
+and read the diff (git diff tests/golden) before committing it.
+"""
+
+import os
+from pathlib import Path
+
 import pytest
 import torch
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+UPDATE_GOLDEN = os.environ.get("NUMGUARD_UPDATE_GOLDEN") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +27,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+def check_golden(name: str, text: str) -> None:
+    """`text` is the content of tests/golden/<name> (rewritten first under NUMGUARD_UPDATE_GOLDEN=1)."""
+    path = GOLDEN_DIR / name
+    if UPDATE_GOLDEN:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+    assert path.exists(), f"{path} is missing: run with NUMGUARD_UPDATE_GOLDEN=1 once"
+    expected = path.read_bytes().decode("utf-8")  # bytes: no newline translation on any platform
+    assert text == expected, f"{name} differs from its golden file (NUMGUARD_UPDATE_GOLDEN=1 rewrites it)"
+
+
+@pytest.fixture
+def golden():
+    """`golden(name, text)`: fail unless `text` is exactly tests/golden/<name>."""
+    return check_golden

@@ -13,7 +13,9 @@ checks what a person would see:
   the widget view), the static `<details>` tree shows the same culprit and a `<summary>` click
   expands a node.
 
-Screenshots go to artifacts/ (and to docs/tree.png when NUMGUARD_README_SCREENSHOT is set).
+Screenshots, the page's console and JupyterLab's log go to pytest's temp dir (browser0/artifacts
+under the run's basetemp, printed at the end of the module; pytest keeps the last three runs),
+and to docs/tree.png when NUMGUARD_README_SCREENSHOT is set.
 Needs Debian's chromium at /usr/bin/chromium and `pip install jupyterlab playwright nbconvert`:
 scripts/install_browser_deps.sh installs them. Without them the test is skipped, except in CI
 (CI set and not 0/false), where the test runs that script itself and fails loudly if anything
@@ -29,13 +31,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from browser_support import (
-    ARTIFACTS,
     REPO,
     JupyterLabServer,
     element_screenshot,
@@ -92,18 +92,29 @@ def _log(message: str) -> None:
 
 # ---- fixtures --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def workdir():
+def workdir(tmp_path_factory):
+    """The server's root and home and Chromium's profile; only artifacts/ is kept afterwards."""
     _require_tools()
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="numguard-browser-"))
+    path = tmp_path_factory.mktemp("browser")
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        for child in path.iterdir():
+            if child.name != "artifacts":
+                shutil.rmtree(child, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def lab(workdir):
+def artifacts(workdir):
+    """Where the screenshots and logs go, for a person to look at after the run."""
+    path = workdir / "artifacts"
+    path.mkdir()
+    yield path
+    _log(f"screenshots and logs: {path}")
+
+
+@pytest.fixture(scope="module")
+def lab(workdir, artifacts):
     assert NOTEBOOK.is_file(), f"{NOTEBOOK} is missing"
     root = workdir / "root"
     root.mkdir()
@@ -116,9 +127,8 @@ def lab(workdir):
         yield server
     finally:
         server.stop()
-        ARTIFACTS.mkdir(exist_ok=True)
         if server.log_path.exists():
-            shutil.copy(server.log_path, ARTIFACTS / "browser-jupyterlab.log")
+            shutil.copy(server.log_path, artifacts / "browser-jupyterlab.log")
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +158,7 @@ class Session:
 
 
 @pytest.fixture(scope="module")
-def session(lab, browser):
+def session(lab, browser, artifacts):
     from playwright.sync_api import Error as PlaywrightError
 
     page = browser.new_page()
@@ -170,7 +180,6 @@ def session(lab, browser):
         saved = save_notebook(page, lab.root_dir / NOTEBOOK.name)
         yield Session(page, saved, errors, console)
     finally:
-        ARTIFACTS.mkdir(exist_ok=True)
         try:  # the whole notebook: JupyterLab scrolls inside its panel, so grow the viewport
             height = page.evaluate(
                 "() => { const n = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer')"
@@ -185,10 +194,10 @@ def session(lab, browser):
                     ".forEach(n => { n.scrollTop = 0; })"
                 )
                 page.wait_for_timeout(500)
-            page.screenshot(path=str(ARTIFACTS / "browser-notebook.png"))
+            page.screenshot(path=str(artifacts / "browser-notebook.png"))
         except PlaywrightError as exc:  # the page may be gone; the test reports the real failure
             _log(f"no final screenshot: {exc}")
-        (ARTIFACTS / "browser-console.log").write_text(
+        (artifacts / "browser-console.log").write_text(
             "\n".join(console + [f"pageerror: {e}" for e in errors]) + "\n"
         )
         page.close()
@@ -252,7 +261,7 @@ def _background(locator) -> str:
     return locator.evaluate("e => getComputedStyle(e).backgroundColor")
 
 
-def test_notebook_runs_and_shows_the_report_widget(session):
+def test_notebook_runs_and_shows_the_report_widget(session, artifacts):
     page, notebook = session.page, session.notebook
     # every error output belongs to a cell that is meant to raise
     for index, cell, output in _outputs(notebook):
@@ -287,8 +296,7 @@ def test_notebook_runs_and_shows_the_report_widget(session):
     assert page.locator(".ng-report.ng-widget").count() == len(saved_reports)
     assert report.locator(".ng-tree > .ng-node.ng-root").count() == 1
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    element_screenshot(page, report, ARTIFACTS / "browser-tree.png")
+    element_screenshot(page, report, artifacts / "browser-tree.png")
     if os.environ.get("NUMGUARD_README_SCREENSHOT"):
         element_screenshot(page, report, README_SHOT)
         _log(f"README screenshot: {README_SHOT}")
@@ -344,7 +352,7 @@ def test_path_to_culprit_is_expanded_and_highlighted(session):
     assert toggle.is_visible()
 
 
-def test_clicking_a_collapsed_node_expands_it_and_shows_its_tensor_table(session):
+def test_clicking_a_collapsed_node_expands_it_and_shows_its_tensor_table(session, artifacts):
     page = session.page
     report = _first_widget_report(page)
     # a collapsed node that was called (so it has frames): a sibling on the culprit's way first
@@ -370,7 +378,7 @@ def test_clicking_a_collapsed_node_expands_it_and_shows_its_tensor_table(session
     assert toggle.inner_text().strip().startswith(OPENED)
     assert table.locator("tr.ng-row").count() >= 1
     assert name
-    element_screenshot(page, node, ARTIFACTS / "browser-tree-expanded.png")
+    element_screenshot(page, node, artifacts / "browser-tree-expanded.png")
 
     # its rows as a DataFrame, in the Output widget under it
     button = body.locator(":scope > .ng-df-button")
@@ -388,7 +396,7 @@ def test_clicking_a_collapsed_node_expands_it_and_shows_its_tensor_table(session
     assert not session.page_errors, f"uncaught errors in the page: {session.page_errors}"
 
 
-def test_static_html_fallback_without_widgets(session, browser, workdir):
+def test_static_html_fallback_without_widgets(session, browser, artifacts):
     """The executed notebook exported by nbconvert, where no widget manager runs: `<details>`."""
     import nbformat
     from nbconvert import HTMLExporter
@@ -400,9 +408,8 @@ def test_static_html_fallback_without_widgets(session, browser, workdir):
     priority = [m for m in exporter.config.NbConvertBase.display_data_priority if m != WIDGET_MIME]
     exporter = HTMLExporter(config={"NbConvertBase": {"display_data_priority": priority}})
     body, _resources = exporter.from_notebook_node(notebook)
-    exported = workdir / "exported.html"
+    exported = artifacts / "browser-exported.html"
     exported.write_text(body, encoding="utf-8")
-    shutil.copy(exported, ARTIFACTS / "browser-exported.html")
 
     page = browser.new_page()
     errors = []
@@ -446,7 +453,7 @@ def test_static_html_fallback_without_widgets(session, browser, workdir):
         table.wait_for(state="visible", timeout=5_000)
         assert closed.get_attribute("open") is not None
         assert table.locator("tr.ng-row").count() >= 1
-        element_screenshot(page, report, ARTIFACTS / "browser-static-html.png")
+        element_screenshot(page, report, artifacts / "browser-static-html.png")
         summary.click()
         table.wait_for(state="hidden", timeout=5_000)
         assert closed.get_attribute("open") is None

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from guard_models import Exp, SqrtOfZero
+from models import Exp, SqrtOfZero
 
 import numguard_nb as ng
 from numguard_nb import BatchLimitReached, Guard, NonFiniteError

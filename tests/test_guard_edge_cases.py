@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from numguard_nb import BatchLimitReached, Guard, NonFiniteError
-from guard_models import Exp, SqrtOfZero
+from models import Exp, SqrtOfZero
 from numguard_nb import stats as ng_stats
 
 INF = float("inf")

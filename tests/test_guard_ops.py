@@ -5,12 +5,7 @@ import torch
 from torch import nn
 
 import numguard_nb as ng
-from ops_models import NaiveSoftmax, line_of
-
-
-class SqrtOfZero(nn.Module):
-    def forward(self, x):
-        return torch.sqrt(x * 0) + x  # OP:guard-sqrt-backward
+from models import NaiveSoftmax, SqrtOfZeroPlusInput, line_of
 
 
 class SafeSqrt(nn.Module):
@@ -36,16 +31,16 @@ def test_forward_detection_names_the_op_and_line(sync):
     frame = caught.value.report.first_nonfinite
     assert frame.module_name == "1"
     assert frame.op == "aten.exp.default"
-    assert frame.source.endswith(f"ops_models.py:{line_of('exp')}: e = torch.exp(x)  # OP:exp")
+    assert frame.source.endswith(f"models.py:{line_of('exp')}: e = torch.exp(x)  # OP:exp")
     text = caught.value.report.to_text()
     assert "first non-finite op: aten.exp.default" in text
-    assert f"ops_models.py:{line_of('exp')}" in text
+    assert f"models.py:{line_of('exp')}" in text
     assert _hooks_left(model) == 0
 
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_backward_detection_names_the_node_op_and_forward_line(sync):
-    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZeroPlusInput(), nn.Linear(4, 1))
     x = torch.randn(3, 4)
     with pytest.raises(ng.NonFiniteError) as caught:
         with ng.Guard(model, ops=True, sync=sync):
@@ -53,16 +48,8 @@ def test_backward_detection_names_the_node_op_and_forward_line(sync):
     frame = caught.value.report.first_nonfinite
     assert (frame.module_name, frame.phase) == ("1", "backward")
     assert frame.op.startswith("SqrtBackward0: aten.")
-    assert frame.source.split(": ", 1)[0].endswith(f"test_guard_ops.py:{line_of_here('guard-sqrt-backward')}")
+    assert frame.source.split(": ", 1)[0].endswith(f"models.py:{line_of('sqrt_backward')}")
     assert _hooks_left(model) == 0
-
-
-def line_of_here(marker):
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# OP:{marker}"):
-                return number
-    raise LookupError(marker)
 
 
 def test_ops_guard_leaves_outputs_gradients_and_rng_untouched():
@@ -89,7 +76,7 @@ def test_ops_guard_leaves_outputs_gradients_and_rng_untouched():
 
 
 def test_ops_with_a_loss_module_guarded_alongside_the_model():
-    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZeroPlusInput(), nn.Linear(4, 2))
     loss_fn = nn.CrossEntropyLoss()
     x, y = torch.randn(3, 4), torch.tensor([0, 1, 1])
     with pytest.raises(ng.NonFiniteError) as caught:

@@ -12,7 +12,7 @@ from numguard_nb import ops
 from numguard_nb.ops import OpLocation, localise_backward, localise_forward, rng_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ops_models as M  # noqa: E402
+import models as M  # noqa: E402
 
 MODELS_FILE = os.path.abspath(M.__file__)
 
@@ -94,7 +94,7 @@ def test_ops_outside_the_culprit_call_are_not_blamed():
     assert_at(loc, "aten.sqrt.default", "sqrt")
     # backward: MaskedPow's gradient is inf before relu's backward masks it; the culprit's own
     # SqrtBackward0 runs later
-    model = nn.Sequential(M.SqrtOfZero(), M.MaskedPow())
+    model = nn.Sequential(M.SqrtOfZeroPlusInput(), M.MaskedPow())
     x = torch.tensor([[-1.0, 2.0]], requires_grad=True)
     (grad,) = torch.autograd.grad(model(x).sum(), x)
     assert nonfinite(grad)
@@ -104,8 +104,8 @@ def test_ops_outside_the_culprit_call_are_not_blamed():
 
 # ---- backward --------------------------------------------------------------------------------
 BACKWARD_CASES = {
-    "sqrt-of-zero": (M.SqrtOfZero, lambda: torch.randn(2, 8), "SqrtBackward0", "aten.div.Tensor",
-                     "sqrt_backward"),
+    "sqrt-of-zero": (M.SqrtOfZeroPlusInput, lambda: torch.randn(2, 8), "SqrtBackward0",
+                     "aten.div.Tensor", "sqrt_backward"),
     "pow-half-at-zero": (M.PowHalf, lambda: torch.cat([torch.zeros(1, 8), torch.rand(1, 8) + 1]),
                          "PowBackward0", "aten.pow.Tensor_Scalar", "pow_backward"),
     "where-hides-log": (M.HiddenLog, lambda: torch.cat([torch.zeros(1, 8), torch.rand(1, 8) + 1]),
@@ -133,7 +133,7 @@ def test_backward_names_the_node_op_and_forward_line(case):
 
 
 def test_backward_of_dict_outputs_with_missing_gradients_and_batchnorm():
-    net = M.DictNet(M.SqrtOfZero())
+    net = M.DictNet(M.SqrtOfZeroPlusInput())
     x = torch.randn(4, 8)
     rng = rng_state()
     output = net(x)
@@ -203,7 +203,7 @@ def test_limit_names_the_first_op_beyond_it_on_an_fp32_model():
 
 # ---- the user's state ------------------------------------------------------------------------
 def test_rng_grads_training_flags_buffers_and_inputs_are_left_as_they_were():
-    net = M.DictNet(M.SqrtOfZero())
+    net = M.DictNet(M.SqrtOfZeroPlusInput())
     net.train()
     net.block.eval()  # mixed flags must come back exactly
     x = torch.randn(4, 8, requires_grad=True)

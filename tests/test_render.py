@@ -1,15 +1,13 @@
 """The report's views: static HTML (golden files), the inline SVG chart, the widget tree,
 the mimebundle with its HTML fallback, the comparison, and speed on a large trace.
 
-Reports are built by hand so the renderings are deterministic; set NUMGUARD_UPDATE_GOLDEN=1 to
-rewrite tests/golden/html_* after an intended change (and review the diff).
+Reports are built by hand so the renderings are deterministic; the golden files are
+tests/golden/html_* (tests/conftest.py's `golden` fixture says how to rewrite them).
 """
 
 import math
-import os
 import re
 from html.parser import HTMLParser
-from pathlib import Path
 
 import ipywidgets
 import pytest
@@ -23,8 +21,6 @@ from numguard_nb.report import (
     Frame, Report, TensorRow,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
-UPDATE = os.environ.get("NUMGUARD_UPDATE_GOLDEN") == "1"
 INF = math.inf
 
 
@@ -94,16 +90,6 @@ def trace_report(batch=3, scale=1.0):
     return Report(frames=frames, batch_number=batch, kind=TRACE)
 
 
-def check_golden(name, text):
-    path = GOLDEN / name
-    if UPDATE:
-        GOLDEN.mkdir(exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    assert path.exists(), f"{path} is missing: run with NUMGUARD_UPDATE_GOLDEN=1 once"
-    expected = path.read_text(encoding="utf-8")
-    assert text == expected, f"{name} differs from its golden file (NUMGUARD_UPDATE_GOLDEN=1 rewrites it)"
-
-
 class Tree(HTMLParser):
     """Checks that tags nest properly and records elements with their classes and attributes."""
 
@@ -148,11 +134,11 @@ def parse(markup):
 
 
 # ---- static HTML ---------------------------------------------------------------------------
-def test_detection_html_matches_golden_and_is_well_formed():
+def test_detection_html_matches_golden_and_is_well_formed(golden):
     report = detection_report()
     markup = ng_html.report_html(report)
     assert report._repr_html_() == markup
-    check_golden("html_detection.html", markup)
+    golden("html_detection.html", markup)
     tree = parse(markup)
     # the hierarchy is built from the dotted names: encoder > block > 0 > ff > wi/act/wo, embed
     nodes = {e[2]["data-path"]: e for e in tree.with_class("ng-node", "details")}
@@ -203,10 +189,10 @@ def test_share_and_underflow_classes_read_the_row_fields():
     assert ng_html.underflow_class(row("x", OUTPUT, dtype="float16", lo=0.0, nonzero_abs_min=3e-5)) == "ng-u1"
 
 
-def test_trace_html_matches_golden():
+def test_trace_html_matches_golden(golden):
     report = trace_report()
     markup = ng_html.report_html(report)
-    check_golden("html_trace.html", markup)
+    golden("html_trace.html", markup)
     tree = parse(markup)
     assert tree.with_class("ng-culprit") == []
     # a module called twice keeps both calls under one node; forward and backward frames both shown
@@ -217,15 +203,15 @@ def test_trace_html_matches_golden():
     assert len(root) == 1 and "open" in root[0][2]
 
 
-def test_text_renderings_match_golden():
+def test_text_renderings_match_golden(golden):
     report = detection_report()
     bundle = report_bundle(report, widget=False)
     assert set(bundle) == {"text/plain", "text/html"}
     assert bundle["text/plain"] == report.to_text()
-    check_golden("html_detection_text.txt", bundle["text/plain"])
+    golden("html_detection_text.txt", bundle["text/plain"])
     comparison = compare_reports(trace_report(3), trace_report(4, scale=50.0))
-    check_golden("html_compare_text.txt", repr(comparison) + "\n")
-    check_golden("html_compare.html", comparison._repr_html_())
+    golden("html_compare_text.txt", repr(comparison) + "\n")
+    golden("html_compare.html", comparison._repr_html_())
 
 
 def test_empty_report_renders():

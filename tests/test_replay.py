@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-import replay_models as rm
+import models as M
+from models import line_of
 from numguard_nb import Guard
 from numguard_nb.replay import (
     Capture,
@@ -27,15 +28,7 @@ from numguard_nb.replay import (
 
 TESTS = Path(__file__).resolve().parent
 REPO_ROOT = TESTS.parent
-MODELS_FILE = str(TESTS / "replay_models.py")
-
-
-def line_of(marker: str) -> int:
-    """Line number of the `# <- marker` line in tests/replay_models.py."""
-    lines = Path(MODELS_FILE).read_text().splitlines()
-    hits = [i + 1 for i, line in enumerate(lines) if line.rstrip().endswith(f"# <- {marker}")]
-    assert len(hits) == 1, marker
-    return hits[0]
+MODELS_FILE = str(TESTS / "models.py")
 
 
 def bad_batch():
@@ -57,14 +50,14 @@ def guarded_loss_step(model, loss_fn, x, labels):
     guard = Guard({"model": model, "loss_fn": loss_fn}, capture=True)
     with pytest.raises(IndexError):
         with guard:
-            rm.train_step(model, loss_fn, x, labels)
+            M.train_step(model, loss_fn, x, labels)
     return guard
 
 
 # ---- the real exception, at the real line -------------------------------------------------
 def test_loss_module_replays_to_index_error_at_the_line_that_called_it():
     x, labels = bad_batch()
-    model, loss_fn = rm.Classifier(), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier(), nn.CrossEntropyLoss()
     guard = guarded_loss_step(model, loss_fn, x, labels)
 
     call = guard.capture  # still there after the with block
@@ -85,15 +78,15 @@ def test_loss_module_replays_to_index_error_at_the_line_that_called_it():
     assert "IndexError: Target 2 is out of bounds" in result.traceback
     assert "numguard_nb/replay/" not in result.traceback
     text = repr(result)
-    assert "IndexError" in text and f"replay_models.py:{line_of('loss call line')}" in text
+    assert "IndexError" in text and f"models.py:{line_of('loss call line')}" in text
 
 
 def test_model_computing_its_own_loss_replays_to_the_line_in_its_forward():
     x, labels = bad_batch()
-    model = rm.ClassifierWithLoss()
+    model = M.ClassifierWithLoss()
     with pytest.raises(IndexError):
         with Guard(model, capture=True) as guard:
-            rm.hf_step(model, x, labels)
+            M.hf_step(model, x, labels)
     result = guard.capture.replay()
     assert isinstance(result.exception, IndexError)
     assert (result.location.filename, result.location.lineno) == (MODELS_FILE, line_of("model loss line"))
@@ -125,7 +118,7 @@ def test_hugging_face_model_replays_to_its_loss_line(tmp_path):
 
 def test_clean_call_replays_clean_with_the_same_output_and_leaves_the_model_alone():
     x, _ = bad_batch()
-    model = rm.Classifier()
+    model = M.Classifier()
     params_before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     with Guard(model, capture=True) as guard:
         out = model(x)
@@ -145,7 +138,7 @@ def test_clean_call_replays_clean_with_the_same_output_and_leaves_the_model_alon
 
 def test_dropout_replays_with_the_same_mask():
     x, _ = bad_batch()
-    model = rm.Classifier(dropout=0.5).train()
+    model = M.Classifier(dropout=0.5).train()
     with Guard(model, capture=True) as guard:
         out = model(x)
     again = model(x)  # a different mask: the test can tell masks apart
@@ -159,7 +152,7 @@ def test_dropout_replays_with_the_same_mask():
 
 def test_replay_while_the_guard_is_attached_runs_none_of_its_hooks():
     x, _ = bad_batch()
-    model = rm.Classifier()
+    model = M.Classifier()
     with Guard(model, capture=True) as guard:
         out = model(x)
         first = guard.capture
@@ -171,10 +164,10 @@ def test_replay_while_the_guard_is_attached_runs_none_of_its_hooks():
 
 def test_keeps_the_last_two_calls_of_each_module():
     x, _ = bad_batch()
-    model, loss_fn = rm.Classifier(), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier(), nn.CrossEntropyLoss()
     with Guard({"model": model, "loss_fn": loss_fn}, capture=True) as guard:
         for _ in range(3):
-            rm.train_step(model, loss_fn, x, good_labels())
+            M.train_step(model, loss_fn, x, good_labels())
     calls = guard._capture.calls
     assert [(c.index, c.root_name) for c in calls] == [(2, "model"), (3, "loss_fn"), (4, "model"), (5, "loss_fn")]
     assert guard.capture is calls[-1]
@@ -182,11 +175,11 @@ def test_keeps_the_last_two_calls_of_each_module():
 
 def test_weights_changed_by_an_optimizer_step_are_reported():
     x, _ = bad_batch()
-    model, loss_fn = rm.Classifier(), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier(), nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with Guard({"model": model, "loss_fn": loss_fn}, capture=True) as guard:
         for _ in range(2):
-            rm.train_step(model, loss_fn, x, good_labels())
+            M.train_step(model, loss_fn, x, good_labels())
             optimizer.step()
     model_calls = [c for c in guard._capture.calls if c.root_name == "model"]
     assert [c.weights_changed for c in model_calls] == [False, True]
@@ -197,7 +190,7 @@ def test_weights_changed_by_an_optimizer_step_are_reported():
 # ---- half precision -------------------------------------------------------------------------
 def test_float16_model_replays_in_float16_when_cpu_can():
     x, _ = bad_batch()
-    model = rm.Classifier().half()
+    model = M.Classifier().half()
     with Guard(model, capture=True) as guard:
         out = model(x.half())
     result = guard.capture.replay()
@@ -207,7 +200,7 @@ def test_float16_model_replays_in_float16_when_cpu_can():
 
 def test_float16_call_without_a_cpu_kernel_is_replayed_upcast():
     x, _ = bad_batch()
-    model = rm.Prototypes().half()  # torch.cdist: a GPU has it in float16, a CPU does not
+    model = M.Prototypes().half()  # torch.cdist: a GPU has it in float16, a CPU does not
     with pytest.raises(NotImplementedError):
         with Guard(model, capture=True) as guard:
             model(x.half())
@@ -222,14 +215,14 @@ def test_float16_call_without_a_cpu_kernel_is_replayed_upcast():
 # ---- bundles ----------------------------------------------------------------------------------
 def test_bundle_round_trips_through_a_file_in_a_fresh_process(tmp_path):
     x, labels = bad_batch()
-    model, loss_fn = rm.Classifier(hidden=12), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier(hidden=12), nn.CrossEntropyLoss()
     guard = guarded_loss_step(model, loss_fn, x, labels)
     path = guard.capture.save(tmp_path / "bundle.pt")
     script = textwrap.dedent(f"""
         import json, torch
-        import replay_models as rm
+        import models as M
         from numguard_nb.replay import load_capture
-        call = load_capture({str(path)!r}, rm.Classifier(hidden=12))  # fresh weights: replaced
+        call = load_capture({str(path)!r}, M.Classifier(hidden=12))  # fresh weights: replaced
         result = call.replay()
         loc = result.location
         print(json.dumps({{"error": type(result.exception).__name__, "file": loc.filename,
@@ -246,14 +239,14 @@ def test_bundle_round_trips_through_a_file_in_a_fresh_process(tmp_path):
 
 def test_bundle_replays_the_snapshot_weights_not_the_fresh_model(tmp_path):
     x, _ = bad_batch()
-    model = rm.Classifier(dropout=0.5)
+    model = M.Classifier(dropout=0.5)
     with Guard(model, capture=True) as guard:
         out = model(x)
     path = guard.capture.save(tmp_path / "clean.pt")
     bundle = torch.load(path, weights_only=True)
     assert bundle["format"] == "numguard_nb.replay" and bundle["torch_version"] == torch.__version__
     assert bundle["models"][""]["dtypes"] == {"float32": 4}
-    fresh = rm.Classifier(dropout=0.5)
+    fresh = M.Classifier(dropout=0.5)
     result = load_capture(path, fresh).replay()
     assert result.ok and torch.equal(result.output, out)
     assert not torch.equal(fresh(x), out)
@@ -263,7 +256,7 @@ def test_a_bundle_in_the_format_1_layout_loads_and_replays(tmp_path):
     """The layout bundles have had since format 1, written out key by key: later writers may
     add keys, but a bundle like this one must keep loading (its RNG state and autocast too)."""
     torch.manual_seed(0)
-    model, x = rm.Classifier(dropout=0.5).train(), torch.randn(6, 8)
+    model, x = M.Classifier(dropout=0.5).train(), torch.randn(6, 8)
     rng = torch.get_rng_state()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
@@ -272,7 +265,7 @@ def test_a_bundle_in_the_format_1_layout_loads_and_replays(tmp_path):
         "format": "numguard_nb.replay", "format_version": 1, "torch_version": str(torch.__version__),
         "numguard_version": "0.1.0", "created": "2025-01-01T00:00:00", "roots": [""],
         "models": {"": {
-            "class": "replay_models.Classifier", "tensors": tensors,
+            "class": "models.Classifier", "tensors": tensors,
             "kinds": {n: "param" for n in tensors}, "requires_grad": {n: True for n in tensors},
             "devices": ["cpu"], "dtypes": {"float32": 4}, "settings": {},
         }},
@@ -288,7 +281,7 @@ def test_a_bundle_in_the_format_1_layout_loads_and_replays(tmp_path):
     }
     path = tmp_path / "format1.pt"
     torch.save(bundle, path)
-    call = load_capture(path, rm.Classifier(dropout=0.5))
+    call = load_capture(path, M.Classifier(dropout=0.5))
     assert call.cpu_rng_state is not None and call.autocast == {"cpu": (True, "bfloat16")}
     assert call.call_site.lineno == line_of("loss call line")
     result = call.replay()
@@ -300,7 +293,7 @@ def test_record_uses_the_call_state_it_is_given_else_takes_one():
     from numguard_nb import callstate
 
     torch.manual_seed(0)
-    model, x = rm.Classifier(dropout=0.5).train(), torch.randn(6, 8)
+    model, x = M.Classifier(dropout=0.5).train(), torch.randn(6, 8)
     capture = Capture(model)
     state = callstate.take()  # the guard takes it once, before the call
     out = model(x)
@@ -324,7 +317,7 @@ def test_a_bundle_holding_a_pickled_object_is_refused_without_running_it(tmp_pat
     path = tmp_path / "evil.pt"
     torch.save({"format": "numguard_nb.replay", "format_version": 1, "x": Payload()}, path)
     with pytest.raises(ReplayError) as info:
-        load_capture(path, rm.Classifier())
+        load_capture(path, M.Classifier())
     assert "weights_only" in str(info.value) and "\n" not in str(info.value)
     assert not marker.exists()
     with pytest.raises(pickle.UnpicklingError):  # what the refusal guards against is real
@@ -332,9 +325,9 @@ def test_a_bundle_holding_a_pickled_object_is_refused_without_running_it(tmp_pat
 
 
 def test_save_refuses_inputs_that_are_not_tensors_naming_them(tmp_path):
-    model = rm.WithOptions()
+    model = M.WithOptions()
     with Guard(model, capture=True) as guard:
-        model(torch.randn(2, 4), options=rm.Options())
+        model(torch.randn(2, 4), options=M.Options())
     result = guard.capture.replay()  # in this kernel the object is used by reference
     assert result.ok and any("input[options] (Options)" in note for note in result.notes)
     with pytest.raises(ReplayError) as info:
@@ -347,16 +340,16 @@ def test_save_refuses_inputs_that_are_not_tensors_naming_them(tmp_path):
 def test_bad_inputs_raise_one_line_errors_that_say_what_to_do(tmp_path):
     errors = []
     with pytest.raises(ReplayError) as info:
-        Capture(rm.Classifier()).replay()
+        Capture(M.Classifier()).replay()
     errors.append(info.value)
     assert "nothing was captured" in str(info.value)
 
-    model = rm.Classifier()
+    model = M.Classifier()
     with Guard(model) as guard:  # capture is off
         model(torch.randn(2, 8))
     assert guard.capture is None
     with pytest.raises(ReplayError) as info:
-        replay_after_error(guard, RuntimeError("CUDA error: device-side assert triggered"))
+        replay_after_error(guard, RuntimeError("CUDA error: device-side assert triggered"), save_dir=tmp_path)
     errors.append(info.value)
     assert "capture=True" in str(info.value)
 
@@ -379,7 +372,7 @@ def test_bad_inputs_raise_one_line_errors_that_say_what_to_do(tmp_path):
         model(torch.randn(2, 8))
     path = guard.capture.save(tmp_path / "ok.pt")
     with pytest.raises(ReplayError) as info:
-        load_capture(path, rm.Classifier(hidden=12))
+        load_capture(path, M.Classifier(hidden=12))
     errors.append(info.value)
     assert "does not match the bundle" in str(info.value) and "head.weight (2, 12) vs (2, 16)" in str(info.value)
     with pytest.raises(ReplayError) as info:
@@ -389,15 +382,15 @@ def test_bad_inputs_raise_one_line_errors_that_say_what_to_do(tmp_path):
     x, labels = bad_batch()
     loss_fn = nn.Module()  # a custom, non-torch.nn loss cannot be rebuilt from the bundle
     loss_fn.forward = lambda logits, target: nn.functional.cross_entropy(logits, target)
-    classifier = rm.Classifier()
+    classifier = M.Classifier()
     with Guard({"model": classifier, "custom": loss_fn}, capture=True) as guard:
-        rm.train_step(classifier, loss_fn, x, good_labels())
+        M.train_step(classifier, loss_fn, x, good_labels())
     path = guard.capture.save(tmp_path / "two.pt")
     with pytest.raises(ReplayError) as info:
-        load_capture(path, rm.Classifier())
+        load_capture(path, M.Classifier())
     errors.append(info.value)
     assert "'model'" in str(info.value) and "'custom'" in str(info.value)
-    assert load_capture(path, {"model": rm.Classifier(), "custom": loss_fn}).replay().ok
+    assert load_capture(path, {"model": M.Classifier(), "custom": loss_fn}).replay().ok
 
     for error in errors:
         assert "\n" not in str(error) and len(str(error)) < 400, str(error)
@@ -420,18 +413,18 @@ def test_is_device_error():
 def simulated_device_error(model, loss_fn, batches):
     """Run the batches on the simulated GPU; return (guard, the late CUDA error)."""
     guard = Guard({"model": model, "loss_fn": loss_fn}, capture=True)
-    with rm.simulated_gpu():
+    with M.simulated_gpu():
         with pytest.raises(RuntimeError) as info:
             with guard:
                 for x, labels in batches:
-                    loss = rm.train_step(model, loss_fn, x, labels)
-                rm.sync(loss)
+                    loss = M.train_step(model, loss_fn, x, labels)
+                M.sync(loss)
     return guard, info.value
 
 
 def test_replay_after_a_simulated_device_assert_end_to_end(tmp_path, monkeypatch):
     x, labels = bad_batch()
-    model, loss_fn = rm.Classifier(), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier(), nn.CrossEntropyLoss()
     guard, error = simulated_device_error(model, loss_fn, [(x, labels)])
     assert is_device_error(error)
     assert error.__traceback__.tb_next is not None
@@ -445,7 +438,7 @@ def test_replay_after_a_simulated_device_assert_end_to_end(tmp_path, monkeypatch
     assert (outcome.location.filename, outcome.location.lineno) == (MODELS_FILE, line_of("loss call line"))
     assert Path(outcome.path).parent == tmp_path and Path(outcome.path).name.startswith("numguard_replay_")
     text = repr(outcome)
-    order = [text.index(s) for s in ("IndexError: Target 2", f"replay_models.py:{line_of('loss call line')}",
+    order = [text.index(s) for s in ("IndexError: Target 2", f"models.py:{line_of('loss call line')}",
                                      "RuntimeError: CUDA error", "restart the kernel", outcome.path)]
     assert order == sorted(order)
     assert f"%numguard_replay {outcome.path}" in text
@@ -454,14 +447,14 @@ def test_replay_after_a_simulated_device_assert_end_to_end(tmp_path, monkeypatch
     assert "IndexError" in html_text and "restart the kernel" in html_text
     assert "load_capture(&#x27;" in html_text  # escaped
     # The bundle replays without the loss module: nn.CrossEntropyLoss is rebuilt from it.
-    result = load_capture(outcome.path, rm.Classifier()).replay()
+    result = load_capture(outcome.path, M.Classifier()).replay()
     assert isinstance(result.exception, IndexError)
     assert result.location.lineno == line_of("loss call line")
 
 
 def test_an_error_reported_one_call_late_is_found_in_the_call_before(tmp_path):
     x, labels = bad_batch()
-    model, loss_fn = rm.Classifier(), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier(), nn.CrossEntropyLoss()
     guard, error = simulated_device_error(model, loss_fn, [(x, labels), (x, good_labels())])
     assert guard.capture.replay().ok  # the latest step is fine on CPU
     outcome = replay_after_error(guard, error, save_dir=tmp_path)
@@ -469,11 +462,11 @@ def test_an_error_reported_one_call_late_is_found_in_the_call_before(tmp_path):
     assert outcome.result.call.index == 1  # the loss call of the first batch
     assert "ran clean on CPU; an earlier one raised" in repr(outcome)
     assert Path(outcome.path).parent == tmp_path
-    assert load_capture(outcome.path, rm.Classifier()).index == 1
+    assert load_capture(outcome.path, M.Classifier()).index == 1
 
 
 def test_html_views_escape_text():
-    model = rm.WithOptions()
+    model = M.WithOptions()
     with Guard(model, capture=True) as guard:
         model(torch.randn(2, 4), options=None)
     result = guard.capture.replay()
@@ -487,18 +480,18 @@ def test_html_views_escape_text():
 GPU_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     from torch import nn
-    import replay_models as rm
+    import models as M
     from numguard_nb import Guard
     from numguard_nb.replay import is_device_error, replay_after_error
 
     torch.manual_seed(0)
-    model, loss_fn = rm.Classifier().cuda(), nn.CrossEntropyLoss()
+    model, loss_fn = M.Classifier().cuda(), nn.CrossEntropyLoss()
     x = torch.randn(6, 8, device="cuda")
     labels = torch.tensor([0, 1, 2, 0, 1, 2], device="cuda")
     guard = Guard({"model": model, "loss_fn": loss_fn}, capture=True)
     try:
         with guard:
-            loss = rm.train_step(model, loss_fn, x, labels)
+            loss = M.train_step(model, loss_fn, x, labels)
             loss.item()
         print(json.dumps({"error": None}))
         sys.exit(0)
@@ -525,7 +518,7 @@ def test_a_real_device_side_assert_replays_to_the_real_line(tmp_path):
     assert report["error"] == "IndexError", report
     assert (report["file"], report["line"]) == (MODELS_FILE, line_of("loss call line")), report
     assert Path(report["path"]).is_file()
-    result = load_capture(report["path"], rm.Classifier()).replay()  # here, in a healthy process
+    result = load_capture(report["path"], M.Classifier()).replay()  # here, in a healthy process
     assert isinstance(result.exception, IndexError)
     assert result.location.lineno == line_of("loss call line")
 

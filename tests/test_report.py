@@ -1,29 +1,21 @@
 """Report views: the text (Hugging Face's format, checked against golden files), the DataFrame
 (one row per tensor), the one-line repr and summary().
 
-Golden files live in tests/golden/. They were written once from the output of the code, read
-line by line, and checked by hand (module order, numbers, kinds, reason). The models use exact
-weights and inputs (no random numbers), so the numbers do not depend on the torch version's RNG.
-To regenerate them after an intended format change, run
-
-    NUMGUARD_REGEN_GOLDEN=1 python -m pytest tests/test_report.py
-
-then read the diff (git diff tests/golden) before committing it.
+Golden files live in tests/golden/ (the `golden` fixture of tests/conftest.py says how to
+rewrite them). They were written once from the output of the code, read line by line, and
+checked by hand (module order, numbers, kinds, reason); each holds the text and a final newline.
+The models use exact weights and inputs (no random numbers), so the numbers do not depend on the
+torch version's RNG.
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from models import Exp, SqrtOfZero
 from numguard_nb import Frame, Guard, NonFiniteError, Report, TensorRow
-
-GOLDEN = Path(__file__).parent / "golden"
-REGENERATE = os.environ.get("NUMGUARD_REGEN_GOLDEN") == "1"
 
 COLUMNS = [
     "frame", "batch_number", "phase", "call_index", "module_name", "module_class", "role",
@@ -32,21 +24,7 @@ COLUMNS = [
 ]
 
 
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if REGENERATE:
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text + "\n")
-    expected = path.read_text()
-    assert text + "\n" == expected, f"{name} differs from its golden file (see module docstring)"
-
-
 # ---- deterministic models (exact weights, exact inputs) ------------------------------------
-class Exp(nn.Module):
-    def forward(self, x):
-        return torch.exp(x)
-
-
 class Scale(nn.Module):
     """Keyword input, a non-tensor input and a nested output, for the rows they make."""
 
@@ -77,11 +55,6 @@ def exact_head() -> Head:
 
 def head_input(scale: float = 1.0) -> torch.Tensor:
     return torch.tensor([[1.0, 2.0, 3.0], [0.5, -0.5, 0.25]]) * scale
-
-
-class SqrtOfZero(nn.Module):
-    def forward(self, x):
-        return torch.sqrt(x * 0)
 
 
 class MLP(nn.Module):
@@ -156,32 +129,32 @@ def hand_made_report() -> Report:
 
 
 # ---- to_text against golden files ----------------------------------------------------------
-def test_forward_detection_text_matches_golden():
-    check_golden("forward_detection.txt", forward_detection().to_text())
+def test_forward_detection_text_matches_golden(golden):
+    golden("forward_detection.txt", forward_detection().to_text() + "\n")
 
 
-def test_backward_detection_text_matches_golden():
+def test_backward_detection_text_matches_golden(golden):
     # Checked by hand: the frames leading up to the culprit are those before the nan gradient
     # appeared. "fc1 Linear (backward)" only *received* the culprit's nan (its grad_output is
     # act's grad_input[0]) and must not be listed before it; the current engine lists it
     # (see test_guard.py::test_backward_report_lists_no_frame_that_only_received_the_bad_gradient),
     # so this golden file was written by hand from the engine's output minus that frame.
-    check_golden("backward_detection.txt", backward_detection().to_text())
+    golden("backward_detection.txt", backward_detection().to_text() + "\n")
 
 
-def test_trace_text_matches_golden():
-    check_golden("trace_batch_1.txt", traced_batch().to_text())
+def test_trace_text_matches_golden(golden):
+    golden("trace_batch_1.txt", traced_batch().to_text() + "\n")
 
 
-def test_hand_made_report_text_matches_golden():
-    check_golden("hand_made_report.txt", hand_made_report().to_text())
+def test_hand_made_report_text_matches_golden(golden):
+    golden("hand_made_report.txt", hand_made_report().to_text() + "\n")
 
 
-def test_latest_report_text_matches_golden():
+def test_latest_report_text_matches_golden(golden):
     model = exact_mlp()
     with Guard(model, max_frames=3) as guard:
         model(MLP_INPUT)
-    check_golden("latest_report.txt", guard.report.to_text())
+    golden("latest_report.txt", guard.report.to_text() + "\n")
 
 
 def test_text_header_and_reason_lines():
