@@ -180,6 +180,9 @@ class Report:
     rank: Optional[int] = None
     world_size: Optional[int] = None
     limit_dtype: Optional[str] = None
+    # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
+    # set by the engine on a detection, empty when nothing is wrong.
+    hint: str = ""
 
     @property
     def ok(self) -> bool:
