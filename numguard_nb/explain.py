@@ -24,7 +24,7 @@ from ._schema import (
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
-__all__ = ["hint_for", "format_number", "limit_text", "Facts", "facts_of"]
+__all__ = ["hint_for", "format_number", "limit_text"]
 
 # Half of float16's smallest subnormal, 2**-24 = 5.96e-08: anything smaller rounds to 0.
 FLOAT16_SMALLEST = 2.0 ** -24
@@ -46,8 +46,6 @@ LOG_OPS = frozenset(("log", "log2", "log10", "log1p", "xlogy"))
 SOFTMAX_OPS = frozenset(("softmax", "safe_softmax", "log_softmax"))
 NLL_OPS = frozenset(("nll_loss_forward", "nll_loss", "nll_loss2d_forward", "nll_loss_nd",
                      "cross_entropy_loss"))
-MASK_OPS = frozenset(("masked_fill", "fill", "full", "full_like", "new_full", "where", "index_put",
-                      "masked_scatter", "scatter"))
 # Modules whose forward is one matmul or convolution: a non-finite output from finite inputs
 # and weights is an overflow.
 MATMUL_MODULES = frozenset((
@@ -110,7 +108,8 @@ def _kinds(rows) -> str:
 
 
 def _roles(rows) -> str:
-    return ", ".join(row.role for row in rows)
+    """'output, output[1]', or 'values' for no rows (a report built by hand)."""
+    return ", ".join(row.role for row in rows) or "values"
 
 
 # ---- what the rules read -------------------------------------------------------------------
@@ -278,7 +277,8 @@ def _in_float32(facts: Facts) -> str:
     if call:
         fix = f"keep this layer in float32 (under autocast `{AUTOCAST_OFF} {call}`"
         if any(row.dtype == "float16" for row in facts.rows_of(PARAM)):
-            fix += f"; in a model made with `.half()` also `{_module_path(frame.module_name)}.float()`"
+            path = _module_path(frame.module_name)
+            fix += f"; in a model made with `.half()` also `{path}.float()`"
         return fix + ")"
     if facts.line:
         return f"run `{facts.line}` in float32 (in `{AUTOCAST_OFF}`, its operands `.float()`)"
@@ -296,29 +296,30 @@ def _weights_hint(facts: Facts) -> str:
     frame, rows = facts.frame, facts.flagged
     where, batch = facts.where, facts.report.batch_number
     if facts.predicted:
+        pronoun = "it" if len(rows) == 1 else "they"
         return (f"The {_roles(rows)} of {where} reached {facts.found}, beyond "
                 f"{limit_text(facts.dtype)}: cast to {facts.dtype} (by `.half()` or autocast) "
-                f"{'it' if len(rows) == 1 else 'they'} would be inf. Keep {where} in float32 or train "
-                f"in {BFLOAT16}, and check what let the weights grow this large (the learning rate, "
-                "no weight decay).")
+                f"{pronoun} would be inf. Keep {where} in float32 or train in {BFLOAT16}, and "
+                "check what let the weights grow this large (the learning rate, no weight decay).")
     if all(row.category == BUFFER for row in rows):
-        reset = (f"`{_module_path(frame.module_name)}.reset_running_stats()`"
-                 if "Norm" in frame.module_class else "reload them from a checkpoint")
-        return (f"{_subject(rows, where)} {facts.found} in batch {batch}: a batch holding inf/nan "
-                "went through it in training mode before, and its running statistics kept it. Find "
-                f"that batch among the ones before {batch}, then {reset}.")
+        reset = (f"reset them with `{_module_path(frame.module_name)}.reset_running_stats()` or "
+                 "reload a checkpoint" if "Norm" in frame.module_class
+                 else "reload them from a checkpoint")
+        return (f"{_subject(rows, where)} {facts.found} in batch {batch}: an earlier batch "
+                "holding inf/nan went through it in training mode, and its running statistics "
+                f"kept it. Find that batch, then {reset}.")
     if any(row.dtype == "float16" for row in rows):
-        return (f"{_subject(rows, where, 'float16 ')} {facts.found} in batch {batch}, written by an "
-                "optimizer step: Adam's default eps=1e-8 rounds to 0 in float16 (its smallest value "
-                f"is {format_number(FLOAT16_SMALLEST)}), so a weight with a zero gradient gets 0/0. "
-                "Keep the weights in float32 and train under `torch.autocast` with "
-                "`torch.amp.GradScaler`, or pass `eps=1e-4`; with another optimizer, lower the "
-                "learning rate.")
-    return (f"{_subject(rows, where)} {facts.found} in batch {batch}, written by an earlier optimizer "
-            "step whose update was not finite, typically from a learning rate that makes training "
-            f"diverge. Lower the learning rate and clip gradients with `{CLIP}` before "
-            "`optimizer.step()` (under float16 autocast, step through `torch.amp.GradScaler`, which "
-            "skips steps whose gradients hold inf).")
+        return (f"{_subject(rows, where, 'float16 ')} {facts.found} in batch {batch}, written "
+                "by an optimizer step: Adam's default eps=1e-8 rounds to 0 in float16 (its "
+                f"smallest value is {format_number(FLOAT16_SMALLEST)}), so a weight with a zero "
+                "gradient gets 0/0. Keep the weights in float32 and train under `torch.autocast` "
+                "with `torch.amp.GradScaler`, or pass `eps=1e-4`; with another optimizer, lower "
+                "the learning rate.")
+    return (f"{_subject(rows, where)} {facts.found} in batch {batch}, written by an earlier "
+            "optimizer step whose update was not finite, typically from a learning rate that "
+            f"makes training diverge. Lower the learning rate and clip gradients with `{CLIP}` "
+            "before `optimizer.step()` (under float16 autocast, step through "
+            "`torch.amp.GradScaler`, which skips steps whose gradients hold inf).")
 
 
 def _shape(shape) -> str:
@@ -326,15 +327,17 @@ def _shape(shape) -> str:
 
 
 def _data_hint(facts: Facts) -> str:
-    row = facts.flagged[0]
+    row = facts.flagged[0] if facts.flagged else TensorRow("x", INPUT)
     if row.shape and row.shape[0] == 1:
-        find = f"It is in the batch's only sample ({row.role} has shape {_shape(row.shape)}): fix or drop it"
-    elif row.shape is not None and len(row.shape) <= 1:
-        find = f"Find the entries with `torch.isnan(x).nonzero()` (x: {row.role}) and fix or drop them"
+        find = (f"It is in the batch's only sample ({row.role} has shape {_shape(row.shape)}): "
+                "fix or drop it")
+    elif row.shape is None or len(row.shape) > 1:
+        find = ("Find the samples with `torch.isnan(x).flatten(1).any(1).nonzero()` "
+                f"(x: {row.role}, shape {_shape(row.shape)}) and fix or drop them")
     else:
-        find = (f"Find the samples with `torch.isnan(x).flatten(1).any(1).nonzero()` (x: {row.role}, "
-                f"shape {_shape(row.shape)}) and fix or drop them")
-    return (f"The batch fed to {facts.where} already holds {_kinds(facts.flagged)} in "
+        find = (f"Find the entries with `torch.isnan(x).nonzero()` (x: {row.role}) and fix or "
+                "drop them")
+    return (f"The batch fed to {facts.where} already holds {facts.found} in "
             f"{_roles(facts.flagged)}, before any module ran: the data pipeline made it, e.g. a "
             "normalisation dividing by a zero range or std (a blank image) or missing values read "
             f"as nan. {find}; guard the division, e.g. `(x - lo) / (hi - lo).clamp_min(1e-8)`.")
@@ -343,10 +346,11 @@ def _data_hint(facts: Facts) -> str:
 def _loss_gradient_hint(facts: Facts) -> str:
     where, found = facts.where, facts.found
     if facts.inf and not facts.nan and facts.dtype == "float16":
-        return (f"The gradient entering {where} from outside the guarded modules is already {found}: "
-                f"it passed {limit_text('float16')}, as a loss scaled by `torch.amp.GradScaler` does "
-                "in its first steps (GradScaler then skips the step and lowers its scale), or a loss "
-                "computed in float16. Compute the loss in float32 (`loss_fn(out.float(), y)`).")
+        return (f"The gradient entering {where} from outside the guarded modules is already "
+                f"{found}: it passed {limit_text('float16')}, as a loss scaled by "
+                "`torch.amp.GradScaler` does in its first steps (GradScaler then skips the step "
+                "and lowers its scale), or a loss computed in float16. Compute the loss in float32 "
+                "(`loss_fn(out.float(), y)`).")
     return (f"The gradient entering {where} from the loss is already {found}: the loss, computed "
             "outside the guarded modules, made it in its backward, e.g. log(0) in a hand-written "
             "cross-entropy (log of a sigmoid or softmax that rounded to 0 or 1), a mean over no "
@@ -356,11 +360,11 @@ def _loss_gradient_hint(facts: Facts) -> str:
 
 
 def _unattributed_hint(facts: Facts) -> str:
-    return (f"nan first shows in {facts.where} ({facts.frame.phase}, {_roles(facts.flagged)}), but "
-            "none of the values passed between the modules before it holds it, so no module can be "
-            "named: code outside the modules' calls made it (a hook, an in-place change of a tensor "
-            "two modules share, a custom autograd Function). Check the tensors at that point with "
-            "`torch.isnan(t).any()` in the code that runs between those module calls.")
+    return (f"nan first shows in {facts.where} ({facts.frame.phase}, {_roles(facts.flagged)}), "
+            "but none of the values passed between the modules before it holds it, so no module "
+            "can be named: code outside the modules' calls made it (a hook, an in-place change of "
+            "a tensor two modules share, a custom autograd Function). Check the tensors at that "
+            "point with `torch.isnan(t).any()` in the code that runs between those module calls.")
 
 
 # ---- a module's own code: by the op ------------------------------------------------------------
@@ -369,52 +373,51 @@ def _overflow_hint(facts: Facts, what: str) -> str:
     limit = dtype_max(facts.dtype)
     if limit is None:
         return ""
+    reached = facts.reached()
+    if facts.op in EXP_OPS:
+        given = f"; {reached}" if reached else ""
+        return (f"{what} passed {limit_text(facts.dtype)}{facts.at_line}{given}: exp overflows "
+                f"{facts.dtype} above {math.log(limit):.4g}. Subtract the max first "
+                "(`torch.logsumexp`, `F.softmax`), clamp the argument, or compute it in float32.")
     if limit >= 1e38:
         return _diverged_hint(facts, what)
-    reached = facts.reached()
     if facts.predicted:
         head = (f"{what} reached {facts.found}, beyond {limit_text(facts.dtype)} (limit_dtype): "
                 f"in {facts.dtype} it would overflow to inf")
     else:
         head = f"{what} passed {limit_text(facts.dtype)}{facts.at_line}"
     head += f"; {reached}" if reached else ""
-    if facts.op in EXP_OPS:
-        return (f"{head}, and exp overflows {facts.dtype} above {math.log(limit):.4g}. Subtract the "
-                "max first (`torch.logsumexp`, `F.softmax`), clamp the argument, or compute it in "
-                "float32.")
     if not facts.forward:
         return (f"{head}. Under `torch.amp.GradScaler` an inf gradient makes it skip the step and "
                 "lower its scale (expected in its first steps); otherwise compute this part in "
                 f"float32 or train in {BFLOAT16}.")
-    norm = (" Statistics such as a variance are safest in float32, as `nn.LayerNorm` computes them."
-            if "norm" in facts.frame.module_class.lower() else "")
+    norm = (" Statistics such as a variance are safest in float32, as `nn.LayerNorm` computes "
+            "them." if "norm" in facts.frame.module_class.lower() else "")
     fix = _in_float32(facts)
     return f"{head}. {fix[0].upper()}{fix[1:]}, or train in {BFLOAT16}.{norm}"
 
 
 def _diverged_hint(facts: Facts, what: str) -> str:
+    """An overflow of float32 or bfloat16: values grew without bound. '' when the frame shows no
+    large value (then something else overflowed, and the general hint says what to check)."""
     top = _largest(facts.frame.rows)
-    grown = (f"; values in this frame already reached {format_number(top.abs_max)} ({top.role})"
-             if top is not None and top.abs_max >= 1e6 else "")
-    head = f"{what} passed {limit_text(facts.dtype)}{grown}"
+    if top is None or top.abs_max < 1e6:
+        return ""
+    head = (f"{what} passed {limit_text(facts.dtype)}; values in this frame already reached "
+            f"{format_number(top.abs_max)} ({top.role})")
     if facts.report.batch_number == 0:
-        return (f"{head}, in the first batch: check the scale of the inputs (normalise them) and of "
-                "the initial weights.")
-    return (f"{head}: values this large mean training diverged. Lower the learning rate (e.g. 10x, "
-            f"or add warmup) and clip gradients with `{CLIP}` before `optimizer.step()`.")
+        return (f"{head}, in the first batch: check the scale of the inputs (normalise them) "
+                "and of the initial weights.")
+    return (f"{head}: values this large mean training diverged. Lower the learning rate (e.g. "
+            f"10x, or add warmup) and clip gradients with `{CLIP}` before `optimizer.step()`.")
 
 
 def _forward_op_hint(facts: Facts) -> str:
     op, where, at = facts.op, facts.where, facts.at_line
     received = facts.received
-    if op in MASK_OPS and facts.inf and not facts.nan:
-        allowed = f'["{facts.frame.module_name}"]' if facts.frame.module_name else "True"
-        return (f"{where} wrote {facts.found} itself with `{facts.frame.op}`{at}. If it is a mask "
-                f"on purpose, allow it: `Guard(model, allow_inf={allowed})`; masking with "
-                "`torch.finfo(x.dtype).min` instead of -inf keeps a fully masked row finite.")
     if op in SOFTMAX_OPS and facts.nan and not any(row.nan or row.posinf for row in received):
-        return (f"The softmax{facts.named_op} in {where}{at} gave nan: a row whose entries are all "
-                "-inf (every key masked, e.g. a sample whose attention mask is all 0) makes "
+        return (f"The softmax{facts.named_op} in {where}{at} gave nan: a row whose entries are "
+                "all -inf (every key masked, e.g. a sample whose attention mask is all 0) makes "
                 "exp(-inf - (-inf)) = nan. Mask with a finite value, "
                 "`scores.masked_fill(mask, torch.finfo(scores.dtype).min)`, or drop samples with "
                 "no token.")
@@ -423,21 +426,22 @@ def _forward_op_hint(facts: Facts) -> str:
     if op in NLL_OPS and facts.nan:
         return (f"The cross-entropy{facts.named_op} in {where} is nan: with reduction='mean' it "
                 "divides by the number of labels other than ignore_index (-100), and that number "
-                f"was 0{_all_ignored(facts)}: every label of the batch was ignored (e.g. only prompt "
-                "tokens left, the answers cut off). Skip such batches (`if (labels != -100).any():`) "
-                "or sum the loss and divide by `max(count, 1)`.")
+                f"was 0{_all_ignored(facts)}: every label of the batch was ignored (e.g. only "
+                "prompt tokens left, the answers cut off). Skip such batches "
+                "(`if (labels != -100).any():`) or sum the loss and divide by `max(count, 1)`.")
     if op in LOG_OPS:
-        return (f"The log{facts.named_op} in {where}{at} gave {facts.found}: log(0) = -inf and the "
-                "log of a negative value is nan, e.g. of a probability from a sigmoid or softmax "
-                "that rounded to 0 or 1. Clamp the argument, `torch.log(p.clamp_min(1e-7))`, or "
-                f"compute from logits: {FROM_LOGITS}.")
+        return (f"The first non-finite value in {where} came from the log{facts.named_op}{at}: "
+                "log(0) = -inf and the log of a negative value is nan, e.g. of a probability from "
+                "a sigmoid or softmax that rounded to 0 or 1. Clamp the argument, "
+                f"`torch.log(p.clamp_min(1e-7))`, or compute from logits: {FROM_LOGITS}.")
     if op == "sqrt" and facts.nan:
-        return (f"The sqrt{facts.named_op} in {where}{at} gave nan: the square root of a negative "
-                "value, e.g. a variance computed as E[x²] - E[x]² that rounding made slightly "
-                "negative. Clamp it, `torch.sqrt(v.clamp_min(0) + 1e-6)`, or use `x.var(...)`.")
+        return (f"The sqrt{facts.named_op} in {where}{at} gave nan: the square root of a "
+                "negative value, e.g. a variance computed as E[x²] - E[x]² that rounding made "
+                "slightly negative. Clamp it, `torch.sqrt(v.clamp_min(0) + 1e-6)`, or use "
+                "`x.var(...)`.")
     if op == "rsqrt" and facts.inf:
-        return (f"The rsqrt{facts.named_op} in {where}{at} gave {facts.found}: rsqrt(0) is inf. Add "
-                "an eps inside: `torch.rsqrt(v + 1e-6)`.")
+        return (f"The rsqrt{facts.named_op} in {where}{at} gave {facts.found}: rsqrt(0) is inf. "
+                "Add an eps inside: `torch.rsqrt(v + 1e-6)`.")
     if op in DIVISION_OPS:
         return _division_hint(facts)
     if op in MATMUL_OPS:
@@ -456,7 +460,8 @@ def _all_ignored(facts: Facts) -> str:
 
 
 def _division_hint(facts: Facts) -> str:
-    zeros = [row.role for row in facts.rows_of(INPUT) if row.kind == VALUE_TENSOR and row.abs_min == 0]
+    zeros = [row.role for row in facts.rows_of(INPUT)
+             if row.kind == VALUE_TENSOR and row.abs_min == 0]
     evidence = f" ({', '.join(zeros)} holds zeros)" if zeros else ""
     what = "0 by 0" if facts.nan else "by 0"
     small = (f", or by a value so small that the quotient passed {limit_text('float16')}"
@@ -483,14 +488,16 @@ def _backward_node_hint(facts: Facts) -> str:
                 f"`torch.sqrt(((a - b) ** 2).sum(-1) + {eps})`{instead}.")
     if node in ("Std", "StdMean"):
         return (f"The gradient of std{_paren(facts)} in {where}{at} divides by the std, 0 here "
-                f"(all values equal). Use `torch.sqrt(x.var(dim) + {eps})` instead of `x.std(dim)`.")
+                f"(all values equal). Use `torch.sqrt(x.var(dim) + {eps})` instead of "
+                "`x.std(dim)`.")
     if node == "Log":
         return (f"The gradient of log{_paren(facts)} in {where}{at} is 1/x, infinite at x = 0. "
                 f"Clamp the argument, `torch.log(x.clamp_min(1e-7))`, or compute from logits: "
                 f"{FROM_LOGITS}.")
     if node == "Div":
-        small = (f", or where b² underflows float16 (|b| below "
-                 f"{format_number(math.sqrt(FLOAT16_SMALLEST))})" if facts.dtype == "float16" else "")
+        below = format_number(math.sqrt(FLOAT16_SMALLEST))
+        small = (f", or where b² underflows float16 (|b| below {below})"
+                 if facts.dtype == "float16" else "")
         return (f"The gradient of a / b{_paren(facts)} in {where}{at} is -a / b² for b: infinite "
                 f"where b is 0{small}. Keep the denominator away from 0: `b.clamp_min(eps)` or "
                 "`b + eps`.")
@@ -515,11 +522,11 @@ def _bce_hint(facts: Facts) -> str:
     if facts.dtype == "float16":
         return (f"The gradient of nn.BCELoss{_paren(facts)} in {where} divides by p (1 - p), "
                 "clamped at 1e-12, which is 0 in float16 (its smallest value is "
-                f"{format_number(FLOAT16_SMALLEST)}): once a prediction rounds to exactly 1 or 0 it "
-                "divides by 0. Drop the final Sigmoid and use `nn.BCEWithLogitsLoss` on the logits, "
-                "or compute the loss in float32 (`loss_fn(p.float(), y.float())`).")
-    return (f"The gradient of binary cross-entropy{_paren(facts)} in {where} divides by p (1 - p), "
-            "0 where a prediction is exactly 0 or 1. Drop the final Sigmoid and use "
+                f"{format_number(FLOAT16_SMALLEST)}): once a prediction rounds to exactly 1 or 0 "
+                "it divides by 0. Drop the final Sigmoid and use `nn.BCEWithLogitsLoss` on the "
+                "logits, or compute the loss in float32 (`loss_fn(p.float(), y.float())`).")
+    return (f"The gradient of binary cross-entropy{_paren(facts)} in {where} divides by "
+            "p (1 - p), 0 where a prediction is exactly 0 or 1. Drop the final Sigmoid and use "
             "`nn.BCEWithLogitsLoss` on the logits.")
 
 
@@ -541,15 +548,17 @@ def _received_hint(facts: Facts) -> str:
               "check the batch with `torch.isinf(x).any()`; log(0) in the preprocessing (a "
               "zero-width box, a zero count) is a common source of -inf." if first else
               " Look at the frames before it for where that value was made.")
-    return (f"{facts.where} was given {kinds} ({_roles(received)}) and turned it into {facts.found} "
-            "(-inf times a negative weight is +inf, inf - inf is nan): the non-finite value was "
-            f"made before this call.{origin}")
+    return (f"{facts.where} was given {kinds} ({_roles(received)}) and turned it into "
+            f"{facts.found} (-inf times a negative weight is +inf, inf - inf is nan): the "
+            f"non-finite value was made before this call.{origin}")
 
 
 def _module_class_hint(facts: Facts) -> str:
-    if facts.frame.module_class not in MATMUL_MODULES or facts.received:
+    module_class = facts.frame.module_class
+    if module_class not in MATMUL_MODULES or facts.received:
         return ""
-    noun = "convolution" if "Conv" in facts.frame.module_class and "1D" not in facts.frame.module_class \
+    # transformers' Conv1D is a linear layer
+    noun = "convolution" if module_class.startswith("Conv") and module_class != "Conv1D" \
         else "matmul"
     if facts.forward:
         return _overflow_hint(facts, f"The {noun} of {facts.where}")
@@ -559,19 +568,30 @@ def _module_class_hint(facts: Facts) -> str:
 def _general_hint(facts: Facts) -> str:
     where, found = facts.where, facts.found
     limit = limit_text(facts.dtype)
+    past = f" past {limit}" if limit else ""
     reached = facts.reached()
     given = f" ({reached})" if reached else ""
-    if facts.forward:
-        return (f"{where} made {found}{facts.in_op}{facts.at_line} from finite inputs and "
-                f"weights{given}. nan from finite values comes from 0/0, inf - inf, 0 * inf or "
-                "sqrt/log of a negative value; inf from x/0, log(0) or an overflow"
-                f"{' past ' + limit if limit else ''}: check that computation's operands for "
-                f"zeros, negatives and large values (`t.abs().max()`).{facts.sources()}")
-    return (f"The backward of {where} made {found}{facts.in_op}{facts.at_line} from a finite "
-            f"incoming gradient{given}: an op whose derivative is infinite at its input, e.g. sqrt, "
-            "norm or std at 0, log or 1/x at 0, x ** p with p < 1 at 0, acos/asin at ±1, or an "
-            f"overflow{' past ' + limit if limit else ''}. Add an eps where that op's input can "
-            f"reach that point.{facts.sources()}")
+    if not facts.forward:
+        return (f"The backward of {where} made {found}{facts.in_op}{facts.at_line} from a "
+                f"finite incoming gradient{given}: an op whose derivative is infinite at its "
+                "input, e.g. sqrt, norm or std at 0, log or 1/x at 0, x ** p with p < 1 at 0, "
+                f"acos/asin at ±1, or an overflow{past}. Add an eps where that op's input can "
+                f"reach that point.{facts.sources()}")
+    origins = []
+    if facts.nan:
+        origins.append("nan from finite values comes from 0/0, inf - inf, 0 * inf or sqrt/log of "
+                       "a negative value")
+    if facts.inf:
+        origins.append(f"inf from x/0, log(0), an overflow{past} or a constant such as a -inf "
+                       "mask")
+    text = (f"{where} made {found}{facts.in_op}{facts.at_line} from finite inputs and weights"
+            f"{given}. {'; '.join(origins) or 'An overflow'}: check that computation's operands "
+            "for zeros, negatives and large values (`t.abs().max()`).")
+    if facts.inf and not facts.nan:
+        allowed = f'["{facts.frame.module_name}"]' if facts.frame.module_name else "True"
+        text += (" If the inf is a mask on purpose, allow it: "
+                 f"`Guard(model, allow_inf={allowed})`.")
+    return text + facts.sources()
 
 
 # ---- the one entry point -----------------------------------------------------------------------
