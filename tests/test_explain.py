@@ -438,6 +438,16 @@ def test_the_hint_is_a_field_of_the_report_kept_by_pickling_and_equality():
     assert report_with_hint("another hint") != report
 
 
+def test_nonfinite_words_leave_the_predictions_out_of_problems():
+    row = TensorRow("output", OUTPUT, abs_max=math.inf, posinf=True, neginf=True,
+                    predicted_underflow=True)
+    assert row.nonfinite_words == "+inf and -inf"
+    assert row.problems == "+inf and -inf, underflow predicted"
+    row = TensorRow("output", OUTPUT, abs_max=7e4, nan=True, predicted_overflow=True)
+    assert (row.nonfinite_words, row.problems) == ("nan", "nan, overflow predicted")
+    assert TensorRow("output", OUTPUT, abs_max=7e4, predicted_overflow=True).nonfinite_words == ""
+
+
 def test_text_prints_the_hint_after_the_reason():
     report = report_with_hint()
     text = report.to_text()
