@@ -271,13 +271,19 @@ def _float32_call(facts: Facts) -> str:
 
 
 def _in_float32(facts: Facts) -> str:
-    """How to run the culprit's computation in float32, as a clause ('keep this layer ...')."""
+    """How to run the culprit's computation in float32, as a clause ('keep this layer ...').
+    A layer with weights (Linear, a norm) is kept in float32 as a whole; for a module's own code,
+    the line op localisation named is."""
     frame = facts.frame
-    call = _float32_call(facts) if frame.module_name and facts.rows_of(PARAM) else ""
-    if call:
+    params = facts.rows_of(PARAM)
+    if params and frame.module_name:
+        path = _module_path(frame.module_name)
+        call = _float32_call(facts)
+        if not call:
+            return (f"keep `{path}` in float32 (in `{AUTOCAST_OFF}`, with `{path}.float()` for a "
+                    "model made with `.half()`, and its input `.float()`)")
         fix = f"keep this layer in float32 (under autocast `{AUTOCAST_OFF} {call}`"
-        if any(row.dtype == "float16" for row in facts.rows_of(PARAM)):
-            path = _module_path(frame.module_name)
+        if any(row.dtype == "float16" for row in params):
             fix += f"; in a model made with `.half()` also `{path}.float()`"
         return fix + ")"
     if facts.line:

@@ -148,6 +148,17 @@ def test_fp16_matmul_overflow_keeps_the_layer_in_float32_under_autocast():
     assert "bfloat16 (largest value 3.39e+38)" in hint
 
 
+def test_fp16_overflow_in_a_sequential_layer_names_its_path():
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(10.0)
+        model[2].weight.fill_(100.0)
+    model.half()
+    hint = hint_for(detect(model, lambda: model(torch.full((2, 4), 3.0).half())))
+    assert "The matmul `aten.mm.default` in 2 (Linear) passed float16's largest value 65504" in hint
+    assert "Keep `model[2]` in float32" in hint and "`model[2].float()`" in hint
+
+
 def test_predicted_overflow_says_what_float16_would_do():
     model = FeedForward()  # float32, run with float16's limits
     report = detect(model, lambda: model(torch.full((2, 4), 3.0)), limit_dtype=torch.float16)
