@@ -202,12 +202,11 @@ class Facts:
         return " and ".join(parts)
 
     def sources(self) -> str:
-        """What to do without an op: rerun with ops=True, or what op localisation said."""
+        """Without op localisation: how to have the op and the line named. (Where it ran and
+        found no single op, its note says why, next to the hint in the views.)"""
         frame = self.frame
-        if frame.op:
+        if frame.op or frame.op_note:
             return ""
-        if frame.op_note:
-            return f" (op localisation: {frame.op_note})"
         return " Rerun with `Guard(model, ops=True)` to name the op and the line."
 
 

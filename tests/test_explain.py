@@ -340,6 +340,7 @@ def test_an_inf_mask_written_on_purpose_is_allowed_by_name():
     hint = hint_for(report)
     assert "masks (MaskBuilder) made -inf from finite inputs" in hint
     assert 'allow it: `Guard(model, allow_inf=["masks"])`' in hint
+    assert report.first_nonfinite.op_note and "Rerun" not in hint  # op localisation did run
 
 
 def test_an_inf_given_with_the_data_is_traced_back_to_it():
