@@ -26,7 +26,8 @@ from .report import Frame, Report, TensorRow, dtype_max
 
 __all__ = ["hint_for", "format_number", "limit_text"]
 
-# Half of float16's smallest subnormal, 2**-24 = 5.96e-08: anything smaller rounds to 0.
+# float16's smallest positive (subnormal) value: below half of it a value rounds to 0, as Adam's
+# default eps of 1e-8 does.
 FLOAT16_SMALLEST = 2.0 ** -24
 
 # ATen ops (without "aten.", the overload and an in-place "_") by what goes wrong in them.
@@ -52,7 +53,8 @@ MATMUL_MODULES = frozenset((
     "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
     "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
 ))
-# Autograd nodes (names without "Backward<n>"), by the point where their derivative is infinite.
+# Autograd nodes (names without "Backward<n>"): a matmul's gradient overflows; a norm's or a
+# distance's is not finite at 0.
 MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolution", "Linear",
                           "Mv", "Addmv", "Dot", "Matmul"))
 NORM_NODES = frozenset(("Norm", "LinalgVectorNorm", "Cdist", "Dist"))
