@@ -3,8 +3,9 @@
 A tiny T5 (random weights, built from a config: nothing is downloaded) runs in float16. One
 encoder layer's gated-GELU feed-forward has weights large enough that its `wo` projection
 overflows float16's 65504, the case Hugging Face's debugging guide shows with t5-large. The
-guard names the module that produced the inf, with the frames that led to it, and (ops=True)
-the ATen op and the line of model code that produced it.
+demo leads with the verdict: the module that produced the inf, why (the numbers, float16's
+65504) and what to try, and (ops=True) the ATen op and the line of model code that produced it;
+then the frames that led to it, in Hugging Face's format.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from .errors import NonFiniteError
+from .explain import hint_for
 from .guard import Guard
+from .render.text import dump_lines, verdict_lines
 
 
 def build_overflowing_t5(seed: int = 0):
@@ -45,8 +48,12 @@ def main() -> int:
             loss = model(**batch).loss
             loss.backward()
     except NonFiniteError as error:
-        print(error.report.to_text())
-        print(f"\nCaught: {type(error).__name__}: {error}")
+        report = error.report
+        report.hint = report.hint or hint_for(report)
+        print(f"Caught {type(error).__name__} in batch {report.batch_number}:")
+        print("\n".join(verdict_lines(report)))
+        print()
+        print("\n".join(dump_lines(report)))
         return 0
     print(f"No inf/nan detected (loss={loss.item():.4f}): the demo expected an overflow.")
     return 1

@@ -101,8 +101,8 @@ class TensorRow:
         return self.abs_max / limit
 
     @property
-    def problems(self) -> str:
-        """What is wrong with this value, in words ('' when nothing is)."""
+    def nonfinite_words(self) -> str:
+        """The non-finite values it holds, in words: 'nan', '+inf and -inf', 'nan, -inf', ''."""
         words = []
         if self.nan:
             words.append("nan")
@@ -114,6 +114,12 @@ class TensorRow:
             words.append("-inf")
         elif self.inf:
             words.append("inf")
+        return ", ".join(words)
+
+    @property
+    def problems(self) -> str:
+        """What is wrong with this value, in words ('' when nothing is)."""
+        words = [self.nonfinite_words] if self.nonfinite_words else []
         if self.predicted_overflow:
             words.append("overflow predicted")
         if self.predicted_underflow:
@@ -180,6 +186,9 @@ class Report:
     rank: Optional[int] = None
     world_size: Optional[int] = None
     limit_dtype: Optional[str] = None
+    # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
+    # set by the engine on a detection, empty when nothing is wrong.
+    hint: str = ""
 
     @property
     def ok(self) -> bool:

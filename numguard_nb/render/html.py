@@ -10,7 +10,7 @@ the engine. The tree is built from the frames' dotted `module_name` (parents are
 DOM (stable CSS classes, also used by the widget):
 
     div.ng-report[.ng-kind-<kind>]
-      div.ng-header > div.ng-summary, div.ng-meta, svg.ng-chart, div.ng-legend
+      div.ng-header > div.ng-summary, div.ng-hint, div.ng-meta, svg.ng-chart, div.ng-legend
       div.ng-tree
         details.ng-node[.ng-root][.ng-culprit][.ng-culprit-node][open] data-path="..."
           summary.ng-toggle > span.ng-name, span.ng-class, span.ng-badge*, span.ng-info
@@ -31,7 +31,7 @@ from ..report import Frame, Report, TensorRow, dtype_smallest_normal
 from ._format import esc
 
 __all__ = [
-    "ModuleNode", "build_tree", "report_html", "frames_html", "frame_html", "header_html",
+    "ModuleNode", "build_tree", "report_html", "frames_html", "frame_html", "header_html", "hint_html",
     "tensor_table_html", "STYLE", "MAX_FRAMES_PER_NODE",
 ]
 
@@ -414,12 +414,29 @@ def legend_html() -> str:
             f" \u00b7 abs min: {under}</div>")
 
 
+# Inline, like the heat colours: a sanitised output keeps it where it drops the <style> element.
+_HINT_STYLE = ("margin:2px 0 4px 0;padding:2px 6px;border-left:3px solid #d08000;"
+               "background:#fff5df;color:#222")
+
+
+def hint_html(hint: str) -> str:
+    """The hint (why, and what to try) under the summary; `code` between backticks."""
+    pieces = hint.split("`")
+    if len(pieces) % 2 == 0:  # an unpaired backtick: show the text as it is
+        pieces = [hint]
+    body = "".join(f"<code>{esc(piece)}</code>" if index % 2 else esc(piece)
+                   for index, piece in enumerate(pieces))
+    return f'<div class="ng-hint" style="{_HINT_STYLE}"><b>hint:</b> {body}</div>'
+
+
 def header_html(report: Report) -> str:
     from .svg import chart_svg
 
     culprit = report.first_nonfinite
     summary_class = "ng-summary ng-bad-summary" if culprit is not None else "ng-summary"
     parts = [f'<div class="ng-header"><div class="{summary_class}">{esc(report.summary())}</div>']
+    if culprit is not None and report.hint:
+        parts.append(hint_html(report.hint))
     parts.append(f'<div class="ng-meta">{esc(meta_text(report))}</div>')
     if culprit is not None:
         parts.append(

@@ -3,8 +3,10 @@
 The lines are the ones `transformers.debug_utils.DebugUnderflowOverflow` prints, so a report
 reads like the tool people already know: per frame a head line (module name and class), then
 one line per tensor (`abs min`, `abs max`, role). Backward frames, which Hugging Face's tool
-does not have, say so in their head line. `report.to_text()`, `str(report)` and the
-mimebundle's text/plain use `report_text`.
+does not have, say so in their head line. Then the verdict: the reason, the hint (why, and
+what to try), the op and the line. `report.to_text()`, `str(report)` and the mimebundle's
+text/plain use `report_text`; the demo prints the verdict first (`verdict_lines`), then the
+frames (`dump_lines`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 from .._schema import FORWARD, TRACE, VALUE_EMPTY, VALUE_NONE, VALUE_TENSOR, VALUE_UNSUPPORTED
 from ..report import Frame, Report, TensorRow
 
-__all__ = ["COLUMNS_LINE", "row_line", "frame_lines", "report_text"]
+__all__ = [
+    "COLUMNS_LINE", "row_line", "frame_lines", "dump_lines", "verdict_lines", "report_text",
+]
 
 _INDENT = " " * 17  # the width of the two number columns and their separator
 COLUMNS_LINE = f"{'abs min':8} {'abs max':8} metadata"
@@ -35,9 +39,9 @@ def frame_lines(frame: Frame) -> list:
     return [head] + [row_line(row) for row in frame.rows]
 
 
-def report_text(report: Report) -> str:
-    """The whole report: a trace as Hugging Face prints a batch, a detection as it prints the
-    frames before the first inf/nan, then the reason and where the culprit was called from."""
+def dump_lines(report: Report) -> list:
+    """The frames as Hugging Face's tool dumps them: a traced batch between its start and finish lines,
+    or the frames before the first inf/nan under a 'Detected inf/nan' line."""
     rank = f" (rank {report.rank}/{report.world_size})" if report.rank is not None else ""
     phases = {frame.phase for frame in report.frames}
     which = "forward" if phases <= {FORWARD} else "forward and backward"
@@ -49,23 +53,42 @@ def report_text(report: Report) -> str:
         for frame in report.frames:
             lines.extend(frame_lines(frame))
         lines.append(f"{_INDENT} *** Finished batch number={report.batch_number} ***")
-    else:
-        if report.first_nonfinite is not None:
-            lines = [f"Detected inf/nan during batch_number={report.batch_number}{rank}"]
-        else:
-            lines = [f"No inf/nan detected up to batch_number={report.batch_number}{rank}"]
-        lines.append(f"Last {len(report.frames)} {which} frames:")
-        lines.append(COLUMNS_LINE)
-        for frame in report.frames:
-            lines.extend(frame_lines(frame))
+        return lines
     if report.first_nonfinite is not None:
+        lines = [f"Detected inf/nan during batch_number={report.batch_number}{rank}"]
+    else:
+        lines = [f"No inf/nan detected up to batch_number={report.batch_number}{rank}"]
+    lines.append(f"Last {len(report.frames)} {which} frames:")
+    lines.append(COLUMNS_LINE)
+    for frame in report.frames:
+        lines.extend(frame_lines(frame))
+    return lines
+
+
+def verdict_lines(report: Report) -> list:
+    """The verdict on the culprit: the reason, the hint (why, and what to try), the op and the
+    line that produced it; [] when nothing is wrong."""
+    frame = report.first_nonfinite
+    if frame is None:
+        return []
+    lines = [report.reason]
+    if report.hint:
+        lines.append(f"hint: {report.hint}")
+    if frame.op:
+        lines.append(f"first non-finite op: {frame.op}")
+    if frame.source:
+        lines.append(f"called from: {frame.source}")
+    if frame.op_note and not frame.op:
+        lines.append(f"op localisation: {frame.op_note}")
+    return lines
+
+
+def report_text(report: Report) -> str:
+    """The whole report: the frames as Hugging Face prints them, then the verdict (the reason,
+    the hint, and where the culprit was called from)."""
+    lines = dump_lines(report)
+    verdict = verdict_lines(report)
+    if verdict:
         lines.append("")
-        lines.append(report.reason)
-        frame = report.first_nonfinite
-        if frame.op:
-            lines.append(f"first non-finite op: {frame.op}")
-        if frame.source:
-            lines.append(f"called from: {frame.source}")
-        if frame.op_note and not frame.op:
-            lines.append(f"op localisation: {frame.op_note}")
+        lines.extend(verdict)
     return "\n".join(lines)

@@ -12,7 +12,7 @@ terminal shows the text. Works with ipywidgets 7.x and 8.x.
 DOM (stable CSS classes; the same names as the static HTML where they mean the same thing):
 
     .ng-report.ng-widget                        VBox, the whole report
-      .ng-header-widget                         HTML: summary, meta, svg.ng-chart, legend
+      .ng-header-widget                         HTML: summary, hint, meta, svg.ng-chart, legend
       .ng-tree                                  VBox
         .ng-node[.ng-root][.ng-culprit][.ng-culprit-node][.ng-open]   VBox, one module
           .ng-node-head                         HBox

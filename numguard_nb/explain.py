@@ -1,0 +1,623 @@
+"""Why a detection happened and what to try, in a sentence or two: `hint_for(report)`.
+
+Hugging Face's debugging guide explains its report by hand: the abs max reached 6.27e4, near
+float16's 65504, so keep that part in float32. `hint_for` writes that explanation for any
+detection from what the report holds: its cause, the culprit frame's module and phase, the
+numbers of its rows, and the op and source line that op localisation named. A hint states the
+numbers (the dtype's largest value, what the values reached) and what to try, with a short piece
+of code where one helps. A situation no rule recognises gets a general hint (which value, what to
+check) rather than a specific one that could be wrong.
+
+Pure: it reads a `Report` and returns text; the engine stores the text in `Report.hint`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ._schema import (
+    BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CODE_CAUSES,
+    FORWARD, GRAD_OUTPUT, INPUT, PARAM, VALUE_TENSOR,
+)
+from .report import Frame, Report, TensorRow, dtype_max
+
+__all__ = ["hint_for", "format_number", "limit_text"]
+
+# float16's smallest positive (subnormal) value: below half of it a value rounds to 0, as Adam's
+# default eps of 1e-8 does.
+FLOAT16_SMALLEST = 2.0 ** -24
+
+# ATen ops (without "aten.", the overload and an in-place "_") by what goes wrong in them.
+MATMUL_OPS = frozenset((
+    "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot", "einsum",
+    "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable",
+))
+EXP_OPS = frozenset(("exp", "exp2", "expm1", "sinh", "cosh"))
+# From finite inputs these make inf (and nan further on) only by overflowing.
+ARITHMETIC_OPS = MATMUL_OPS | EXP_OPS | frozenset((
+    "mul", "add", "sub", "pow", "square", "sum", "mean", "cumsum", "prod", "addcmul", "var",
+    "linalg_vector_norm", "norm",
+))
+DIVISION_OPS = frozenset(("div", "reciprocal", "true_divide", "remainder", "fmod", "addcdiv"))
+LOG_OPS = frozenset(("log", "log2", "log10", "log1p", "xlogy"))
+SOFTMAX_OPS = frozenset(("softmax", "safe_softmax", "log_softmax"))
+NLL_OPS = frozenset(("nll_loss_forward", "nll_loss", "nll_loss2d_forward", "nll_loss_nd",
+                     "cross_entropy_loss"))
+# Modules whose forward is one matmul or convolution: a non-finite output from finite inputs
+# and weights is an overflow.
+MATMUL_MODULES = frozenset((
+    "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
+    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+))
+# Autograd nodes (names without "Backward<n>"): a matmul's gradient overflows; a norm's or a
+# distance's is not finite at 0.
+MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolution", "Linear",
+                          "Mv", "Addmv", "Dot", "Matmul"))
+NORM_NODES = frozenset(("Norm", "LinalgVectorNorm", "Cdist", "Dist"))
+
+AUTOCAST_OFF = 'with torch.autocast("cuda", enabled=False):'
+CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+FROM_LOGITS = "`F.log_softmax`, `F.logsigmoid` or `nn.BCEWithLogitsLoss`"
+
+
+# ---- numbers -------------------------------------------------------------------------------
+def format_number(value: float) -> str:
+    """A number as a hint prints it: '65504', '240', '4.39e+27', '0.365', 'inf'."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+def limit_text(dtype: Optional[str]) -> str:
+    """"float16's largest value 65504", or '' for a dtype without one."""
+    limit = dtype_max(dtype)
+    return f"{dtype}'s largest value {format_number(limit)}" if limit is not None else ""
+
+
+BFLOAT16 = f"bfloat16 (largest value {format_number(dtype_max('bfloat16'))})"
+
+
+def _largest(rows) -> Optional[TensorRow]:
+    """The row with the largest finite abs max, or None."""
+    best = None
+    for row in rows:
+        value = row.abs_max
+        if row.kind == VALUE_TENSOR and value is not None and math.isfinite(value) \
+                and (best is None or value > best.abs_max):
+            best = row
+    return best
+
+
+def _kinds(rows) -> str:
+    """'nan', '+inf', '+inf and -inf', 'nan and -inf': what the rows hold."""
+    words = []
+    if any(row.nan for row in rows):
+        words.append("nan")
+    pos, neg = any(row.posinf for row in rows), any(row.neginf for row in rows)
+    if pos or neg:
+        words.append("+inf and -inf" if pos and neg else "+inf" if pos else "-inf")
+    elif any(row.inf for row in rows):
+        words.append("inf")
+    return " and ".join(words)
+
+
+def _roles(rows) -> str:
+    """'output, output[1]', or 'values' for no rows (a report built by hand)."""
+    return ", ".join(row.role for row in rows) or "values"
+
+
+# ---- what the rules read -------------------------------------------------------------------
+@dataclass
+class Facts:
+    """What the rules read from a report with a culprit, worked out once."""
+
+    report: Report
+    frame: Frame  # the culprit
+    flagged: list  # its flagged rows (its non-finite ones when none is flagged)
+    dtype: Optional[str]  # whose limit matters: limit_dtype for a predicted overflow
+    node: str  # autograd node op localisation named, without "Backward<n>"; "" when none
+    op: str  # the ATen op it named, without "aten." and the overload; "" when none
+    line: str  # the code of the source line it named; "" when none
+
+    @property
+    def cause(self) -> str:
+        return self.report.cause
+
+    @property
+    def forward(self) -> bool:
+        return self.frame.phase == FORWARD
+
+    @property
+    def where(self) -> str:
+        frame = self.frame
+        return f"{frame.label} ({frame.module_class})" if frame.module_name else frame.label
+
+    @property
+    def nan(self) -> bool:
+        return any(row.nan for row in self.flagged)
+
+    @property
+    def inf(self) -> bool:
+        return any(row.inf for row in self.flagged)
+
+    @property
+    def predicted(self) -> bool:
+        return not self.nan and not self.inf and any(r.predicted_overflow for r in self.flagged)
+
+    @property
+    def found(self) -> str:
+        """What the culprit produced: 'nan', '+inf and -inf', '7.2e+04' (a predicted overflow)."""
+        if self.predicted:
+            top = _largest(self.flagged)
+            return f"{format_number(top.abs_max)}" if top is not None else "a value that large"
+        return _kinds(self.flagged) or "a non-finite value"
+
+    @property
+    def received(self) -> list:
+        """The non-finite values the culprit was given (inputs, weights, incoming gradients)."""
+        return [row for row in self.frame.rows
+                if row.category in (INPUT, PARAM, BUFFER, GRAD_OUTPUT) and row.nonfinite]
+
+    @property
+    def op_words(self) -> str:
+        """'`aten.mm.default`', '`SqrtBackward0` (`aten.div.Tensor`)', or '' without an op."""
+        text = self.frame.op or ""
+        if ": " in text:
+            node, _, op = text.partition(": ")
+            return f"`{node}` (`{op}`)"
+        return f"`{text}`" if text else ""
+
+    @property
+    def in_op(self) -> str:
+        """' in `aten.mm.default`', or ''."""
+        return f" in {self.op_words}" if self.op_words else ""
+
+    @property
+    def named_op(self) -> str:
+        """' `aten.mm.default`' (after a noun: 'the matmul `aten.mm.default`'), or ''."""
+        return f" {self.op_words}" if self.op_words else ""
+
+    @property
+    def at_line(self) -> str:
+        return f" at `{self.line}`" if self.line else ""
+
+    def rows_of(self, *categories) -> list:
+        return [row for row in self.frame.rows if row.category in categories]
+
+    def reached(self) -> str:
+        """'its input reached 240 and its weight 10': the largest values the culprit was given."""
+        parts = []
+        for categories, noun in (((INPUT,), "input"), ((GRAD_OUTPUT,), "incoming gradient"),
+                                 ((PARAM, BUFFER), "weight")):
+            top = _largest(self.rows_of(*categories))
+            if top is not None and top.abs_max > 0:
+                verb = "reached " if not parts else ""
+                parts.append(f"its {noun} {verb}{format_number(top.abs_max)}")
+        return " and ".join(parts)
+
+    def sources(self) -> str:
+        """Without op localisation: how to have the op and the line named. (Where it ran and
+        found no single op, its note says why, next to the hint in the views.)"""
+        frame = self.frame
+        if frame.op or frame.op_note:
+            return ""
+        return " Rerun with `Guard(model, ops=True)` to name the op and the line."
+
+
+def _parse_op(op: Optional[str]):
+    """(node, op) from a frame's op: 'SqrtBackward0: aten.div.Tensor' -> ('Sqrt', 'div'),
+    'aten.mm.default' -> ('', 'mm'), 'aten::addmm' -> ('', 'addmm')."""
+    if not op:
+        return "", ""
+    node, _, aten = op.rpartition(": ")
+    node = re.sub(r"Backward\d*$", "", node.strip())
+    aten = aten.strip()
+    for prefix in ("aten::", "aten."):
+        if aten.startswith(prefix):
+            aten = aten[len(prefix):]
+    name = aten.split(".")[0].lstrip("_")
+    return node, name[:-1] if name.endswith("_") else name
+
+
+def _source_code(source: Optional[str]) -> str:
+    """The code of 'file.py:12: h = self.wo(h)'."""
+    if not source:
+        return ""
+    match = re.match(r"^.*?:\d+: (.*)$", source)
+    return (match.group(1) if match else source).strip()
+
+
+def facts_of(report: Report) -> Facts:
+    """The facts of a report with a culprit (`report.first_nonfinite` set)."""
+    frame = report.first_nonfinite
+    flagged = frame.flagged_rows or [row for row in frame.rows if row.nonfinite]
+    dtype = next((row.dtype for row in flagged if row.dtype), None)
+    if report.limit_dtype and any(row.predicted_overflow for row in flagged) \
+            and not any(row.nonfinite for row in flagged):
+        dtype = report.limit_dtype
+    node, op = _parse_op(frame.op)
+    return Facts(report=report, frame=frame, flagged=flagged, dtype=dtype, node=node, op=op,
+                 line=_source_code(frame.source))
+
+
+# ---- code to suggest -----------------------------------------------------------------------
+def _module_path(name: str) -> str:
+    """'model.block[1].wo' for 'block.1.wo'."""
+    path = "model"
+    for part in name.split(".") if name else ():
+        path += f"[{part}]" if part.isdigit() else f".{part}"
+    return path
+
+
+def _float32_call(facts: Facts) -> str:
+    """The culprit layer's call with its input in float32: 'h = self.wo(h.float())'."""
+    attribute = facts.frame.module_name.rpartition(".")[2]
+    if not attribute.isidentifier():
+        return ""
+    name = re.escape(attribute)
+    call = re.search(rf"self\.{name}\(([\w.]+)\)", facts.line)
+    if call is None:
+        return f"x = self.{attribute}(x.float())"
+    whole = re.fullmatch(rf"(\w+)\s*=\s*self\.{name}\(([\w.]+)\)", facts.line)
+    target = whole.group(1) if whole else "out"
+    return f"{target} = self.{attribute}({call.group(1)}.float())"
+
+
+def _in_float32(facts: Facts) -> str:
+    """How to run the culprit's computation in float32, as a clause ('keep this layer ...').
+    A layer with weights (Linear, a norm) is kept in float32 as a whole; for a module's own code,
+    the line op localisation named is."""
+    frame = facts.frame
+    params = facts.rows_of(PARAM)
+    if params and frame.module_name:
+        path = _module_path(frame.module_name)
+        call = _float32_call(facts)
+        if not call:
+            return (f"keep `{path}` in float32 (in `{AUTOCAST_OFF}`, with `{path}.float()` for a "
+                    "model made with `.half()`, and its input `.float()`)")
+        fix = f"keep this layer in float32 (under autocast `{AUTOCAST_OFF} {call}`"
+        if any(row.dtype == "float16" for row in params):
+            fix += f"; in a model made with `.half()` also `{path}.float()`"
+        return fix + ")"
+    if facts.line:
+        return f"run `{facts.line}` in float32 (in `{AUTOCAST_OFF}`, its operands `.float()`)"
+    return f"run {facts.where} in float32 (in `{AUTOCAST_OFF}`, its inputs `.float()`)"
+
+
+# ---- causes outside a module's code ----------------------------------------------------------
+def _subject(rows, where: str, adjective: str = "") -> str:
+    """'The weight of fc (Linear) holds' / 'The weight, bias of fc (Linear) hold'."""
+    verb = "holds" if len(rows) == 1 else "hold"
+    return f"The {adjective}{_roles(rows)} of {where} {verb}"
+
+
+def _weights_hint(facts: Facts) -> str:
+    frame, rows = facts.frame, facts.flagged
+    where, batch = facts.where, facts.report.batch_number
+    if facts.predicted:
+        pronoun = "it" if len(rows) == 1 else "they"
+        return (f"The {_roles(rows)} of {where} reached {facts.found}, beyond "
+                f"{limit_text(facts.dtype)}: cast to {facts.dtype} (by `.half()` or autocast) "
+                f"{pronoun} would be inf. Keep {where} in float32 or train in {BFLOAT16}, and "
+                "check what let the weights grow this large (the learning rate, no weight decay).")
+    if all(row.category == BUFFER for row in rows):
+        reset = (f"reset them with `{_module_path(frame.module_name)}.reset_running_stats()` or "
+                 "reload a checkpoint" if "Norm" in frame.module_class
+                 else "reload them from a checkpoint")
+        return (f"{_subject(rows, where)} {facts.found} in batch {batch}: an earlier batch "
+                "holding inf/nan went through it in training mode, and its running statistics "
+                f"kept it. Find that batch, then {reset}.")
+    if any(row.dtype == "float16" for row in rows):
+        return (f"{_subject(rows, where, 'float16 ')} {facts.found} in batch {batch}, written "
+                "by an optimizer step: Adam's default eps=1e-8 rounds to 0 in float16 (its "
+                f"smallest value is {format_number(FLOAT16_SMALLEST)}), so a weight with a zero "
+                "gradient gets 0/0. Keep the weights in float32 and train under `torch.autocast` "
+                "with `torch.amp.GradScaler`, or pass `eps=1e-4`; with another optimizer, lower "
+                "the learning rate.")
+    return (f"{_subject(rows, where)} {facts.found} in batch {batch}, written by an earlier "
+            "optimizer step whose update was not finite, typically from a learning rate that "
+            f"makes training diverge. Lower the learning rate and clip gradients with `{CLIP}` "
+            "before `optimizer.step()` (under float16 autocast, step through "
+            "`torch.amp.GradScaler`, which skips steps whose gradients hold inf).")
+
+
+def _shape(shape) -> str:
+    return "\u00d7".join(str(n) for n in shape) if shape else "scalar"
+
+
+def _data_hint(facts: Facts) -> str:
+    row = facts.flagged[0] if facts.flagged else TensorRow("x", INPUT)
+    if row.shape and row.shape[0] == 1:
+        find = (f"It is in the batch's only sample ({row.role} has shape {_shape(row.shape)}): "
+                "fix or drop it")
+    elif row.shape is None or len(row.shape) > 1:
+        find = ("Find the samples with `torch.isnan(x).flatten(1).any(1).nonzero()` "
+                f"(x: {row.role}, shape {_shape(row.shape)}) and fix or drop them")
+    else:
+        find = (f"Find the entries with `torch.isnan(x).nonzero()` (x: {row.role}) and fix or "
+                "drop them")
+    return (f"The batch fed to {facts.where} already holds {facts.found} in "
+            f"{_roles(facts.flagged)}, before any module ran: the data pipeline made it, e.g. a "
+            "normalisation dividing by a zero range or std (a blank image) or missing values read "
+            f"as nan. {find}; guard the division, e.g. `(x - lo) / (hi - lo).clamp_min(1e-8)`.")
+
+
+def _loss_gradient_hint(facts: Facts) -> str:
+    where, found = facts.where, facts.found
+    if facts.inf and not facts.nan and facts.dtype == "float16":
+        return (f"The gradient entering {where} from outside the guarded modules is already "
+                f"{found}: it passed {limit_text('float16')}, as a loss scaled by "
+                "`torch.amp.GradScaler` does in its first steps (GradScaler then skips the step "
+                "and lowers its scale), or a loss computed in float16. Compute the loss in float32 "
+                "(`loss_fn(out.float(), y)`).")
+    return (f"The gradient entering {where} from the loss is already {found}: the loss, computed "
+            "outside the guarded modules, made it in its backward, e.g. log(0) in a hand-written "
+            "cross-entropy (log of a sigmoid or softmax that rounded to 0 or 1), a mean over no "
+            f"elements, or sqrt at 0. Compute losses from logits ({FROM_LOGITS}) or clamp "
+            "(`torch.log(p.clamp_min(1e-7))`), and guard the loss module too to have it named: "
+            '`Guard({"model": model, "loss": loss_fn})`.')
+
+
+def _unattributed_hint(facts: Facts) -> str:
+    return (f"nan first shows in {facts.where} ({facts.frame.phase}, {_roles(facts.flagged)}), "
+            "but none of the values passed between the modules before it holds it, so no module "
+            "can be named: code outside the modules' calls made it (a hook, an in-place change of "
+            "a tensor two modules share, a custom autograd Function). Check the tensors at that "
+            "point with `torch.isnan(t).any()` in the code that runs between those module calls.")
+
+
+# ---- a module's own code: by the op ------------------------------------------------------------
+def _overflow_hint(facts: Facts, what: str) -> str:
+    """`what` (e.g. 'The matmul (`aten.mm.default`) of wo (Linear)') passed its dtype's limit."""
+    limit = dtype_max(facts.dtype)
+    if limit is None:
+        return ""
+    reached = facts.reached()
+    if facts.op in EXP_OPS:
+        given = f"; {reached}" if reached else ""
+        return (f"{what} passed {limit_text(facts.dtype)}{facts.at_line}{given}: exp overflows "
+                f"{facts.dtype} above {math.log(limit):.4g}. Subtract the max first "
+                "(`torch.logsumexp`, `F.softmax`), clamp the argument, or compute it in float32.")
+    if limit >= 1e38:
+        return _diverged_hint(facts, what)
+    if facts.predicted:
+        head = (f"{what} reached {facts.found}, beyond {limit_text(facts.dtype)} (limit_dtype): "
+                f"in {facts.dtype} it would overflow to inf")
+    else:
+        head = f"{what} passed {limit_text(facts.dtype)}{facts.at_line}"
+    head += f"; {reached}" if reached else ""
+    if not facts.forward:
+        return (f"{head}. Under `torch.amp.GradScaler` an inf gradient makes it skip the step and "
+                "lower its scale (expected in its first steps); otherwise compute this part in "
+                f"float32 or train in {BFLOAT16}.")
+    norm = (" Statistics such as a variance are safest in float32, as `nn.LayerNorm` computes "
+            "them." if "norm" in facts.frame.module_class.lower() else "")
+    fix = _in_float32(facts)
+    return f"{head}. {fix[0].upper()}{fix[1:]}, or train in {BFLOAT16}.{norm}"
+
+
+def _diverged_hint(facts: Facts, what: str) -> str:
+    """An overflow of float32 or bfloat16: values grew without bound. '' when the frame shows no
+    large value (then something else overflowed, and the general hint says what to check)."""
+    top = _largest(facts.frame.rows)
+    if top is None or top.abs_max < 1e6:
+        return ""
+    head = (f"{what} passed {limit_text(facts.dtype)}; values in this frame already reached "
+            f"{format_number(top.abs_max)} ({top.role})")
+    if facts.report.batch_number == 0:
+        return (f"{head}, in the first batch: check the scale of the inputs (normalise them) "
+                "and of the initial weights.")
+    return (f"{head}: values this large mean training diverged. Lower the learning rate (e.g. "
+            f"10x, or add warmup) and clip gradients with `{CLIP}` before `optimizer.step()`.")
+
+
+def _forward_op_hint(facts: Facts) -> str:
+    op, where, at = facts.op, facts.where, facts.at_line
+    received = facts.received
+    if op in SOFTMAX_OPS and facts.nan and not any(row.nan or row.posinf for row in received):
+        return (f"The softmax{facts.named_op} in {where}{at} gave nan: a row whose entries are "
+                "all -inf (every key masked, e.g. a sample whose attention mask is all 0) makes "
+                "exp(-inf - (-inf)) = nan. Mask with a finite value, "
+                "`scores.masked_fill(mask, torch.finfo(scores.dtype).min)`, or drop samples with "
+                "no token.")
+    if received:
+        return ""
+    if op in NLL_OPS and facts.nan:
+        return (f"The cross-entropy{facts.named_op} in {where} is nan: with reduction='mean' it "
+                "divides by the number of labels other than ignore_index (-100), and that number "
+                f"was 0{_all_ignored(facts)}: every label of the batch was ignored (e.g. only "
+                "prompt tokens left, the answers cut off). Skip such batches "
+                "(`if (labels != -100).any():`) or sum the loss and divide by `max(count, 1)`.")
+    if op in LOG_OPS:
+        return (f"The first non-finite value in {where} came from the log{facts.named_op}{at}: "
+                "log(0) = -inf and the log of a negative value is nan, e.g. of a probability from "
+                "a sigmoid or softmax that rounded to 0 or 1. Clamp the argument, "
+                f"`torch.log(p.clamp_min(1e-7))`, or compute from logits: {FROM_LOGITS}.")
+    if op == "sqrt" and facts.nan:
+        return (f"The sqrt{facts.named_op} in {where}{at} gave nan: the square root of a "
+                "negative value, e.g. a variance computed as E[x²] - E[x]² that rounding made "
+                "slightly negative. Clamp it, `torch.sqrt(v.clamp_min(0) + 1e-6)`, or use "
+                "`x.var(...)`.")
+    if op == "rsqrt" and facts.inf:
+        return (f"The rsqrt{facts.named_op} in {where}{at} gave {facts.found}: rsqrt(0) is inf. "
+                "Add an eps inside: `torch.rsqrt(v + 1e-6)`.")
+    if op in DIVISION_OPS:
+        return _division_hint(facts)
+    if op in MATMUL_OPS:
+        noun = "convolution" if "conv" in op else "matmul"
+        return _overflow_hint(facts, f"The {noun}{facts.named_op} in {where}")
+    if op in ARITHMETIC_OPS:
+        return _overflow_hint(facts, f"`{facts.frame.op}` in {where}")
+    return ""
+
+
+def _all_ignored(facts: Facts) -> str:
+    for row in facts.rows_of(INPUT):
+        if row.dtype and row.dtype.startswith("int") and row.abs_min == 100 == row.abs_max:
+            return f" (every value of {row.role} is -100 or 100)"
+    return ""
+
+
+def _division_hint(facts: Facts) -> str:
+    zeros = [row.role for row in facts.rows_of(INPUT)
+             if row.kind == VALUE_TENSOR and row.abs_min == 0]
+    evidence = f" ({', '.join(zeros)} holds zeros)" if zeros else ""
+    what = "0 by 0" if facts.nan else "by 0"
+    small = (f", or by a value so small that the quotient passed {limit_text('float16')}"
+             if facts.dtype == "float16" and facts.inf else "")
+    return (f"{facts.where} divided {what}{facts.in_op}{facts.at_line}{evidence}{small}, e.g. a "
+            "masked mean over a sample whose mask is all zeros, or a normalisation by a zero sum. "
+            "Keep the denominator away from 0: `s / n.clamp_min(1)` for a count, `+ 1e-6` for a "
+            "float.")
+
+
+def _backward_node_hint(facts: Facts) -> str:
+    node, where, at = facts.node, facts.where, facts.at_line
+    eps = "1e-6" if facts.dtype == "float16" else "1e-12"
+    if node in ("Sqrt", "Rsqrt"):
+        return (f"The gradient of {node.lower()}{_paren(facts)} in {where}{at} is infinite at 0 "
+                "(d sqrt(x)/dx = 1 / (2 sqrt(x)), and 0 * inf = nan), e.g. a distance between "
+                f"identical inputs. Put an eps inside: `torch.sqrt(d2 + {eps})`, or use "
+                "`torch.linalg.vector_norm(a - b, dim=-1)`, whose gradient at 0 is 0.")
+    if node in NORM_NODES:
+        instead = ("" if node == "LinalgVectorNorm" else
+                   ", or `torch.linalg.vector_norm(a - b, dim=-1)`, whose gradient at 0 is 0")
+        return (f"The gradient of a norm or distance{_paren(facts)} in {where}{at} divides by its "
+                "value, not finite where it is 0 (identical points, a zero vector). Add an eps: "
+                f"`torch.sqrt(((a - b) ** 2).sum(-1) + {eps})`{instead}.")
+    if node in ("Std", "StdMean"):
+        return (f"The gradient of std{_paren(facts)} in {where}{at} divides by the std, 0 here "
+                f"(all values equal). Use `torch.sqrt(x.var(dim) + {eps})` instead of "
+                "`x.std(dim)`.")
+    if node == "Log":
+        return (f"The gradient of log{_paren(facts)} in {where}{at} is 1/x, infinite at x = 0. "
+                f"Clamp the argument, `torch.log(x.clamp_min(1e-7))`, or compute from logits: "
+                f"{FROM_LOGITS}.")
+    if node == "Div":
+        below = format_number(math.sqrt(FLOAT16_SMALLEST))
+        small = (f", or where b² underflows float16 (|b| below {below})"
+                 if facts.dtype == "float16" else "")
+        return (f"The gradient of a / b{_paren(facts)} in {where}{at} is -a / b² for b: infinite "
+                f"where b is 0{small}. Keep the denominator away from 0: `b.clamp_min(eps)` or "
+                "`b + eps`.")
+    if node == "Pow":
+        return (f"The gradient of x ** p{_paren(facts)} in {where}{at} is p x ** (p - 1), "
+                "infinite at x = 0 for p < 1 (e.g. x ** 0.5). Add an eps to x first.")
+    if node == "BinaryCrossEntropy" or facts.op == "binary_cross_entropy_backward":
+        return _bce_hint(facts)
+    if node in MATMUL_NODES and not facts.received:
+        return _overflow_hint(facts, f"The gradient of {where}{facts.in_op}")
+    return ""
+
+
+def _paren(facts: Facts) -> str:
+    """' (`SqrtBackward0`: `aten.div.Tensor`)' after a noun, or ''."""
+    text = facts.frame.op
+    return f" (`{text.replace(': ', '`: `')}`)" if text else ""
+
+
+def _bce_hint(facts: Facts) -> str:
+    where = facts.where
+    if facts.dtype == "float16":
+        return (f"The gradient of nn.BCELoss{_paren(facts)} in {where} divides by p (1 - p), "
+                "clamped at 1e-12, which is 0 in float16 (its smallest value is "
+                f"{format_number(FLOAT16_SMALLEST)}): once a prediction rounds to exactly 1 or 0 "
+                "it divides by 0. Drop the final Sigmoid and use `nn.BCEWithLogitsLoss` on the "
+                "logits, or compute the loss in float32 (`loss_fn(p.float(), y.float())`).")
+    return (f"The gradient of binary cross-entropy{_paren(facts)} in {where} divides by "
+            "p (1 - p), 0 where a prediction is exactly 0 or 1. Drop the final Sigmoid and use "
+            "`nn.BCEWithLogitsLoss` on the logits.")
+
+
+# ---- a module's own code: without a named op ---------------------------------------------------
+def _first_of_its_pass(facts: Facts) -> bool:
+    """Whether no frame of the culprit's forward pass closed before it (in the report)."""
+    frame = facts.frame
+    before = next((facts.report.frames[:index] for index, f in enumerate(facts.report.frames)
+                   if f is frame), None)
+    return before is not None and not any(
+        f.batch_number == frame.batch_number and f.phase == FORWARD for f in before)
+
+
+def _received_hint(facts: Facts) -> str:
+    received = facts.received
+    kinds = _kinds(received)
+    first = facts.forward and _first_of_its_pass(facts)
+    origin = (" It is the first module of the batch to finish, so the value came with the data: "
+              "check the batch with `torch.isinf(x).any()`; log(0) in the preprocessing (a "
+              "zero-width box, a zero count) is a common source of -inf." if first else
+              " Look at the frames before it for where that value was made.")
+    return (f"{facts.where} was given {kinds} ({_roles(received)}) and turned it into "
+            f"{facts.found} (-inf times a negative weight is +inf, inf - inf is nan): the "
+            f"non-finite value was made before this call.{origin}")
+
+
+def _module_class_hint(facts: Facts) -> str:
+    module_class = facts.frame.module_class
+    if module_class not in MATMUL_MODULES or facts.received:
+        return ""
+    # transformers' Conv1D is a linear layer
+    noun = "convolution" if module_class.startswith("Conv") and module_class != "Conv1D" \
+        else "matmul"
+    if facts.forward:
+        return _overflow_hint(facts, f"The {noun} of {facts.where}")
+    return _overflow_hint(facts, f"The gradient of {facts.where}")
+
+
+def _general_hint(facts: Facts) -> str:
+    where, found = facts.where, facts.found
+    limit = limit_text(facts.dtype)
+    past = f" past {limit}" if limit else ""
+    reached = facts.reached()
+    given = f" ({reached})" if reached else ""
+    if not facts.forward:
+        return (f"The backward of {where} made {found}{facts.in_op}{facts.at_line} from a "
+                f"finite incoming gradient{given}: an op whose derivative is infinite at its "
+                "input, e.g. sqrt, norm or std at 0, log or 1/x at 0, x ** p with p < 1 at 0, "
+                f"acos/asin at ±1, or an overflow{past}. Add an eps where that op's input can "
+                f"reach that point.{facts.sources()}")
+    origins = []
+    if facts.nan:
+        origins.append("nan from finite values comes from 0/0, inf - inf, 0 * inf or sqrt/log of "
+                       "a negative value")
+    if facts.inf:
+        origins.append(f"inf from x/0, log(0), an overflow{past} or a constant such as a -inf "
+                       "mask")
+    text = (f"{where} made {found}{facts.in_op}{facts.at_line} from finite inputs and weights"
+            f"{given}. {'; '.join(origins) or 'An overflow'}: check that computation's operands "
+            "for zeros, negatives and large values (`t.abs().max()`).")
+    if facts.inf and not facts.nan:
+        allowed = f'["{facts.frame.module_name}"]' if facts.frame.module_name else "True"
+        text += (" If the inf is a mask on purpose, allow it: "
+                 f"`Guard(model, allow_inf={allowed})`.")
+    return text + facts.sources()
+
+
+# ---- the one entry point -----------------------------------------------------------------------
+def hint_for(report: Report) -> str:
+    """Why the report's culprit produced its inf/nan and what to try, in a sentence or two with
+    the numbers; '' for a report without a culprit."""
+    if report.first_nonfinite is None:
+        return ""
+    facts = facts_of(report)
+    cause = report.cause
+    if cause == CAUSE_WEIGHTS:
+        return _weights_hint(facts)
+    if cause == CAUSE_DATA:
+        return _data_hint(facts)
+    if cause == CAUSE_LOSS_GRADIENT:
+        return _loss_gradient_hint(facts)
+    if cause == CAUSE_UNATTRIBUTED or cause not in CODE_CAUSES:
+        return _unattributed_hint(facts)
+    specific = _forward_op_hint(facts) if facts.forward else _backward_node_hint(facts)
+    if not specific and facts.received:
+        specific = _received_hint(facts)
+    return specific or _module_class_hint(facts) or _general_hint(facts)
