@@ -24,6 +24,7 @@ statistics never enter a torch.jit trace, an export graph or a user's dispatch m
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import struct
 import threading
@@ -45,7 +46,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _tracing_state = torch._C._get_tracing_state
 _set_tracing_state = torch._C._set_tracing_state
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _function_modes_enabled = torch._C._is_torch_function_mode_enabled
 
 
@@ -98,7 +99,8 @@ def _workspace_view(views: dict, t: torch.Tensor, bits: torch.dtype) -> tuple:
     # Normal tensors even when made under inference_mode, so they can be written outside it.
     with torch.inference_mode(False):
         if buffer is None or buffer.numel() < t.numel():
-            buffer = buffers[t.dtype] = torch.empty(t.numel(), dtype=t.dtype)
+            # on the CPU whatever the default device is (torch.set_default_device)
+            buffer = buffers[t.dtype] = torch.empty(t.numel(), dtype=t.dtype, device="cpu")
             for key in [k for k in views if k[0] == t.dtype]:
                 del views[key]  # views of the old, smaller buffer
         if len(views) >= _WORKSPACE_MAX_VIEWS:
@@ -163,42 +165,22 @@ def _unusual_stats(t: torch.Tensor, nonzero_min: bool) -> Optional[tuple]:
     """`device_stats` off the common path: another dtype, layout or tensor type, or a call made
     while something traces, transforms or intercepts torch ops. None for a tensor that holds no
     numbers; otherwise its row, computed where nothing records the work."""
-    if _holds_no_numbers(t):
-        return None
     with outside_tracing():
         t = _numbers_of(t)
         if t is None:
             return None
         row = _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
     if t.is_cpu and not all(type(x) is float for x in row):
-        return None  # symbolic numbers (a trace's), not values
+        return None  # symbolic numbers (a fake tensor's, a trace's), not values
     return row
-
-
-def _holds_no_numbers(t: torch.Tensor) -> bool:
-    """Whether `t` is a stand-in with no values behind it: a meta or fake tensor, a tensor
-    wrapped by a torch.func transform (vmap, grad, functionalize), a wrapper of a fake one."""
-    if t.is_meta or _is_functorch_wrapped(t):
-        return True
-    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
-        return False
-    try:
-        return _is_fake(t)
-    except Exception:  # a mix of fake and real inner tensors: no numbers to trust either
-        return True
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake  # loaded with torch already
-
-    return bool(is_fake(t))
 
 
 @contextlib.contextmanager
 def outside_tracing():
     """Run torch ops for real and unseen: the torch.jit tracer paused, dispatch modes (fake,
-    proxy, functional, a user's) and torch function modes set aside, torch.func transforms off.
-    The statistics are then neither recorded into a trace or graph nor counted by a user's mode."""
+    proxy, functional, a user's) and torch function modes set aside. The statistics are then
+    neither recorded into a trace or graph nor counted by a user's mode. (Under a torch.func
+    transform, ops on tensors it has not wrapped run as they are: nothing records them.)"""
     state = _tracing_state()
     if state is not None:
         _set_tracing_state(None)
@@ -210,8 +192,6 @@ def outside_tracing():
                 stack.enter_context(_disable_current_modes())
             if _function_modes_enabled():
                 stack.enter_context(torch._C.DisableTorchFunction())
-            if _transforms_active():
-                stack.enter_context(torch._C._DisableFuncTorch())
             yield
     finally:
         if state is not None:
@@ -219,9 +199,9 @@ def outside_tracing():
 
 
 def _pre_dispatch_modes() -> int:
-    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
-
-    return _len_torch_dispatch_stack_pre_dispatch()
+    """Modes of torch.export's pre-dispatch tracing, which the stack above does not count."""
+    count = getattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch", None)
+    return count() if count is not None else 0
 
 
 def _anything_tracing() -> bool:
@@ -322,15 +302,19 @@ _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.spars
 
 
 def _numbers_of(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """The dense tensor whose values summarise `t`, or None when its values cannot be read."""
+    """The dense tensor whose values summarise `t`, or None when it holds none to read: a meta
+    or fake tensor, one wrapped by a torch.func transform (vmap, grad, functionalize), a wrapper
+    subclass whose own storage is empty, a quantized tensor."""
     if t.is_meta or t.is_quantized or _is_functorch_wrapped(t):
         return None
     if t.is_nested:
         t = t.values()
     elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        if isinstance(t, _STAND_INS):
+            return None  # a trace's fake or functional tensor: no values at all
         t = t.as_subclass(torch.Tensor)  # skip the subclass's __torch_function__
-        if t.layout is torch.strided and t.numel() and not t.data_ptr():
-            return None  # a wrapper subclass (DTensor, ...): its own storage holds nothing
+        if t.layout is torch.strided and not t.data_ptr():
+            return None  # a wrapper subclass (DTensor, ...): its values live in inner tensors
     if t.layout == torch.sparse_coo:
         t = t._values()
     elif t.layout in _COMPRESSED:
@@ -339,6 +323,20 @@ def _numbers_of(t: torch.Tensor) -> Optional[torch.Tensor]:
         t = t.float()  # few kernels for float8; float32 holds every float8 value exactly
     return t if t.numel() else None
 
+
+def _stand_in_types() -> tuple:
+    """The tensor types of tracing that stand in for values they do not hold."""
+    types = []
+    for module, name in (("torch._subclasses.fake_tensor", "FakeTensor"),
+                         ("torch._subclasses.functional_tensor", "FunctionalTensor")):
+        try:
+            types.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # an older torch without it
+            pass
+    return tuple(types)
+
+
+_STAND_INS = _stand_in_types()
 
 _functorch_check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 

@@ -55,12 +55,18 @@ class OpLog(TorchDispatchMode):
 
 
 # ---- statistics: tensors with no numbers ----------------------------------------------------
-def test_fake_tensors_get_no_statistics():
-    with FakeTensorMode():
-        fake = torch.randn(3, 4)
-        assert row_of(fake) is None
-        assert row_of(torch.full((2,), NAN)) is None  # made under the mode: fake too
-    assert row_of(fake) is None  # and outside it
+def test_fake_tensors_get_no_statistics_and_no_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with FakeTensorMode():
+            fake = torch.randn(3, 4)
+            assert row_of(fake) is None
+            assert row_of(torch.full((2,), NAN)) is None  # made under the mode: fake too
+            functional = torch._to_functional_tensor(fake)  # what functionalization wraps it in
+            assert row_of(functional) is None
+        assert row_of(fake) is None and row_of(functional) is None  # and outside the mode
+    # e.g. reading a fake tensor's data pointer: deprecated, and the user's to see
+    assert [str(w.message) for w in caught] == []
 
 
 def test_a_real_tensor_under_fake_mode_gets_its_numbers_and_the_scratch_buffer_stays_real():
@@ -73,6 +79,14 @@ def test_a_real_tensor_under_fake_mode_gets_its_numbers_and_the_scratch_buffer_s
     other = torch.randn(300, 40) * 3
     assert row_of(other)[:2] == expected_row(other)
     assert all(not b.is_meta and type(b) is torch.Tensor for b in stats._workspace.buffers.values())
+
+
+def test_a_default_device_of_meta_leaves_the_scratch_buffer_on_the_cpu():
+    stats.release_workspace()
+    real = torch.randn(50, 7)
+    with torch.device("meta"):  # what torch.set_default_device("meta") does, for a while
+        assert row_of(real)[:2] == expected_row(real)
+    assert [b.device.type for b in stats._workspace.buffers.values()] == ["cpu"]
 
 
 def test_meta_tensors_get_no_statistics():
@@ -130,8 +144,13 @@ def test_statistics_are_numbers_or_nothing_inside_torch_export():
             rows.extend([row_of(x), row_of(self.linear.weight), row_of(y)])
             return y
 
-    torch.export.export(Probe(), (torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.export.export(Probe(), (x,))
     assert rows and all(row is None for row in rows)  # every value export sees is fake
+    rows.clear()
+    batch = torch.export.Dim("batch")
+    torch.export.export(Probe(), (x,), dynamic_shapes=({0: batch},))  # symbolic shapes
+    assert rows and all(row is None for row in rows)
 
 
 # ---- statistics: nothing recorded, nothing seen --------------------------------------------
@@ -153,11 +172,13 @@ def test_statistics_never_enter_a_torch_jit_trace():
 
 def test_a_users_dispatch_mode_never_sees_the_statistics():
     t = torch.randn(64, 64)
+    with torch.no_grad():  # what a GPU gets: 0-d tensors, stacked and read at the pass's end
+        device_row = stats._bit_stats(t, torch.int32, False, None, None, read_now=False)
     with OpLog() as log:
         row = row_of(t)
-        stats.to_host([row])
+        host = stats.to_host([row, device_row])
     assert log.ops == []
-    assert row[:2] == expected_row(t)
+    assert row[:2] == expected_row(t) == tuple(host[1][:2])
 
 
 def test_a_row_that_cannot_be_read_back_is_none_not_nan():
@@ -256,6 +277,9 @@ def test_a_nan_inside_vmap_of_grad_is_reported_as_not_watched():
     report = guard.report
     assert report.ok and guard.detection is None
     assert "values were not watched" in report.reason and "vmap" in report.reason
+    with ng.Guard(model, trace_batches=[0]) as guard:  # a traced batch says so too
+        torch.func.vmap(torch.func.grad(loss))(torch.randn(3, 4))
+    assert "values were not watched" in guard.traces[0].reason
 
 
 def test_torch_export_under_the_guard_is_no_detection_and_changes_nothing():
