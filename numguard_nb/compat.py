@@ -47,7 +47,8 @@ class DebugUnderflowOverflow:
         self.guard.attach()
         # transformers aborts at the end of batch N's forward, then at every later call; the
         # refusal goes first, before the guard starts a batch.
-        self._refuse_handle = model.register_forward_pre_hook(self._refuse_after_abort, prepend=True)
+        self._refuse_handle = model.register_forward_pre_hook(self._refuse_after_abort,
+                                                              prepend=True)
         self._abort_handle = model.register_forward_hook(self._count_batch)
 
     @property
@@ -71,7 +72,8 @@ class DebugUnderflowOverflow:
         )
 
     def _aborted(self) -> bool:
-        return self.abort_after_batch_num is not None and self.batch_number > self.abort_after_batch_num
+        limit = self.abort_after_batch_num
+        return limit is not None and self.batch_number > limit
 
     def _refuse_after_abort(self, module, args):
         if self._aborted():
@@ -96,7 +98,8 @@ class DebugUnderflowOverflow:
         """A frame as transformers prints it: the first of a batch opens with its separator."""
         lines = "\n".join(frame.hf_lines())
         if previous is None or previous.batch_number != frame.batch_number:
-            return f"\n\n{_PREFIX} *** Starting batch number={frame.batch_number} ***\n{_HEADER}\n{lines}"
+            separator = f"{_PREFIX} *** Starting batch number={frame.batch_number} ***"
+            return f"\n\n{separator}\n{_HEADER}\n{lines}"
         return lines
 
     @staticmethod

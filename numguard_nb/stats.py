@@ -10,9 +10,10 @@ an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf,
 On CPU they are looked up exactly when abs max is inf, and beside a nan too, where `signs` is
 then a bit mask (1: +inf, 2: -inf, 0: neither). On a device, `signs` is the sum, read in the
 same single transfer; finite values near the dtype's maximum can overflow it and read as both,
-and beside a nan it is nan: the infinities stay unknown there. |t| is written once and reduced by one integer aminmax over its bits; three passes at
-most and no host synchronisation, where `abs().min()`, `abs().max()`, `isnan().any()` and
-`isinf().any()` take five passes and two syncs.
+and beside a nan it is nan: the infinities stay unknown there. |t| is written once and reduced
+by one integer aminmax over its bits; three passes at most and no host synchronisation, where
+`abs().min()`, `abs().max()`, `isnan().any()` and `isinf().any()` take five passes and two
+syncs.
 
 Some tensors hold no numbers: fake tensors (torch.export, FakeTensorMode), meta tensors,
 functional and functorch-wrapped tensors (torch.func.vmap, grad, functionalize), wrapper
@@ -165,14 +166,21 @@ def _unusual_stats(t: torch.Tensor, nonzero_min: bool) -> Optional[tuple]:
     """`device_stats` off the common path: another dtype, layout or tensor type, or a call made
     while something traces, transforms or intercepts torch ops. None for a tensor that holds no
     numbers; otherwise its row, computed where nothing records the work."""
+    if not _intercepted():  # integers, masks, subclasses: nothing to set aside
+        t = _numbers_of(t)
+        return None if t is None else _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
     with outside_tracing():
         t = _numbers_of(t)
-        if t is None:
-            return None
-        row = _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
-    if t.is_cpu and not all(type(x) is float for x in row):
+        row = None if t is None else _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
+    if row is not None and t.is_cpu and not all(type(x) is float for x in row):
         return None  # symbolic numbers (a fake tensor's, a trace's), not values
     return row
+
+
+def _intercepted() -> bool:
+    """Whether torch ops run now would be recorded by the jit tracer or seen by a dispatch mode.
+    (torch.export's pre-dispatch modes come with a fake mode on the stack counted here.)"""
+    return bool(_dispatch_modes() or _tracing_state() is not None)
 
 
 @contextlib.contextmanager
@@ -202,12 +210,6 @@ def _pre_dispatch_modes() -> int:
     """Modes of torch.export's pre-dispatch tracing, which the stack above does not count."""
     count = getattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch", None)
     return count() if count is not None else 0
-
-
-def _anything_tracing() -> bool:
-    """Whether torch ops run now would be recorded, transformed or intercepted."""
-    return bool(_dispatch_modes() or _tracing_state() is not None or _transforms_active()
-                or _pre_dispatch_modes())
 
 
 def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site,
@@ -358,7 +360,7 @@ def to_host(vectors: list) -> list:
     without statistics, never a row of made-up numbers (nan would read as a detection)."""
     if not vectors:
         return []
-    if _anything_tracing():
+    if _intercepted():
         with outside_tracing():
             return _all_to_host(vectors)
     return _all_to_host(vectors)

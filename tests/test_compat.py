@@ -239,7 +239,8 @@ def test_a_detection_after_several_batches_prints_the_same_lines(max_frames):
     assert error == HF_ERROR and done == 5
     # the saved frames reach back over batch boundaries: each batch's first frame says so
     separators = re.findall(r"\*\*\* Starting batch number=(\d) \*\*\*", text)
-    assert separators == {3: [], 21: ["3", "4", "5"], 100: ["0", "1", "2", "3", "4", "5"]}[max_frames]
+    expected = {3: [], 21: ["3", "4", "5"], 100: ["0", "1", "2", "3", "4", "5"]}[max_frames]
+    assert separators == expected
 
 
 def test_a_tensor_with_nan_and_inf_prints_both_lines():
@@ -285,7 +286,8 @@ def test_the_detectors_report_holds_the_frames_it_printed():
 
 @pytest.mark.parametrize("traced", [[0], [1, 2], [1, 3]])
 def test_traced_batches_print_the_same_lines(traced):
-    text, (error, done) = assert_same_output(_exp_model, _exp_batches()[:5], trace_batch_nums=traced)
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches()[:5],
+                                             trace_batch_nums=traced)
     assert error is None and done == 5
     assert re.findall(r"Starting batch number=(\d)", text) == [str(b) for b in traced]
 

@@ -289,7 +289,7 @@ def test_torch_export_under_the_guard_is_no_detection_and_changes_nothing():
         if guarded:
             with ng.Guard(model) as guard:
                 program = torch.export.export(model, (x,))
-            assert guard.detection is None
+            assert guard.detection is None, guard.detection.summary()
         else:
             program = torch.export.export(model, (x,))
         return program.module()(x), model(x)
@@ -306,7 +306,7 @@ def test_torch_jit_trace_under_the_guard_is_no_detection_and_changes_nothing():
             if guarded:
                 with ng.Guard(model) as guard:
                     traced = torch.jit.trace(model, (x,))
-                assert guard.detection is None
+                assert guard.detection is None, guard.detection.summary()
             else:
                 traced = torch.jit.trace(model, (x,))
         ops = sorted(node.kind() for node in traced.inlined_graph.nodes())
