@@ -7,15 +7,25 @@ of a `TensorRow`.
 
 The row is (abs min, abs max, signs[, smallest non-zero abs]). nan propagates into abs max and
 an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf, or nan for both.
-On CPU they are looked up exactly when abs max is inf. On a device, `signs` is the sum, read in
-the same single transfer; finite values near the dtype's maximum can overflow it and read as
-both. |t| is written once and reduced by one integer aminmax over its bits; three passes at
-most and no host synchronisation, where `abs().min()`, `abs().max()`, `isnan().any()` and
-`isinf().any()` take five passes and two syncs.
+On CPU they are looked up exactly when abs max is inf, and beside a nan too, where `signs` is
+then a bit mask (1: +inf, 2: -inf, 0: neither). On a device, `signs` is the sum, read in the
+same single transfer; finite values near the dtype's maximum can overflow it and read as both,
+and beside a nan it is nan: the infinities stay unknown there. |t| is written once and reduced
+by one integer aminmax over its bits; three passes at most and no host synchronisation, where
+`abs().min()`, `abs().max()`, `isnan().any()` and `isinf().any()` take five passes and two
+syncs.
+
+Some tensors hold no numbers: fake tensors (torch.export, FakeTensorMode), meta tensors,
+functional and functorch-wrapped tensors (torch.func.vmap, grad, functionalize), wrapper
+subclasses whose own storage is empty. They get no summary (None: "unsupported"), never a made-up
+one. Tensors that do hold numbers are summarised outside whatever traces the call: the
+statistics never enter a torch.jit trace, an export graph or a user's dispatch mode.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 import struct
 import threading
@@ -31,6 +41,14 @@ _INF = float("inf")
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
          torch.float64: torch.int64}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# What makes a call unusual, each one C call: a dispatch mode (fake, proxy, functional, a
+# user's), the torch.jit tracer, a torch.func transform. The common case has none of them.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_tracing_state = torch._C._get_tracing_state
+_set_tracing_state = torch._C._set_tracing_state
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_function_modes_enabled = torch._C._is_torch_function_mode_enabled
 
 
 def _bits_reader(int_format: str, float_format: str, shift: int = 0):
@@ -82,7 +100,8 @@ def _workspace_view(views: dict, t: torch.Tensor, bits: torch.dtype) -> tuple:
     # Normal tensors even when made under inference_mode, so they can be written outside it.
     with torch.inference_mode(False):
         if buffer is None or buffer.numel() < t.numel():
-            buffer = buffers[t.dtype] = torch.empty(t.numel(), dtype=t.dtype)
+            # on the CPU whatever the default device is (torch.set_default_device)
+            buffer = buffers[t.dtype] = torch.empty(t.numel(), dtype=t.dtype, device="cpu")
             for key in [k for k in views if k[0] == t.dtype]:
                 del views[key]  # views of the old, smaller buffer
         if len(views) >= _WORKSPACE_MAX_VIEWS:
@@ -113,28 +132,84 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
     tensors that keep one sign, such as ReLU outputs, skip writing |t|: one pass instead of two.
 
     Sparse and nested tensors are summarised over their stored values, float8 through float32.
-    Never raises: what has no numbers to read (meta, functorch-wrapped, quantized) gets None and
-    is reported without statistics.
+    Never raises: what has no numbers to read (fake, meta, functional, functorch-wrapped,
+    quantized) gets None and is reported without statistics.
     """
     try:
         bits = _BITS.get(t.dtype)
+        # The common case first, each test one attribute or C call: a plain strided float tensor
+        # with nothing tracing, transforming or intercepting the call.
         if bits is None or type(t) not in _PLAIN or t.layout is not torch.strided or t.is_nested \
-                or t.is_meta or _is_functorch_wrapped(t):
-            t = _numbers_of(t)
-            if t is None:
-                return None
-            bits = _BITS.get(t.dtype)
-        elif not t.numel():
+                or t.is_meta or _dispatch_modes() or _tracing_state() is not None \
+                or _transforms_active():
+            return _unusual_stats(t, nonzero_min)
+        if not t.numel():
             return None
-        if bits is not None:
-            try:
-                return _bit_stats(t, bits, nonzero_min, sign_hints, site, read_now=t.is_cpu)
-            except Exception:  # a tensor the fast path cannot read: the plain reductions then
-                pass
-        row = _plain_stats(t, nonzero_min)
-        return tuple(x.item() for x in row) if t.is_cpu else row
+        return _summary(t, bits, nonzero_min, sign_hints, site)
     except Exception:  # a tensor type of someone else's: never break the user's forward
         return None
+
+
+def _summary(t: torch.Tensor, bits: Optional[torch.dtype], nonzero_min: bool, sign_hints,
+             site) -> tuple:
+    """The row of a dense tensor that holds numbers (`bits`: its integer view dtype, or None)."""
+    if bits is not None:
+        try:
+            return _bit_stats(t, bits, nonzero_min, sign_hints, site, read_now=t.is_cpu)
+        except Exception:  # a tensor the fast path cannot read: the plain reductions then
+            pass
+    row = _plain_stats(t, nonzero_min)
+    return tuple(x.item() for x in row) if t.is_cpu else row
+
+
+def _unusual_stats(t: torch.Tensor, nonzero_min: bool) -> Optional[tuple]:
+    """`device_stats` off the common path: another dtype, layout or tensor type, or a call made
+    while something traces, transforms or intercepts torch ops. None for a tensor that holds no
+    numbers; otherwise its row, computed where nothing records the work."""
+    if not _intercepted():  # integers, masks, subclasses: nothing to set aside
+        t = _numbers_of(t)
+        return None if t is None else _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
+    with outside_tracing():
+        t = _numbers_of(t)
+        row = None if t is None else _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
+    if row is not None and t.is_cpu and not all(type(x) is float for x in row):
+        return None  # symbolic numbers (a fake tensor's, a trace's), not values
+    return row
+
+
+def _intercepted() -> bool:
+    """Whether torch ops run now would be recorded by the jit tracer or seen by a dispatch mode.
+    (torch.export's pre-dispatch modes come with a fake mode on the stack counted here.)"""
+    return bool(_dispatch_modes() or _tracing_state() is not None)
+
+
+@contextlib.contextmanager
+def outside_tracing():
+    """Run torch ops for real and unseen: the torch.jit tracer paused, dispatch modes (fake,
+    proxy, functional, a user's) and torch function modes set aside. The statistics are then
+    neither recorded into a trace or graph nor counted by a user's mode. (Under a torch.func
+    transform, ops on tensors it has not wrapped run as they are: nothing records them.)"""
+    state = _tracing_state()
+    if state is not None:
+        _set_tracing_state(None)
+    try:
+        with contextlib.ExitStack() as stack:
+            if _dispatch_modes() or _pre_dispatch_modes():
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                stack.enter_context(_disable_current_modes())
+            if _function_modes_enabled():
+                stack.enter_context(torch._C.DisableTorchFunction())
+            yield
+    finally:
+        if state is not None:
+            _set_tracing_state(state)
+
+
+def _pre_dispatch_modes() -> int:
+    """Modes of torch.export's pre-dispatch tracing, which the stack above does not count."""
+    count = getattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch", None)
+    return count() if count is not None else 0
 
 
 def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site,
@@ -157,8 +232,8 @@ def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints
     if read_now:
         as_float = _FLOAT_OF_BITS[t.dtype]
         abs_max = as_float(hi.item())
-        # The signs of infinities matter only when there are some: look for them then.
-        row = (as_float(lo.item()), abs_max, _infinity_signs(t) if abs_max == _INF else 0.0)
+        # The signs of infinities matter only when there may be some: look for them then.
+        row = (as_float(lo.item()), abs_max, 0.0 if abs_max < _INF else _exact_signs(t, abs_max))
         return row if smallest is None else row + (smallest.item(),)
     lo, hi = lo.view(t.dtype), hi.view(t.dtype)
     return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
@@ -180,20 +255,29 @@ def _one_signed_row(t: torch.Tensor, bits: torch.dtype) -> Optional[tuple]:
     as_float = _FLOAT_OF_BITS[t.dtype]
     if lo >= 0:  # no sign bit set: the bits of t are those of |t|
         abs_min, abs_max = as_float(lo), as_float(hi)
-        return abs_min, abs_max, _INF if abs_max == _INF else 0.0
+        return abs_min, abs_max, 0.0 if abs_max < _INF else (
+            _INF if abs_max == _INF else _exact_signs(t, abs_max))
     if hi < 0:  # every sign bit set: below it, the bits sort by magnitude
         mask = _MAGNITUDE_MASK[bits]
         abs_min, abs_max = as_float(lo & mask), as_float(hi & mask)
-        return abs_min, abs_max, -_INF if abs_max == _INF else 0.0
+        return abs_min, abs_max, 0.0 if abs_max < _INF else (
+            -_INF if abs_max == _INF else _exact_signs(t, abs_max))
     return None
 
 
-def _infinity_signs(t: torch.Tensor) -> float:
-    """The third field of a row whose abs max is inf, exactly: +inf, -inf, or nan for both."""
+# Beside a nan, the third field of a CPU row is a bit mask of the infinities found.
+_POSINF_BIT, _NEGINF_BIT = 1, 2
+
+
+def _exact_signs(t: torch.Tensor, abs_max: float) -> float:
+    """The third field of a CPU row whose abs max is inf or nan, exactly. inf: +inf, -inf, or nan
+    for both. nan: the bit mask of the infinities beside it (0.0 for none)."""
     positive, negative = bool((t == _INF).any()), bool((t == -_INF).any())
-    if positive and negative:
-        return math.nan
-    return _INF if positive else -_INF
+    if abs_max == _INF:
+        if positive and negative:
+            return math.nan
+        return _INF if positive else -_INF
+    return float((_POSINF_BIT if positive else 0) | (_NEGINF_BIT if negative else 0))
 
 
 def _plain_stats(t: torch.Tensor, nonzero_min: bool) -> tuple:
@@ -220,13 +304,19 @@ _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.spars
 
 
 def _numbers_of(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """The dense tensor whose values summarise `t`, or None when its values cannot be read."""
+    """The dense tensor whose values summarise `t`, or None when it holds none to read: a meta
+    or fake tensor, one wrapped by a torch.func transform (vmap, grad, functionalize), a wrapper
+    subclass whose own storage is empty, a quantized tensor."""
     if t.is_meta or t.is_quantized or _is_functorch_wrapped(t):
         return None
     if t.is_nested:
         t = t.values()
     elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        if isinstance(t, _STAND_INS):
+            return None  # a trace's fake or functional tensor: no values at all
         t = t.as_subclass(torch.Tensor)  # skip the subclass's __torch_function__
+        if t.layout is torch.strided and not t.data_ptr():
+            return None  # a wrapper subclass (DTensor, ...): its values live in inner tensors
     if t.layout == torch.sparse_coo:
         t = t._values()
     elif t.layout in _COMPRESSED:
@@ -235,6 +325,20 @@ def _numbers_of(t: torch.Tensor) -> Optional[torch.Tensor]:
         t = t.float()  # few kernels for float8; float32 holds every float8 value exactly
     return t if t.numel() else None
 
+
+def _stand_in_types() -> tuple:
+    """The tensor types of tracing that stand in for values they do not hold."""
+    types = []
+    for module, name in (("torch._subclasses.fake_tensor", "FakeTensor"),
+                         ("torch._subclasses.functional_tensor", "FunctionalTensor")):
+        try:
+            types.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # an older torch without it
+            pass
+    return tuple(types)
+
+
+_STAND_INS = _stand_in_types()
 
 _functorch_check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
@@ -252,23 +356,30 @@ def _stack_to_host(vectors: list, device: torch.device) -> list:
 def to_host(vectors: list) -> list:
     """Read many `device_stats` tuples with one transfer per device; returns lists of floats.
 
-    A tuple that cannot be read back (a tensor type that refuses it) becomes a row of nan: the
-    guard then looks at it rather than missing it."""
+    A tuple that cannot be read back (a tensor type that refuses it) becomes None: a value
+    without statistics, never a row of made-up numbers (nan would read as a detection)."""
     if not vectors:
         return []
+    if _intercepted():
+        with outside_tracing():
+            return _all_to_host(vectors)
+    return _all_to_host(vectors)
+
+
+def _all_to_host(vectors: list) -> list:
     try:
         return _to_host(vectors)
     except Exception:
         return [_one_to_host(vec) for vec in vectors]
 
 
-def _one_to_host(vec) -> list:
+def _one_to_host(vec) -> Optional[list]:
     if type(vec[0]) is float:
         return vec
     try:
         return _stack_to_host([vec], vec[0].device)[0]
     except Exception:
-        return [math.nan] * len(vec)
+        return None
 
 
 def _to_host(vectors: list) -> list:
@@ -289,14 +400,20 @@ def _to_host(vectors: list) -> list:
 def decode(values) -> Tuple[float, float, bool, Optional[bool], Optional[bool], Optional[float]]:
     """(abs_min, abs_max, nan, posinf, neginf, nonzero_abs_min) from one host stats vector.
 
-    posinf/neginf are None when a nan in the same tensor hides whether infinities occur.
+    posinf/neginf are None when a nan in the same tensor hides whether infinities occur (a
+    device row, whose `signs` is then nan).
     """
     abs_min, abs_max, signs = values[0], values[1], values[2]
     nonzero = values[3] if len(values) > 3 else None
     if nonzero is not None and nonzero == _INF:
         nonzero = None  # all zeros
     if math.isnan(abs_max) or math.isnan(abs_min):
-        return math.nan, math.nan, True, None, None, nonzero  # as min() and max() of it would say
+        # abs min and max as min() and max() of it would say
+        if math.isnan(signs):
+            return math.nan, math.nan, True, None, None, nonzero
+        mask = int(signs)
+        return (math.nan, math.nan, True, bool(mask & _POSINF_BIT), bool(mask & _NEGINF_BIT),
+                nonzero)
     if abs_max == _INF:
         if math.isnan(signs):
             return abs_min, abs_max, False, True, True, nonzero

@@ -10,11 +10,21 @@ Known, documented difference: for an in-place module (nn.ReLU(inplace=True)) we 
 inputs before it runs, transformers after it ran (by then the input was overwritten). The parity
 models avoid in-place modules; `test_inplace_module_inputs_are_the_one_known_difference` pins the
 difference down.
+
+On models with positional inputs only, no buffers and no in-place modules, the two print the same
+stdout line for line (`assert_same_output`): detections within one batch and across several (with
+transformers' "*** Starting batch number=N ***" separators), a tensor holding both nan and inf,
+traced batches, `abort_after_batch_num` (also when the loop goes on after the error), a nan made
+by the model's own code. Two behaviours of transformers' are not copied: after a traced batch in
+which some value held inf/nan, transformers keeps its detection flag and raises at the first module
+of the next untraced batch, showing that finite frame (tracing "turns detection off", as it
+documents); and after any traced batch its frame buffer loses its `max_frames_to_save` bound.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 import re
 
@@ -100,10 +110,62 @@ def lines_matching(text, pattern):
     return [line for line in text.splitlines() if re.search(pattern, line)]
 
 
+def assert_same_output(make_model, batches, keep_going=False, **options):
+    """Both detectors, each on a fresh `make_model()`, print the same stdout line for line and
+    raise the same errors after as many batches; returns that stdout. `keep_going`: the loop
+    catches each ValueError and goes on with the next batch."""
+    results = []
+    for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
+        if keep_going:
+            results.append(_run_catching(cls, make_model(), batches, options))
+        else:
+            results.append(run_printing(lambda m, cls=cls: cls(m, **options), make_model(), batches))
+    (hf_text, *hf_rest), (our_text, *our_rest) = results
+    diff = "".join(difflib.unified_diff(hf_text.splitlines(True), our_text.splitlines(True),
+                                        "transformers", "numguard_nb", n=2))
+    assert our_text.splitlines() == hf_text.splitlines(), f"stdout differs:\n{diff}"
+    assert our_rest == hf_rest
+    return hf_text, hf_rest
+
+
+def _run_catching(cls, model, batches, options):
+    detector = cls(model, **options)
+    buffer, errors = io.StringIO(), []
+    with contextlib.redirect_stdout(buffer):
+        for batch in batches:
+            try:
+                model(batch)
+            except ValueError as error:
+                errors.append(str(error))
+    if isinstance(detector, ng.DebugUnderflowOverflow):
+        detector.remove()
+    return buffer.getvalue(), errors
+
+
 # ---- models ---------------------------------------------------------------------------------
 class Exp(nn.Module):
     def forward(self, x):
         return torch.exp(x)
+
+
+class NanAndInf(nn.Module):
+    """nan where its input is below -40, +inf where it is above 40: both in one tensor."""
+
+    def forward(self, x):
+        nan, inf = torch.full_like(x, float("nan")), torch.full_like(x, float("inf"))
+        return torch.where(x < -40, nan, torch.where(x > 40, inf, x))
+
+
+class OwnCodeNan(nn.Module):
+    """Two submodules, then 0/0 in its own code when its input is large."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.second(self.first(x))
+        return y / (y - y) if x.abs().max() > 10 else y
 
 
 # ---- detection parity -----------------------------------------------------------------------
@@ -162,6 +224,103 @@ def test_sequential_exp_overflow_after_clean_batches_prints_the_same_frames():
     hf_frames, our_frames = assert_frames_contained(hf_text, our_text)
     assert len(hf_frames) == len(our_frames) == 21
     assert hf_frames[-1][0].split() == ["3", "Exp"] == our_frames[-1][0].split()
+
+
+def test_a_detection_in_the_first_batch_prints_the_same_lines():
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches()[-1:])
+    assert error == HF_ERROR and done == 0
+    assert text.count("*** Starting batch number=0 ***") == 1  # above the first saved frame
+
+
+@pytest.mark.parametrize("max_frames", [3, 21, 100])
+def test_a_detection_after_several_batches_prints_the_same_lines(max_frames):
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches(),
+                                             max_frames_to_save=max_frames)
+    assert error == HF_ERROR and done == 5
+    # the saved frames reach back over batch boundaries: each batch's first frame says so
+    separators = re.findall(r"\*\*\* Starting batch number=(\d) \*\*\*", text)
+    expected = {3: [], 21: ["3", "4", "5"], 100: ["0", "1", "2", "3", "4", "5"]}[max_frames]
+    assert separators == expected
+
+
+def test_a_tensor_with_nan_and_inf_prints_both_lines():
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), NanAndInf(), nn.Linear(4, 2))
+
+    torch.manual_seed(1)
+    batches = [torch.randn(3, 4), torch.tensor([[100.0] * 4, [-100.0] * 4, [1.0] * 4])]
+    text, (error, done) = assert_same_output(model, batches)
+    assert error == HF_ERROR and done == 1
+    assert lines_matching(text, r" has (nans|infs)$") == ["output has nans", "output has infs"]
+
+
+def test_a_nan_made_by_the_models_own_code_prints_the_same_lines():
+    def model():
+        torch.manual_seed(0)
+        return OwnCodeNan()
+
+    batches = _exp_batches()[:2] + [torch.full((3, 4), 50.0)]
+    text, (error, done) = assert_same_output(model, batches)
+    assert error == HF_ERROR and done == 2
+    # transformers has counted the batch by then: its model's frame closes the batch
+    assert lines_matching(text, r"^Detected") == ["Detected inf/nan during batch_number=3"]
+
+
+def test_the_detectors_report_holds_the_frames_it_printed():
+    model = _exp_model()
+    detector = ng.DebugUnderflowOverflow(model, max_frames_to_save=4)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            for batch in _exp_batches()[:2]:
+                model(batch)
+            assert len(detector.report.frames) == 4  # the frames transformers keeps
+            with pytest.raises(ValueError):
+                model(_exp_batches()[-1])
+    finally:
+        detector.remove()
+    report = detector.report
+    assert not report.ok and len(report.frames) == 4
+    assert [f.label for f in report.frames] == ["0", "1", "2", "3"]  # batch 2, up to Exp
+
+
+@pytest.mark.parametrize("traced", [[0], [1, 2], [1, 3]])
+def test_traced_batches_print_the_same_lines(traced):
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches()[:5],
+                                             trace_batch_nums=traced)
+    assert error is None and done == 5
+    assert re.findall(r"Starting batch number=(\d)", text) == [str(b) for b in traced]
+
+
+def test_a_traced_batch_with_inf_and_nan_prints_the_same_lines():
+    # the run ends with the traced batch: transformers' raise at the next batch is not copied
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches()[:1] + _exp_batches()[-1:],
+                                             trace_batch_nums=[1])
+    assert error is None and done == 2
+    assert "input[0] has infs" in text and "output has nans" in text
+
+
+def test_a_detection_after_a_traced_batch_prints_the_same_lines():
+    batches = _exp_batches()[:4] + _exp_batches()[-1:]
+    text, (error, done) = assert_same_output(_exp_model, batches, trace_batch_nums=[1])
+    assert error == HF_ERROR and done == 4
+    # transformers' saved frames start after the traced batch
+    assert re.findall(r"Starting batch number=(\d)", text) == ["1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("traced", [[], [1, 2]])
+def test_abort_after_batch_num_prints_the_same_lines(traced):
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches()[:5],
+                                             abort_after_batch_num=2, trace_batch_nums=traced)
+    assert (error, done) == ("DebugUnderflowOverflow: aborting after 3 batches due to "
+                             "`abort_after_batch_num=2` arg", 2)
+
+
+def test_abort_after_batch_num_says_the_same_number_every_time_after():
+    _, (errors,) = assert_same_output(_exp_model, _exp_batches(), keep_going=True,
+                                      abort_after_batch_num=1)
+    assert errors == ["DebugUnderflowOverflow: aborting after 2 batches due to "
+                      "`abort_after_batch_num=1` arg"] * 5
 
 
 def test_inplace_module_inputs_are_the_one_known_difference():

@@ -41,18 +41,25 @@ INF_KINDS = frozenset((PROBLEM_POSINF, PROBLEM_NEGINF, PROBLEM_OVERFLOW))  # wha
 def has_problem(pass_: PassRecord, limit_max) -> bool:
     """Quick scan of a pass: any nan/inf (or, with `limit_max`, any value beyond it)?"""
     limit = limit_max if limit_max is not None else sys.float_info.max
-    for values in pass_.values:
-        # `not x <= limit` is true for nan, inf and overflow alike.
-        if not values[1] <= limit or values[0] != values[0]:
-            return True
+    try:
+        for values in pass_.values:
+            # `not x <= limit` is true for nan, inf and overflow alike.
+            if not values[1] <= limit or values[0] != values[0]:
+                return True
+    except TypeError:  # a row that could not be read back (None): skip those, at no cost above
+        return any(not values[1] <= limit or values[0] != values[0]
+                   for values in pass_.values if values is not None)
     return False
 
 
 def value_kinds(pass_: PassRecord, slot: tuple, limit_max) -> frozenset:
-    """What is wrong with one value: a subset of {'nan', '+inf', '-inf', 'overflow'}."""
+    """What is wrong with one value: a subset of {'nan', '+inf', '-inf', 'overflow'}. A value
+    without statistics (its numbers could not be read) has nothing wrong that anyone saw."""
     if slot[SLOT_INDEX] is None:
         return FINE
     values = pass_.values[slot[SLOT_INDEX]]
+    if values is None:
+        return FINE
     abs_min, abs_max = values[0], values[1]
     if math.isnan(abs_max) or math.isnan(abs_min):
         return NAN

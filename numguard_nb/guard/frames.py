@@ -15,7 +15,7 @@ import torch
 from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_LOSS_GRADIENT,
-    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, TRACE,
+    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..report import Frame, Report, TensorRow
@@ -25,8 +25,8 @@ from .passes import (
 )
 
 __all__ = [
-    "build_frame", "reason_sentence", "make_report", "detection_report", "add_to_trace",
-    "add_op_location", "RecentPasses",
+    "build_frame", "reason_sentence", "unwatched_note", "make_report", "detection_report",
+    "add_to_trace", "add_op_location", "RecentPasses",
 ]
 
 
@@ -34,15 +34,19 @@ def build_frame(pass_: PassRecord, call: CallRecord, options, flagged=frozenset(
     """The frame of one recorded call; rows whose slot's id is in `flagged` are marked."""
     rows = []
     for slot in call.slots:
+        values = pass_.values[slot[SLOT_INDEX]] if slot[SLOT_INDEX] is not None else None
         row = TensorRow(
-            role=slot[SLOT_ROLE], category=slot[SLOT_CATEGORY], kind=slot[SLOT_KIND],
+            role=slot[SLOT_ROLE], category=slot[SLOT_CATEGORY],
+            # statistics that could not be read back: a value without them, as one never read
+            kind=slot[SLOT_KIND] if values is not None or slot[SLOT_INDEX] is None
+            else VALUE_UNSUPPORTED,
             dtype=dtype_name(slot[SLOT_DTYPE]) if slot[SLOT_DTYPE] is not None else None,
             shape=slot[SLOT_SHAPE],
             flagged=id(slot) in flagged,
         )
-        if slot[SLOT_INDEX] is not None:
+        if values is not None:
             (row.abs_min, row.abs_max, row.nan, row.posinf, row.neginf,
-             row.nonzero_abs_min) = _stats.decode(pass_.values[slot[SLOT_INDEX]])
+             row.nonzero_abs_min) = _stats.decode(values)
             _mark_limits(row, slot, options)
         rows.append(row)
     return Frame(
@@ -107,11 +111,26 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
             f"which its inputs and weights did not hold{limit}")
 
 
+def unwatched_note(frames) -> str:
+    """What a report with no culprit must say instead of an all-clear when some of its values had
+    no numbers to read ('' when every value was read)."""
+    unread = sum(row.kind == VALUE_UNSUPPORTED for frame in frames for row in frame.rows)
+    if not unread:
+        return ""
+    values = "value was" if unread == 1 else "values were"
+    return (f"{unread} {values} not watched: their numbers could not be read (tensors inside "
+            "torch.func transforms such as vmap and grad, the fake or meta tensors of "
+            "torch.export and tracing, quantized tensors), so an inf/nan in them goes unreported")
+
+
 def make_report(frames, culprit, kind, reason, cause, batch_number, options) -> Report:
-    """A Report of `frames`, with the process's rank where torch.distributed runs."""
+    """A Report of `frames`, with the process's rank where torch.distributed runs. A report
+    without a culprit gets, as its reason, the note on values that were not watched (if any)."""
     rank = world = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if culprit is None and not reason:
+        reason = unwatched_note(frames)
     return Report(
         frames=frames, first_nonfinite=culprit, batch_number=batch_number, kind=kind,
         reason=reason, cause=cause, rank=rank, world_size=world,
@@ -148,6 +167,8 @@ def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
     if report is None:
         report = make_report([], None, TRACE, "", "", batch_number, options)
     report.frames.extend(frames)
+    if report.first_nonfinite is None:
+        report.reason = unwatched_note(report.frames)
     if culprit is not None and report.first_nonfinite is None:
         call, _, cause = culprit
         frame = frames[calls.index(call)]
