@@ -203,12 +203,18 @@ class Report:
         where = f" [rank {self.rank}/{self.world_size}]" if self.rank is not None else ""
         if self.first_nonfinite is not None:
             return f"{self.reason}{where}"
+        # Without a culprit, the reason says what was not watched (values whose numbers could
+        # not be read): never a bare all-clear then.
+        note = f"; {self.reason}" if self.reason else ""
         if self.kind == TRACE:
-            return f"trace of batch {self.batch_number}: {len(self.frames)} frames, all finite{where}"
+            return (f"trace of batch {self.batch_number}: {len(self.frames)} frames, all finite"
+                    f"{note}{where}")
         if any(frame.nonfinite for frame in self.frames):
             return (f"no inf/nan produced in the last {len(self.frames)} frames (batch "
-                    f"{self.batch_number}); some carry +-inf that only passed through (masks){where}")
-        return f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number}){where}"
+                    f"{self.batch_number}); some carry +-inf that only passed through (masks)"
+                    f"{note}{where}")
+        return (f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number})"
+                f"{note}{where}")
 
     def compare(self, other: "Report", factor: float = 10.0) -> "Comparison":
         """The first module whose abs max differs by more than `factor` between two reports

@@ -162,7 +162,8 @@ def test_text_header_and_reason_lines():
     assert text[0] == "Detected inf/nan during batch_number=0"
     assert text[1] == f"Last {len(forward_detection().frames)} forward frames:"
     assert text[2] == "abs min  abs max  metadata"
-    assert text[-1].startswith("exp (Exp) produced a non-finite value in forward")
+    assert text[-2].startswith("exp (Exp) produced a non-finite value in forward")
+    assert text[-1].startswith("hint: ") and "float32's largest value 3.4e+38" in text[-1]
     assert "                  exp Exp" in text
     assert "                   Head" not in text  # the report ends at the culprit
     back = backward_detection().to_text().splitlines()

@@ -18,6 +18,7 @@ from .._schema import (
     CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
+from ..explain import hint_for
 from ..report import Frame, Report, TensorRow
 from .passes import (
     SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_KIND, SLOT_ROLE, SLOT_SEQ, SLOT_SHAPE, CallRecord,
@@ -68,21 +69,29 @@ def _mark_limits(row: TensorRow, slot: tuple, options) -> None:
         row.limit_share = row.abs_max / limit_max
 
 
+def _holds(rows, of: str = "") -> str:
+    """'output holds +inf; output[1] reaches 8e+04' (a predicted overflow: finite, beyond the
+    limit); `of` follows each role ('grad_output of emb holds nan')."""
+    return "; ".join(f"{row.role}{of} holds {row.nonfinite_words}" if row.nonfinite
+                     else f"{row.role}{of} reaches {row.abs_max:.3g}" for row in rows)
+
+
 def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame] = None) -> str:
     """The one sentence a report gives for its culprit `frame`. `evidence`: for a gradient made
     in a module's own code, the frame of the submodule that received it."""
-    rows = frame.flagged_rows
-    what = "; ".join(f"{row.role} holds {row.problems}" for row in rows)
+    inline = cause == CAUSE_BACKWARD_INLINE and evidence is not None
+    rows = evidence.flagged_rows if inline else frame.flagged_rows
+    what = _holds(rows, f" of {evidence.label}" if inline else "")
     where = f"{frame.label} ({frame.module_class})"
     call = f"call {frame.call_index} of batch {frame.batch_number}"
-    predicted = any(row.predicted_overflow for row in rows)
-    limit = (
-        f" (beyond {dtype_name(options.limit_dtype)}'s largest value {options.limit_max:.5g}: "
-        "predicted overflow)" if predicted else ""
-    )
+    # Finite values beyond limit_dtype's largest value, and nothing non-finite.
+    predicted = any(row.predicted_overflow for row in rows) and not any(r.nonfinite for r in rows)
+    limit = (f"{dtype_name(options.limit_dtype)}'s largest value {options.limit_max:.5g}"
+             if options.limit_dtype is not None else "")
+    gradient = f"a gradient beyond {limit}" if predicted else "a non-finite gradient"
+    below = "stayed below it (predicted overflow)"
     if cause == CAUSE_WEIGHTS and predicted:
-        return (f"the weights of {where} in batch {frame.batch_number} exceed "
-                f"{dtype_name(options.limit_dtype)}'s largest value {options.limit_max:.5g} ({what})")
+        return f"the weights of {where} in batch {frame.batch_number} exceed {limit} ({what})"
     if cause == CAUSE_WEIGHTS and all(row.category == BUFFER for row in rows):
         return (f"the buffers of {where} are non-finite in batch {frame.batch_number} ({what}): "
                 "running statistics went bad in an earlier batch")
@@ -93,22 +102,25 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
         return f"the data fed to {where} in batch {frame.batch_number} holds nan ({what})"
     if cause == CAUSE_LOSS_GRADIENT:
         return (f"the gradient entering {where} in backward of batch {frame.batch_number} is "
-                f"already non-finite ({what}): the loss or code outside the guarded modules "
-                "produced it")
+                f"already {'beyond ' + limit if predicted else 'non-finite'} ({what}"
+                f"{', a predicted overflow' if predicted else ''}): the loss or code outside the "
+                "guarded modules produced it")
     if cause == CAUSE_UNATTRIBUTED:
-        return (f"{where} holds nan in {frame.phase} ({call}): {what}; numguard could not tell "
-                "which module produced it (its frames below show where it first appears)")
-    if cause == CAUSE_BACKWARD_INLINE and evidence is not None:
-        what = "; ".join(f"{row.role} of {evidence.label} holds {row.problems}"
-                         for row in evidence.flagged_rows)
-        return (f"{where} produced a non-finite gradient in backward ({call}), in its own code "
-                f"between its submodules: {what}, while the gradients {frame.label} received "
-                f"were finite{limit}")
+        return (f"nan first shows in {where} in {frame.phase} ({call}: {what}), but numguard "
+                "could not tell which module produced it (the frames below show where it first "
+                "appears)")
+    if inline:
+        return (f"{where} produced {gradient} in backward ({call}), in its own code between its "
+                f"submodules: {what}, while the gradients {frame.label} received "
+                f"{below if predicted else 'were finite'}")
     if cause in (CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE):
-        return (f"{where} produced a non-finite gradient in backward ({call}): {what}, "
-                f"while the gradient it received was finite{limit}")
-    return (f"{where} produced a non-finite value in forward ({call}): {what}, "
-            f"which its inputs and weights did not hold{limit}")
+        return (f"{where} produced {gradient} in backward ({call}): {what}, while the gradient it "
+                f"received {below if predicted else 'was finite'}")
+    if predicted:
+        return (f"{where} produced a value beyond {limit} in forward ({call}): {what}, while its "
+                f"inputs and weights {below}")
+    return (f"{where} produced a non-finite value in forward ({call}): {what}, which its inputs "
+            "and weights did not hold")
 
 
 def unwatched_note(frames) -> str:
@@ -154,7 +166,9 @@ def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots,
     # A gradient made in a module's own code shows in the submodule that received it.
     evidence = next((f for f in led_up_frames if f.flagged_rows), None)
     reason = reason_sentence(cause, culprit, options, evidence)
-    return make_report(frames, culprit, DETECTION, reason, cause, batch_number, options)
+    report = make_report(frames, culprit, DETECTION, reason, cause, batch_number, options)
+    report.hint = hint_for(report)  # after op localisation: the hint may name the op and line
+    return report
 
 
 def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
@@ -176,6 +190,7 @@ def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
         report.first_nonfinite = frame
         report.cause = cause
         report.reason = reason_sentence(cause, frame, options, evidence)
+        report.hint = hint_for(report)
     return report
 
 
