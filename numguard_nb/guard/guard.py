@@ -58,7 +58,7 @@ __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
 # Roles of positional inputs, made once: every pre-hook names its inputs.
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
-_UNNAMED = ("?", "?")  # a module the guard did not hook (a DataParallel replica shares hooks)
+_UNNAMED = ("?", "?", None)  # a module not hooked itself (a DataParallel replica shares hooks)
 _RAISED = object()  # the output the forward hook gets after a forward that raised
 # Said after a culprit whose code ran compiled: the compiled code ignores hooks added after it.
 _COMPILED_NOTE = ("; it ran compiled (torch.compile), so its submodules were not watched: guard "
@@ -213,7 +213,6 @@ class Guard:
         self._batches_counted_by_caller = False  # begin_batch() was called
         self._module_hooks = ModuleHooks()
         self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
-        self._callers = self._module_hooks.callers  # (the module calling each module)
         self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
@@ -323,12 +322,13 @@ class Guard:
         if is_dynamo_compiling() or self._paused:
             return
         state = self._threads.state
+        stack = state.stack
         module_id = id(module)
-        if state.stack and self._callers.get(module_id) != state.stack[-1].module_id:
+        name, cls, caller = self._names.get(module_id, _UNNAMED)
+        if stack and caller != stack[-1].module_id:
             # Called from outside the innermost open call: do the open calls still run?
             if not state.keep_running_calls(running_calls()):
                 self._forget_pass(state)
-        stack = state.stack
         if not stack:
             if inert_context():
                 return  # compiled, traced or exported: not run on values the guard can read
@@ -340,8 +340,7 @@ class Guard:
                 call_state = (take_call_state()
                               if self._op_recorder is not None or self._capture is not None else None)
                 if self._capture is not None:
-                    self._capture.record(self._names.get(module_id, _UNNAMED)[0], module, args,
-                                         kwargs, state=call_state)
+                    self._capture.record(name, module, args, kwargs, state=call_state)
                 if self._op_recorder is not None:
                     self._op_recorder.remember_call(module, args, kwargs, call_state,
                                                     state.call_counts)
@@ -349,7 +348,6 @@ class Guard:
         state.call_counts[module_id] = index + 1
         # A call with nothing around it is top-level, whether or not it is a guarded root (a
         # LightningModule's training_step calls its submodules directly).
-        name, cls = self._names.get(module_id, _UNNAMED)
         call = CallRecord(module_id, name, cls, FORWARD, state.batch_number, index, not stack)
         if index == 0:
             self._first_calls[module_id] = call

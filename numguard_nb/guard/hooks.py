@@ -47,10 +47,12 @@ _is_compiling = getattr(torch.compiler, "is_compiling", None) or (lambda: False)
 is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or _is_compiling
 
 _get_tracing_state = torch._C._get_tracing_state
+_swap_on_conversion = torch.__future__.get_swap_module_params_on_conversion
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
 _CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
+_PLAIN_PARAMETERS = (nn.Parameter, torch.Tensor)
 
 
 def inert_context() -> bool:
@@ -173,8 +175,8 @@ class _WhenMaterialised:
         if any(_is_uninitialised(p) for p in module._parameters.values()):
             return  # made later (a lazy module may wait for a later call)
         self.handle.remove()
-        name, _ = self.hooks.names[id(module)]
-        self.hooks.names[id(module)] = (name, type(module).__name__)
+        name, _, caller = self.hooks.names[id(module)]
+        self.hooks.names[id(module)] = (name, type(module).__name__, caller)
         if self.watch_backward:
             self.hooks.hook_params(self.guard, module, id(module), name, type(module).__name__)
 
@@ -208,15 +210,16 @@ class ModuleHooks:
 
     def __init__(self):
         self.handles: list = []
-        self.names: Dict[int, tuple] = {}  # id(module) -> (its name in reports, its class name)
+        # id(module) -> (its name in reports, its class name, the id of the module whose forward
+        # calls it or None for a model's root): a call made from anywhere else makes the guard
+        # look whether its open calls still run.
+        self.names: Dict[int, tuple] = {}
         self.modules: Dict[int, nn.Module] = {}  # id(module) -> module
-        # id(module) -> id of the module whose forward calls it (None for a model's root): a call
-        # made from anywhere else makes the guard look whether its open calls still run.
-        self.callers: Dict[int, Optional[int]] = {}
         self.hook_ids: Dict[int, List[int]] = {}  # id(module) -> ids of the hooks on it
         self.compiled: set = set()  # ids of the modules of models that run compiled
         self.param_hooks: Dict[int, ParamHook] = {}  # id(parameter) -> its hook
         self.unwatched: List[str] = []  # parameters whose gradient could not be hooked
+        self.subclass_params = False  # some parameter is a tensor subclass (torch swaps those)
         self.primary_root_id: Optional[int] = None  # the first model: its calls start batches
 
     def add(self, guard, models: Dict[str, nn.Module], watch_backward: bool) -> None:
@@ -273,9 +276,8 @@ class ModuleHooks:
     def _hook_module(self, guard, module: nn.Module, name: str, cls: str, caller: Optional[int],
                      watch_backward: bool) -> None:
         module_id = id(module)
-        self.names[module_id] = (name, cls)
+        self.names[module_id] = (name, cls, caller)
         self.modules[module_id] = module
-        self.callers[module_id] = caller
         handles = []
         if any(_is_uninitialised(p) for p in module._parameters.values()):
             materialised = _WhenMaterialised(self, guard, module, watch_backward)
@@ -296,6 +298,7 @@ class ModuleHooks:
         for pname, param in module.named_parameters(recurse=recurse):
             if not param.requires_grad or id(param) in self.param_hooks or _is_uninitialised(param):
                 continue
+            self.subclass_params = self.subclass_params or type(param) not in _PLAIN_PARAMETERS
             try:
                 self.param_hooks[id(param)] = ParamHook(guard, param, module_id, name, cls,
                                                         pname + ".grad")
@@ -303,8 +306,12 @@ class ModuleHooks:
                 self.unwatched.append(f"{_join(name, pname)} ({type(error).__name__})")
 
     def rehook_swapped(self) -> None:
-        """Hook the tensors swapped into parameters since the last pass."""
-        for hook in self.param_hooks.values():
+        """Hook the tensors swapped into parameters since the last pass. Looked for only where
+        torch swaps (`module.to()`, `load_state_dict`): with the swap flag on, or with
+        tensor-subclass parameters."""
+        if not (self.subclass_params or _swap_on_conversion()):
+            return
+        for hook in list(self.param_hooks.values()):  # a lazy module's first call may add some
             if hook.param._cdata != hook.cdata and not hook.rehook():
                 self.unwatched.append(f"{_join(hook.module_name, hook.role[:-5])} (swapped, "
                                       "with hooks of its own)")
@@ -327,11 +334,11 @@ class ModuleHooks:
         self.handles.clear()
         self.names.clear()  # cleared, never replaced: the guard reads it as `_names`
         self.modules.clear()
-        self.callers.clear()
         self.hook_ids.clear()
         self.compiled.clear()
         self.param_hooks.clear()
         self.unwatched.clear()
+        self.subclass_params = False
         self.primary_root_id = None
 
 
@@ -349,12 +356,15 @@ class GradHooks:
         self.param_hooks = param_hooks
         self.handles: list = []  # hooks on tensors of a graph
         self.leaf_targets: Dict[int, tuple] = {}  # id(leaf) -> (handle, targets)
+        self._fed_params: List[ParamHook] = []  # hooks of parameters fed to modules
         self._kept = (0, 0)  # live handles and leaves after the last pruning
 
     def leaf_targets_of(self, leaf: torch.Tensor) -> list:
         """The targets of the one hook delivering `leaf`'s gradient, hooking it the first time."""
         hook = self.param_hooks.get(id(leaf))
         if hook is not None and hook.param is leaf and hook.handle is not None:
+            if not hook.input_targets:
+                self._fed_params.append(hook)
             return hook.input_targets
         known = self.leaf_targets.get(id(leaf))
         if known is not None:
@@ -363,27 +373,30 @@ class GradHooks:
                 return known[1]
         targets: list = []
         self.leaf_targets[id(leaf)] = (leaf.register_hook(GradHook(self.guard, targets)), targets)
-        if len(self.leaf_targets) > 2 * self._kept[1] + 64:
+        if len(self.leaf_targets) > 2 * self._kept[1] + 32:
             self._drop_dead_leaves()
         return targets
 
     def drop_dead(self, force: bool = False) -> None:
         """Forget the handles of hooks on freed graphs and tensors, which need no removal; unless
         `force`d, only once they have doubled since the last time (bounded, amortised)."""
-        if force or len(self.handles) > 2 * self._kept[0] + 256:
-            self.handles = [h for h in self.handles if h.hooks_dict_ref() is not None]
-            self._kept = (len(self.handles), self._kept[1])
+        handles = self.handles
+        if force or len(handles) > 2 * self._kept[0] + 64:
+            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]  # in place: threads
+            self._kept = (len(handles), self._kept[1])
 
     def _drop_dead_leaves(self) -> None:
-        self.leaf_targets = {key: known for key, known in self.leaf_targets.items()
-                             if known[0].hooks_dict_ref() is not None}
+        for key, known in list(self.leaf_targets.items()):  # a snapshot: threads add theirs
+            if known[0].hooks_dict_ref() is None:
+                self.leaf_targets.pop(key, None)
         self._kept = (self._kept[0], len(self.leaf_targets))
 
     def forget_targets(self) -> None:
         """The calls that used leaves are done with (their backward ran, or a batch started)."""
-        for _, targets in self.leaf_targets.values():
+        for _, targets in list(self.leaf_targets.values()):
             targets.clear()
-        for hook in self.param_hooks.values():
+        fed, self._fed_params = self._fed_params, []
+        for hook in fed:
             hook.input_targets.clear()
 
     def remove(self) -> None:
@@ -393,4 +406,5 @@ class GradHooks:
             handle.remove()
         self.handles.clear()
         self.leaf_targets.clear()
+        self._fed_params = []
         self._kept = (0, 0)

@@ -200,9 +200,9 @@ class PassState:
 
     def reset(self) -> None:
         """Forget the pass in progress (kept: the batch number)."""
-        self.stack = []
+        self.stack.clear()  # in place: the hooks hold it
         self.forward = None
-        self.call_counts = {}
+        self.call_counts.clear()
         self.tracing = False
 
     def keep_running_calls(self, running: Dict[int, int]) -> int:
@@ -230,8 +230,9 @@ class BackwardPasses(dict):
         """This thread starts a forward pass, so it is in no backward: the passes it opened
         raised before their end."""
         me = threading.get_ident()
-        for task in [task for task, pass_ in self.items() if pass_.thread == me]:
-            self.pop(task, None)
+        for task, pass_ in list(self.items()):  # a snapshot: other threads add theirs
+            if pass_.thread == me:
+                self.pop(task, None)
         if len(self) > self.MAX_OPEN:
             self.clear()
 
