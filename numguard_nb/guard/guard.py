@@ -46,7 +46,8 @@ from ..ops.recorder import OpRecorder
 from ..report import Report
 from . import detect, frames
 from .hooks import (
-    GradHook, GradHooks, ModuleHooks, ParamHook, inert_context, is_dynamo_compiling, running_calls,
+    GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
+    is_dynamo_compiling, running_calls,
 )
 from .options import GuardOptions
 from .passes import (
@@ -427,6 +428,7 @@ class Guard:
             if self._watch_backward and torch.is_grad_enabled():
                 self._module_hooks.rehook_swapped()
         state.forward = PassRecord()
+        state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
 
     def _end_forward(self, state: PassState, raising: bool) -> None:

@@ -15,7 +15,8 @@
 - `GradHooks`: the gradient hooks on tensors of a graph and on leaf tensors fed to modules.
 - `inert_context()`: whether module calls are being compiled, traced or exported rather than
   run (or run under a dispatch mode: fake tensors, FLOP counters), when the hooks do nothing.
-- `running_calls()`: the modules whose forward is running in this thread, from its frames.
+- `running_calls()`: the modules whose forward is running in this thread, from its frames, and
+  `frame_local_of_call()`: an object that goes with the frame of a module call.
 
 Nothing is put on parameters but their gradient hook: no weak references outlive a pass, so
 parameters can be swapped and pickled while the guard is attached; copies of hooked modules come
@@ -38,7 +39,7 @@ from .passes import CallRecord
 
 __all__ = [
     "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
-    "is_dynamo_compiling",
+    "frame_local_of_call", "is_dynamo_compiling",
 ]
 
 # Constant True inside code Dynamo traces, so a hook's body drops out of compiled graphs; a plain
@@ -63,6 +64,20 @@ def inert_context() -> bool:
     return (_is_compiling() or _get_tracing_state() is not None
             or _dispatch_modes() > 0
             or torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE))
+
+
+def frame_local_of_call():
+    """An object living exactly as long as the frame of the module call whose hook asks (the
+    `inner` closure torch's `_call_impl` makes per call), or None where there is none."""
+    frame = sys._getframe(1)
+    for _ in range(8):  # the guard's own frames, then the hook's caller
+        if frame is None or frame.f_code is _CALL_IMPL:
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code is not _CALL_IMPL:
+        return None
+    local = frame.f_locals.get("inner")
+    return local if callable(local) else None
 
 
 def running_calls() -> collections.Counter:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -189,9 +190,10 @@ class PassState:
     """One thread's place in a forward pass: the calls open on its stack, the pass they record
     into, and the batch it is running (threads calling one model each run their own batches)."""
 
-    __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number")
+    __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref")
 
     def __init__(self, batch_number: int = 0):
+        self.root_frame_ref = None  # see `watch_top_level_call`
         self.stack: List[CallRecord] = []
         self.forward: Optional[PassRecord] = None
         self.call_counts: Dict[int, int] = {}  # module id -> its calls so far in the batch
@@ -205,6 +207,14 @@ class PassState:
         self.call_counts.clear()
         self.tracing = False
 
+    def forget_when_gone(self, frame_local) -> None:
+        """Forget the pass just started if the frame of its top-level call goes before it ends:
+        an interrupt (Ctrl-C) skips the hooks that close calls. `frame_local`: an object that
+        lives as long as that frame, or None (then the guard finds out at the next call made from
+        outside the pass's open calls)."""
+        if frame_local is not None:
+            self.root_frame_ref = weakref.ref(frame_local, partial(_forget_if_open, self, self.forward))
+
     def keep_running_calls(self, running: Dict[int, int]) -> int:
         """Drop the open calls whose forward no longer runs (an interrupt skipped the hooks
         that close calls); `running`: module id -> its calls running up the thread's stack.
@@ -217,6 +227,11 @@ class PassState:
             kept += 1
         del self.stack[kept:]
         return kept
+
+
+def _forget_if_open(state: PassState, pass_: PassRecord, _gone) -> None:
+    if state.forward is pass_:
+        state.reset()
 
 
 class BackwardPasses(dict):
