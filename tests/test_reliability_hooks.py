@@ -541,14 +541,33 @@ def dynamo():
     torch._dynamo.reset()
 
 
+class Wrapper(nn.Module):
+    """A model class of the user's own: torch.compile runs its hooks outside the graph and
+    traces the calls of its submodules, hooks included."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = net()
+
+    def forward(self, x):
+        return self.body(x) * 2
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiling_a_guarded_model_with_fullgraph_runs_as_without_the_guard(dynamo, backend):
+@pytest.mark.parametrize("what", ["Sequential", "model of its own class", "submodule"])
+def test_compiling_a_guarded_model_with_fullgraph_runs_as_without_the_guard(dynamo, backend, what):
     def run(model):
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        if what == "submodule":  # compiled inside a call the guard watches
+            model.body = torch.compile(model.body, fullgraph=True, backend=backend)
+            compiled = model
+        else:
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
         return [train_step(compiled, x4()) for _ in range(2)]
 
-    plain, model = net(), net()
+    build = net if what == "Sequential" else Wrapper
+    plain, model = build(), build()
     expected = same_run(lambda: run(plain))
+    dynamo.reset()  # compiled anew, hooks and all
     with promises_kept(model), Guard(model) as guard:
         got = same_run(lambda: run(model))
     assert bit_identical(got, expected)

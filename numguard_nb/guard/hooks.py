@@ -125,8 +125,8 @@ class ParamHook:
         self.module_class = module_class
         self.role = role  # "weight.grad"
         self.input_targets: list = []
-        self.handle = param.register_hook(self)
         self.cdata = param._cdata  # changes when the parameter is swapped
+        self.handle = param.register_hook(self)
 
     def __call__(self, grad):
         return self.guard._on_param_grad(self, grad)
