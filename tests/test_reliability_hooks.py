@@ -499,6 +499,7 @@ def test_an_overflow_in_a_lazy_modules_first_call_is_named():
     assert hooks_left(model) == hooks_left(plain)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 @pytest.mark.parametrize("kind", ["script", "trace"])
 def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind):
     def build():
@@ -519,6 +520,7 @@ def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind):
     assert culprit(caught.value) == ("", "Sequential", "forward") and one_line(caught.value)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_a_scripted_model_is_guarded_with_a_warning_and_its_weights_gradients_watched():
     torch.manual_seed(0)
     model = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
@@ -612,6 +614,7 @@ def test_a_compiled_submodule_is_named_by_its_place_in_the_model(dynamo):
 
 
 # ---- 9. tracing and exporting -------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_jit_trace_inside_the_guard_records_the_graph_it_records_without_it():
     plain, model = net(), net()
     expected = torch.jit.trace(plain, x4())

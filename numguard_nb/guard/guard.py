@@ -162,6 +162,10 @@ class Guard:
 
     The options are checked into `guard.options` (a `GuardOptions`); each is also an attribute
     (`guard.sync`, ...; `capture` is `guard.capture_enabled`), settable between attaches.
+
+    Threads may call a guarded model at once: each runs its own pass, and a nan made in one is
+    raised in that thread. `with guard:` nested in `with guard:` keeps the hooks until the
+    outermost block ends. Copies of the model made meanwhile (deepcopy, pickle) are not watched.
     """
 
     max_frames = _Option("max_frames")
@@ -203,7 +207,6 @@ class Guard:
             on_detect=on_detect, ops=ops, capture=capture,
         ))
         self._capture = None  # replay.Capture, made on attach
-
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
         self.batch_number = 0  # the batch being run (or last run, in any thread)
@@ -278,12 +281,10 @@ class Guard:
 
     def __enter__(self) -> "Guard":
         with self._lifecycle_lock:
-            self.attach()
-            self._entered += 1
-        return self
+            self._entered += 1  # a failed attach detaches, which sets it back to 0
+            return self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # Counted: `with guard:` inside `with guard:` keeps the hooks until the outer one ends.
         with self._lifecycle_lock:
             self._entered -= 1
             if self._entered <= 0:

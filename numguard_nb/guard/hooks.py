@@ -266,6 +266,7 @@ class ModuleHooks:
             self._add_compiled(guard, module, original, name, caller, watch_backward)
             return
         self._hook_module(guard, module, name, type(module).__name__, caller, watch_backward)
+        self.compiled.discard(id(module))  # also run uncompiled, elsewhere in the model
         if watch_backward:
             self.hook_params(guard, module, id(module), name, type(module).__name__)
         if type(module).forward is not _UNIMPLEMENTED_FORWARD:
@@ -284,7 +285,8 @@ class ModuleHooks:
         self.hook_ids[id(wrapper)].append(weights.id)
         self.compiled.add(id(wrapper))
         for sub_name, sub in original.named_modules():
-            self.compiled.add(id(sub))
+            if id(sub) not in self.names:
+                self.compiled.add(id(sub))
             if watch_backward:
                 self.hook_params(guard, sub, id(sub), _join(name, sub_name), type(sub).__name__)
 
