@@ -48,7 +48,7 @@ _is_compiling = getattr(torch.compiler, "is_compiling", None) or (lambda: False)
 is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or _is_compiling
 
 _get_tracing_state = torch._C._get_tracing_state
-_swap_on_conversion = torch.__future__.get_swap_module_params_on_conversion
+_swap_on_conversion = getattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: False)
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
 _CALL_IMPL = nn.Module._call_impl.__code__
@@ -141,21 +141,24 @@ class ParamHook:
                 self.module_id, self.module_name, self.module_class, FORWARD, batch_number, 0, False)
         return call
 
-    def rehook(self) -> bool:
-        """Move the hook to the tensor swapped in; False where it cannot go without bringing
-        back hooks of the user's that the swap left behind with the old tensor."""
+    def rehook(self) -> Optional[str]:
+        """Move the hook to the tensor swapped in. Returns why it could not, or None: it cannot
+        go without bringing back hooks of the user's, which the swap left with the old tensor."""
         param = self.param
         if self.handle is not None:
             self.handle.remove()  # from the hook dict the parameter kept: it no longer fires
         self.handle = None
         self.cdata = param._cdata
         if not param.requires_grad:
-            return True
+            return None
         if param._backward_hooks:
-            return False
-        param._backward_hooks = None  # a fresh dict, wired to the tensor it has now
-        self.handle = param.register_hook(self)
-        return True
+            return "swapped, with hooks of its own"
+        try:
+            param._backward_hooks = None  # a fresh dict, wired to the tensor it has now
+            self.handle = param.register_hook(self)
+        except Exception as error:  # a tensor subclass refusing hooks
+            return f"swapped, {type(error).__name__}"
+        return None
 
 
 def _join(prefix: str, name: str) -> str:
@@ -179,10 +182,9 @@ class _WhenMaterialised:
     """A one-shot forward pre-hook on a lazy module, run after the one that makes its weights:
     hooks them and names the module by its new class (`LazyLinear` becomes `Linear`)."""
 
-    def __init__(self, hooks: "ModuleHooks", guard, module: nn.Module, watch_backward: bool):
+    def __init__(self, hooks: "ModuleHooks", guard, watch_backward: bool):
         self.hooks = hooks
         self.guard = guard
-        self.module = module
         self.watch_backward = watch_backward
         self.handle = None
 
@@ -297,7 +299,7 @@ class ModuleHooks:
         self.modules[module_id] = module
         handles = []
         if any(_is_uninitialised(p) for p in module._parameters.values()):
-            materialised = _WhenMaterialised(self, guard, module, watch_backward)
+            materialised = _WhenMaterialised(self, guard, watch_backward)
             materialised.handle = module.register_forward_pre_hook(materialised)
             handles.append(materialised.handle)
         handles.append(module.register_forward_pre_hook(guard._pre_hook, with_kwargs=True))
@@ -329,9 +331,10 @@ class ModuleHooks:
         if not (self.subclass_params or _swap_on_conversion()):
             return
         for hook in list(self.param_hooks.values()):  # a lazy module's first call may add some
-            if hook.param._cdata != hook.cdata and not hook.rehook():
-                self.unwatched.append(f"{_join(hook.module_name, hook.role[:-5])} (swapped, "
-                                      "with hooks of its own)")
+            if hook.param._cdata != hook.cdata:
+                failed = hook.rehook()
+                if failed:
+                    self.unwatched.append(f"{_join(hook.module_name, hook.role[:-5])} ({failed})")
         if self.unwatched:
             self._warn_unwatched()
 
