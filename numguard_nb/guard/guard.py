@@ -367,9 +367,9 @@ class Guard:
                 slots.append(pass_.weight_slot(buffer, bname, BUFFER, (module_id, bname), nonzero_min, hints))
         for i, value in enumerate(args):
             role = _INPUT_ROLES[i] if i < len(_INPUT_ROLES) else f"input[{i}]"
-            self._add_nested(pass_, call, role, INPUT, value, watch_grads)
+            self._add(pass_, call, role, INPUT, value, watch_grads)
         for key, value in kwargs.items():
-            self._add_nested(pass_, call, f"input[{key}]", INPUT, value, watch_grads)
+            self._add(pass_, call, f"input[{key}]", INPUT, value, watch_grads)
         stack.append(call)
 
     def _post_hook(self, module, args, kwargs, output=_RAISED):
@@ -387,7 +387,7 @@ class Guard:
         if call is None:
             return
         watch_grads = self._watch_backward and torch.is_grad_enabled()
-        self._add_nested(state.forward, call, "output", OUTPUT, output, watch_grads)
+        self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
         if self._op_recorder is not None and watch_grads and not stack:
             self._op_recorder.keep_root_grads(call.module_id, output, self._grad_hooks.handles)
         self._finish_call(state, call)
@@ -446,18 +446,16 @@ class Guard:
         self._recent.remember(pass_, self.options.max_frames)
 
     # ---- values ---------------------------------------------------------------------------
-    def _add_nested(self, pass_: PassRecord, call: CallRecord, role, category, value, watch_grads) -> None:
-        if isinstance(value, torch.Tensor):  # the common case, without walking
-            self._add(pass_, call, role, category, value, watch_grads)
-            return
-        for leaf_role, leaf in _tree.named_leaves(value, role):
-            self._add(pass_, call, leaf_role, category, leaf, watch_grads)
-
     def _add(self, pass_: PassRecord, call: CallRecord, role, category, value, watch_grads) -> None:
-        """Add a slot for one value of a call; for gradients-to-be, hook the tensor."""
+        """Add a slot for one value of a call (one per leaf of a nested value); for
+        gradients-to-be, hook the tensor."""
         if not isinstance(value, torch.Tensor):
-            kind = VALUE_NONE if value is None else VALUE_OTHER
-            call.slots.append((role, category, kind, None, None, None, 0))
+            for leaf_role, leaf in _tree.named_leaves(value, role):
+                if isinstance(leaf, torch.Tensor):
+                    self._add(pass_, call, leaf_role, category, leaf, watch_grads)
+                else:
+                    kind = VALUE_NONE if leaf is None else VALUE_OTHER
+                    call.slots.append((leaf_role, category, kind, None, None, None, 0))
             return
         entry = pass_.summarise(value, (call.module_id, role), self._nonzero_min, self._sign_hints)
         call.slots.append(
