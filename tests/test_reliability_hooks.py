@@ -205,6 +205,7 @@ def test_a_copy_keeps_the_users_own_hooks_in_their_order():
         ("_forward_pre_hooks", "UserHooks.before"), ("_forward_hooks", "UserHooks.after"),
         ("_forward_hooks", "UserHooks.after")]
     assert len(hooks_left(clone)) == 3
+    assert hooks_of(model) == hooks_of(twin) and len(hooks_left(model)) == len(hooks_left(twin))
 
 
 def test_a_parametrized_module_copied_inside_the_guard_comes_out_unwatched():
@@ -268,7 +269,7 @@ def test_a_leaf_fed_to_a_submodule_in_an_evaluation_loop_without_no_grad_keeps_m
 
 def test_no_weak_reference_or_extra_hook_stays_on_a_parameter_between_steps():
     model = net()
-    with Guard(model):
+    with promises_kept(model), Guard(model):
         for _ in range(3):
             train_step(model, x4())
         assert all(weakref.getweakrefcount(p) == 0 for p in model.parameters())
@@ -453,7 +454,7 @@ def test_a_swapped_parameter_with_hooks_of_its_own_is_said_to_be_unwatched(swapp
         with (Guard(model) if guarded else contextlib.nullcontext()):
             model.double()  # torch leaves the user's hook with the old tensor
             model(x4().double()).sum().backward()
-        return calls, model_state(model)
+        return calls, model_state(model), len(hooks_left(model))
 
     expected = run(False)
     with pytest.warns(UserWarning, match=r"gradients of 0\.w \(swapped, with hooks of its own\) are not watched"):
@@ -661,6 +662,44 @@ def test_make_fx_inside_the_guard_traces_only_the_model():
     with promises_kept(model), Guard(model):
         traced = make_fx(model)(x4())
     assert traced.code == expected.code
+
+
+def _functional_call(model, x):
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    out = torch.func.functional_call(model, params, (x,))
+    return out, torch.autograd.grad(out.sum(), list(params.values()))
+
+
+def _full_backward_hooks(model, x):
+    calls = []
+    handles = [model[0].register_full_backward_hook(lambda m, gi, go: calls.append("hook")),
+               model[2].register_full_backward_pre_hook(lambda m, go: calls.append("pre"))]
+    out = model(x.clone().requires_grad_())
+    out.sum().backward()
+    for handle in handles:
+        handle.remove()
+    return out, [p.grad for p in model.parameters()], calls
+
+
+TRANSFORMS = {
+    "functional_call": _functional_call,
+    "func.grad": lambda m, x: torch.func.grad(lambda inp: m(inp).sum())(x),
+    "vmap": lambda m, x: torch.vmap(m)(x),
+    "jacobian": lambda m, x: torch.autograd.functional.jacobian(m, x),
+    "hessian-vector product": lambda m, x: torch.autograd.functional.hvp(
+        lambda inp: m(inp).sum(), x, torch.ones_like(x)),
+    "full backward hooks": _full_backward_hooks,
+}
+
+
+@pytest.mark.parametrize("how", TRANSFORMS)
+def test_function_transforms_and_autograd_helpers_run_as_without_the_guard(how):
+    plain, model = net(), net()
+    expected = same_run(lambda: TRANSFORMS[how](plain, x4()))
+    with promises_kept(model), Guard(model) as guard:
+        got = same_run(lambda: TRANSFORMS[how](model, x4()))
+    assert bit_identical(got, expected)
+    assert guard.detection is None
 
 
 # ---- 10. re-entry and Ctrl-C --------------------------------------------------------------
