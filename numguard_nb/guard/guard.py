@@ -6,8 +6,19 @@ How it stays fast and harmless:
   CPU, where there is nothing to wait for, they are numbers from the start;
 - backward is watched with tensor hooks (on outputs, inputs and parameters), never with
   `register_full_backward_hook`, which wraps tensors in views and breaks in-place modules;
-- hooks keep only names and indices, never tensors; per-pass caches hold weak references;
-- every module hook and parameter hook is removed on detach, which `with` guarantees.
+- hooks keep only names and indices, never tensors; per-pass caches hold weak references to
+  values, and nothing outlives a pass on a parameter but its gradient hook (`hooks`);
+- every module hook and parameter hook is removed on detach, which `with` guarantees; nested
+  `with` blocks on one guard (or in several threads) keep them until the outermost one ends;
+- copies of a guarded module (`copy.deepcopy`, pickle, `torch.save`) come out unwatched
+  (`copies`);
+- hooks do nothing while a model is compiled, traced or exported (`hooks.inert_context`), and a
+  model compiled before attaching is watched through its wrapper, named as the original model;
+- each thread calling a guarded model has its own pass (`passes.PassState`): a nan made in one
+  thread is reported in that thread. Batches are numbered across threads; the gradients of a
+  leaf fed to a module (a parameter used as an input) reach the calls of the latest batch;
+- a pass that an interrupt (Ctrl-C) left open is dropped at the next call of any guarded module
+  made from outside it.
 
 The Guard records (`passes`) and keeps the pass lifecycle; what a pass means is decided in
 `detect` and shown through `frames`; op localisation (`ops.recorder`) and the CPU replay's
@@ -16,11 +27,9 @@ capture (`replay.Capture`) are fed from its hooks.
 
 from __future__ import annotations
 
-import itertools
-import sys
-import weakref
+import threading
 from functools import partial
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -32,32 +41,29 @@ from .._schema import (
     OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
 )
 from ..callstate import take as take_call_state
-from ..errors import BatchLimitReached, NonFiniteError
+from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
 from ..report import Report
 from . import detect, frames
+from .hooks import (
+    GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
+    is_dynamo_compiling, running_calls,
+)
 from .options import GuardOptions
-from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, CallRecord, PassRecord
+from .passes import (
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
+    PassRecord, PassState, ThreadPasses,
+)
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
 # Roles of positional inputs, made once: every pre-hook names its inputs.
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
-
-
-def _is_running(module: nn.Module) -> bool:
-    """Whether `module` is being called further up this thread's stack (it calls itself), besides
-    the call whose pre-hook is asking."""
-    calls = 0
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
-            calls += 1
-            if calls > 1:
-                return True
-        frame = frame.f_back
-    return False
-
+_UNNAMED = ("?", "?", None)  # a module not hooked itself (a DataParallel replica shares hooks)
+_RAISED = object()  # the output the forward hook gets after a forward that raised
+# Said after a culprit whose code ran compiled: the compiled code ignores hooks added after it.
+_COMPILED_NOTE = ("; it ran compiled (torch.compile), so its submodules were not watched: guard "
+                  "the model before compiling it (or model._orig_mod) to find the one that made it")
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 
@@ -67,110 +73,12 @@ def _graph_task_id() -> int:
     return _current_graph_task_id()
 
 
-class _GradHook:
-    """The one hook a tensor gets: hands its gradient to the guard with the calls it belongs to.
-    (One object, where a partial of a bound method is two for the garbage collector to track.)"""
-
-    __slots__ = ("guard", "targets")
-
-    def __init__(self, guard: "Guard", targets: list):
-        self.guard = guard
-        self.targets = targets
-
-    def __call__(self, grad):
-        return self.guard._on_grad(self.targets, grad)
-
-
-class _ModuleHooks:
-    """The hooks the guard puts on modules and parameters, and what it learns placing them (each
-    module's name in reports); all removed and forgotten on detach."""
-
-    def __init__(self):
-        self.handles: list = []
-        self.names: Dict[int, str] = {}  # id(module) -> its name in reports
-        self.modules: Dict[int, nn.Module] = {}  # id(module) -> module
-        self.primary_root_id: Optional[int] = None  # the first model: its calls start batches
-        self.hooked_params: set = set()  # ids of parameters with a gradient hook
-        # One weak reference per parameter and buffer for the guard's lifetime: CPython hands it
-        # out again for every weakref.ref(param) of a pass, where a first one costs microseconds.
-        self.lasting_refs: list = []
-
-    def add(self, guard: "Guard", models: Dict[str, nn.Module], watch_backward: bool) -> None:
-        """Hook every module of `models` (once each, under its name with the model's prefix)."""
-        for prefix, root in models.items():
-            if self.primary_root_id is None:
-                self.primary_root_id = id(root)
-            for name, module in root.named_modules():
-                if id(module) not in self.names:
-                    full = name if not prefix else (f"{prefix}.{name}" if name else prefix)
-                    self._add_module(guard, module, full, watch_backward)
-
-    def _add_module(self, guard: "Guard", module: nn.Module, name: str, watch_backward: bool) -> None:
-        self.names[id(module)] = name
-        self.modules[id(module)] = module
-        self.lasting_refs.extend(
-            weakref.ref(t) for t in itertools.chain(module._parameters.values(), module._buffers.values())
-            if t is not None)
-        handles = self.handles
-        handles.append(module.register_forward_pre_hook(guard._pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(guard._post_hook, with_kwargs=True))
-        # Runs only when forward raised: closes the call the normal hook never saw.
-        handles.append(module.register_forward_hook(guard._post_hook_on_error, always_call=True))
-        if watch_backward:
-            for pname, param in module.named_parameters(recurse=False):
-                if param.requires_grad and id(param) not in self.hooked_params:
-                    self.hooked_params.add(id(param))
-                    handles.append(param.register_hook(partial(guard._on_param_grad, module, pname)))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        self.names.clear()  # cleared, never replaced: the guard reads it as `_names`
-        self.modules.clear()
-        self.hooked_params.clear()
-        self.lasting_refs.clear()
-        self.primary_root_id = None
-
-
-class _GradHooks:
-    """The gradient hooks the guard puts on tensors, and their handles (removed on detach).
-
-    A tensor seen in forward gets one hook per pass (and version), fanned out to every call that
-    saw it; its handle is dead once the tensor's graph is freed. A leaf tensor (a parameter used
-    as an input, say) gets one hook for the guard's lifetime: a hook per forward would pile up on
-    it, since leaves never die."""
-
-    def __init__(self, guard: "Guard"):
-        self.guard = guard
-        self.handles: list = []  # hooks on tensors of a graph
-        self.leaf_handles: list = []
-        self.leaf_targets: Dict[int, list] = {}  # id(leaf tensor) -> [weakref, targets]
-
-    def leaf_targets_of(self, leaf: torch.Tensor) -> list:
-        """The targets of the one hook of `leaf`, hooking it the first time."""
-        known = self.leaf_targets.get(id(leaf))
-        if known is not None and known[0]() is leaf:
-            return known[1]
-        targets: list = []
-        self.leaf_targets[id(leaf)] = [weakref.ref(leaf), targets]
-        self.leaf_handles.append(leaf.register_hook(_GradHook(self.guard, targets)))
-        return targets
-
-    def drop_dead(self) -> None:
-        """Forget the handles of hooks on freed graphs, which need no removal."""
-        self.handles = [h for h in self.handles if h.hooks_dict_ref() is not None]
-
-    def backward_done(self) -> None:
-        for _, targets in self.leaf_targets.values():
-            targets.clear()  # the calls that used the leaves are done with
-
-    def remove(self) -> None:
-        for handle in itertools.chain(self.handles, self.leaf_handles):
-            handle.remove()
-        self.handles.clear()
-        self.leaf_handles.clear()
-        self.leaf_targets.clear()
+def _pop_call(stack: list, module_id) -> Optional[CallRecord]:
+    while stack:
+        call = stack.pop()
+        if call.module_id == module_id:
+            return call
+    return None  # hooks attached mid-call, or state reset: nothing to close
 
 
 class _Option:
@@ -220,6 +128,7 @@ def _normalise_models(model_or_models, allow_none: bool = False) -> Dict[str, nn
     return dict(kept)
 
 
+
 class Guard:
     """Watch a model's forward and backward passes and stop at the first inf/nan produced.
 
@@ -253,6 +162,10 @@ class Guard:
 
     The options are checked into `guard.options` (a `GuardOptions`); each is also an attribute
     (`guard.sync`, ...; `capture` is `guard.capture_enabled`), settable between attaches.
+
+    Threads may call a guarded model at once: each runs its own pass, and a nan made in one is
+    raised in that thread. `with guard:` nested in `with guard:` keeps the hooks until the
+    outermost block ends. Copies of the model made meanwhile (deepcopy, pickle) are not watched.
     """
 
     max_frames = _Option("max_frames")
@@ -294,20 +207,23 @@ class Guard:
             on_detect=on_detect, ops=ops, capture=capture,
         ))
         self._capture = None  # replay.Capture, made on attach
-
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
-        self.batch_number = 0  # the batch being run (or last run)
-        self._batches_started = 0
+        self.batch_number = 0  # the batch being run (or last run, in any thread)
+        self._batches = BatchCounter()
+        self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
+        self._entered = 0  # `with` blocks this guard is in (nested, or in several threads)
         self._paused = False  # True while the guard re-runs a step itself (op localisation)
         self._batches_counted_by_caller = False  # begin_batch() was called
-        self._module_hooks = _ModuleHooks()
+        self._module_hooks = ModuleHooks()
         self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
-        self._grad_hooks = _GradHooks(self)
+        self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._recent = frames.RecentPasses()  # context for a report of a later pass
-        self._reset_pass_state()
+        self._first_calls: Dict[int, CallRecord] = {}  # module id -> its first call in the batch
+        self._tracing = False  # the latest batch is traced (read in backward, in any thread)
+        self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
     def _use_options(self, options: GuardOptions) -> None:
         self.options = options
@@ -320,34 +236,37 @@ class Guard:
     # ---- attach / detach ------------------------------------------------------------------
     def attach(self) -> "Guard":
         """Register the hooks (idempotent). Prefer `with Guard(...)`, which always detaches."""
-        if self._attached:
-            return self
-        self._reset_pass_state()
-        try:
-            self._module_hooks.add(self, self.models, self._watch_backward)
-            if self.options.capture:
-                from ..replay import Capture
+        with self._lifecycle_lock:
+            if self._attached:
+                return self
+            self._forget_passes()
+            try:
+                self._module_hooks.add(self, self.models, self._watch_backward)
+                if self.options.capture:
+                    from ..replay import Capture
 
-                self._capture = None  # never an earlier attach's capture, should this one fail
-                self._capture = Capture(self.models)
-        except BaseException:
-            self.detach()
-            raise
-        self._attached = True
-        return self
+                    self._capture = None  # never an earlier attach's capture, should this one fail
+                    self._capture = Capture(self.models)
+            except BaseException:
+                self.detach()
+                raise
+            self._attached = True
+            return self
 
     def detach(self) -> None:
-        """Remove every hook this guard registered (idempotent)."""
-        self._module_hooks.remove()
-        self._grad_hooks.remove()
-        if self._capture is not None:
-            self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
-        self._sign_hints.clear()
-        if self._op_recorder is not None:
-            self._op_recorder.clear()
-        self._attached = False
-        self._reset_pass_state()
-        _stats.release_workspace()
+        """Remove every hook this guard registered (idempotent), even inside nested `with`s."""
+        with self._lifecycle_lock:
+            self._entered = 0
+            self._attached = False  # first: a backward's end queued already does nothing
+            self._module_hooks.remove()
+            self._grad_hooks.remove()
+            if self._capture is not None:
+                self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
+            self._sign_hints.clear()
+            if self._op_recorder is not None:
+                self._op_recorder.clear()
+            self._forget_passes()
+            _stats.release_workspace()
 
     def retarget(self, model_or_models) -> None:
         """Point a detached guard at other models (rebuilt in a notebook cell; an empty dict: none
@@ -361,23 +280,31 @@ class Guard:
         return self._attached
 
     def __enter__(self) -> "Guard":
-        return self.attach()
+        with self._lifecycle_lock:
+            self._entered += 1  # a failed attach detaches, which sets it back to 0
+            return self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.detach()
+        with self._lifecycle_lock:
+            self._entered -= 1
+            if self._entered <= 0:
+                self.detach()
 
     def reset(self) -> None:
-        """Forget a pass that never finished (e.g. interrupted with Ctrl-C)."""
-        self._reset_pass_state()
+        """Forget the passes that never finished (e.g. interrupted with Ctrl-C), in every thread."""
+        self._forget_passes()
 
-    def _reset_pass_state(self) -> None:
-        self._stack: List[CallRecord] = []
-        self._closed_normally: Optional[CallRecord] = None
-        self._forward: Optional[PassRecord] = None
-        self._backward_passes: Dict[int, PassRecord] = {}  # autograd graph task id -> its pass
-        self._call_counts: Dict[int, int] = {}
-        self._first_calls: Dict[int, CallRecord] = {}
+    def _forget_passes(self) -> None:
+        self._threads = ThreadPasses(lambda: self.batch_number)
+        self._backward_passes = BackwardPasses()
+        self._first_calls.clear()
         self._tracing = False
+
+    def _forget_pass(self, state: PassState) -> None:
+        """Forget this thread's forward pass (and the backward pass running here, if any)."""
+        state.reset()
+        self._first_calls.clear()
+        self._backward_passes.pop(_graph_task_id(), None)
 
     @property
     def capture(self):
@@ -394,100 +321,88 @@ class Guard:
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
-        if self._paused:
+        if is_dynamo_compiling() or self._paused:
             return
+        state = self._threads.state
+        stack = state.stack
         module_id = id(module)
-        stack = self._stack
-        if stack and stack[0].module_id == module_id and not _is_running(module):
-            # The last pass never finished (Ctrl-C skips the hooks that close calls).
-            self._reset_pass_state()
-            stack = self._stack
+        name, cls, caller = self._names.get(module_id, _UNNAMED)
+        if stack and caller != stack[-1].module_id:
+            # Called from outside the innermost open call: do the open calls still run?
+            if not state.keep_running_calls(running_calls()):
+                self._forget_pass(state)
         if not stack:
+            if inert_context():
+                return  # compiled, traced or exported: not run on values the guard can read
             # Activation checkpointing re-runs forward inside backward: no new batch then.
             recomputing = _graph_task_id() != -1
-            self._begin_forward(module_id, recomputing)
+            self._begin_forward(state, module_id, recomputing)
             if not recomputing:
                 # The state the call starts in (RNG, autocast, grad mode), to re-run it from.
-                state = (take_call_state() if self._op_recorder is not None or self._capture is not None
-                         else None)
+                call_state = (take_call_state()
+                              if self._op_recorder is not None or self._capture is not None else None)
                 if self._capture is not None:
-                    self._capture.record(self._names[module_id], module, args, kwargs, state=state)
+                    self._capture.record(name, module, args, kwargs, state=call_state)
                 if self._op_recorder is not None:
-                    self._op_recorder.remember_call(module, args, kwargs, state, self._call_counts)
-        index = self._call_counts.get(module_id, 0)
-        self._call_counts[module_id] = index + 1
+                    self._op_recorder.remember_call(module, args, kwargs, call_state,
+                                                    state.call_counts)
+        index = state.call_counts.get(module_id, 0)
+        state.call_counts[module_id] = index + 1
         # A call with nothing around it is top-level, whether or not it is a guarded root (a
         # LightningModule's training_step calls its submodules directly).
-        call = CallRecord(
-            module_id, self._names.get(module_id, "?"), type(module).__name__, FORWARD,
-            self.batch_number, index, not stack,
-        )
+        call = CallRecord(module_id, name, cls, FORWARD, state.batch_number, index, not stack)
         if index == 0:
             self._first_calls[module_id] = call
         if stack:
             call.parent = stack[-1]
             call.root_id = stack[0].module_id
-        pass_ = self._forward
+        pass_, slots, nonzero_min, hints = state.forward, call.slots, self._nonzero_min, self._sign_hints
         watch_grads = self._watch_backward and torch.is_grad_enabled()
         for pname, param in module._parameters.items():
             if param is not None:
-                self._add(pass_, call, pname, PARAM, param, False)
+                slots.append(pass_.weight_slot(param, pname, PARAM, (module_id, pname), nonzero_min, hints))
         for bname, buffer in module._buffers.items():
             # Running statistics go bad like weights; integer/bool buffers cannot.
             if buffer is not None and buffer.is_floating_point():
-                self._add(pass_, call, bname, BUFFER, buffer, False)
+                slots.append(pass_.weight_slot(buffer, bname, BUFFER, (module_id, bname), nonzero_min, hints))
         for i, value in enumerate(args):
             role = _INPUT_ROLES[i] if i < len(_INPUT_ROLES) else f"input[{i}]"
-            self._add_nested(pass_, call, role, INPUT, value, watch_grads)
+            self._add(pass_, call, role, INPUT, value, watch_grads)
         for key, value in kwargs.items():
-            self._add_nested(pass_, call, f"input[{key}]", INPUT, value, watch_grads)
+            self._add(pass_, call, f"input[{key}]", INPUT, value, watch_grads)
         stack.append(call)
 
-    def _post_hook(self, module, args, kwargs, output):
-        if self._paused:
+    def _post_hook(self, module, args, kwargs, output=_RAISED):
+        if is_dynamo_compiling() or self._paused:
             return
-        call = self._pop_call(id(module))
+        state = self._threads.state
+        stack = state.stack
+        if output is _RAISED:  # called as (module, args, None): its forward raised
+            if stack and stack[-1].module_id == id(module):
+                call = stack.pop()
+                call.raised = True
+                self._finish_call(state, call, raising=True)
+            return
+        call = _pop_call(stack, id(module))
         if call is None:
             return
-        self._closed_normally = call
         watch_grads = self._watch_backward and torch.is_grad_enabled()
-        self._add_nested(self._forward, call, "output", OUTPUT, output, watch_grads)
-        if self._op_recorder is not None and watch_grads and not self._stack:
+        self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
+        if self._op_recorder is not None and watch_grads and not stack:
             self._op_recorder.keep_root_grads(call.module_id, output, self._grad_hooks.handles)
-        self._finish_call(call)
+        self._finish_call(state, call)
 
-    def _post_hook_on_error(self, module, args, output):
-        # Runs after every call; the call is still open only when forward itself raised.
-        if self._paused:
-            return
-        closed = self._closed_normally
-        if closed is not None and closed.module_id == id(module):
-            self._closed_normally = None
-            return
-        if self._stack and self._stack[-1].module_id == id(module):
-            call = self._pop_call(id(module))
-            call.raised = True
-            self._finish_call(call, raising=True)
-
-    def _pop_call(self, module_id) -> Optional[CallRecord]:
-        stack = self._stack
-        while stack:
-            call = stack.pop()
-            if call.module_id == module_id:
-                return call
-        return None  # hooks attached mid-call, or state reset: nothing to close
-
-    def _finish_call(self, call: CallRecord, raising: bool = False) -> None:
-        pass_ = self._forward
+    def _finish_call(self, state: PassState, call: CallRecord, raising: bool = False) -> None:
+        pass_ = state.forward
         call.seq = next(pass_.seq)
         pass_.calls.append(call)
-        if self._sync and not raising and not self._tracing:
+        if self._sync and not raising and not state.tracing:
             pass_.read_back()
             culprit = detect.forward_culprit(pass_, [call], self.options)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
-        if not self._stack:
-            self._end_forward(raising)
+        if not state.stack:
+            self._end_forward(state, raising)
 
     # ---- batches and passes ---------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -495,38 +410,34 @@ class Guard:
         LightningModule's training_step calls its submodules): once called, only these calls
         count batches."""
         self._batches_counted_by_caller = True
-        self._start_batch()
+        self._start_batch(self._threads.state)
 
-    def _start_batch(self) -> None:
-        batch = self._batches_started
-        limit = self.options.abort_after_batch
-        if limit is not None and batch > limit:
-            raise BatchLimitReached(
-                f"numguard: stopped before batch {batch} because abort_after_batch="
-                f"{limit} (batches 0..{limit} ran)"
-            )
-        self._batches_started += 1
-        self.batch_number = batch
-        self._call_counts.clear()
+    def _start_batch(self, state: PassState) -> None:
+        batch = state.batch_number = self.batch_number = self._batches.next(
+            self.options.abort_after_batch)
+        state.call_counts.clear()
+        state.tracing = self._tracing = batch in self.options.trace_batches
         self._first_calls.clear()
-        self._tracing = batch in self.options.trace_batches
+        self._grad_hooks.forget_targets()  # a backward that never came (evaluation with grad)
 
-    def _begin_forward(self, module_id, recomputing: bool) -> None:
-        if self._backward_passes and not recomputing:
-            self._backward_passes.clear()  # backward passes that raised before their end
-        if module_id == self._module_hooks.primary_root_id and not recomputing \
-                and not self._batches_counted_by_caller:
-            self._start_batch()
-        self._forward = PassRecord()
-        if len(self._grad_hooks.handles) > 4096:
-            self._grad_hooks.drop_dead()  # keep the list bounded over long runs
+    def _begin_forward(self, state: PassState, module_id, recomputing: bool) -> None:
+        if not recomputing:
+            if self._backward_passes:
+                self._backward_passes.forget_open()
+            if module_id == self._module_hooks.primary_root_id and not self._batches_counted_by_caller:
+                self._start_batch(state)
+            if self._watch_backward and torch.is_grad_enabled():
+                self._module_hooks.rehook_swapped()
+        state.forward = PassRecord()
+        state.forget_when_gone(frame_local_of_call())
+        self._grad_hooks.drop_dead()  # keep the list bounded over long runs
 
-    def _end_forward(self, raising: bool) -> None:
-        pass_ = self._forward
-        self._forward = None
+    def _end_forward(self, state: PassState, raising: bool) -> None:
+        pass_ = state.forward
+        state.forward = None
         pass_.read_back()
-        if self._tracing:
-            self._record_trace(pass_)
+        if state.tracing:
+            self._record_trace(pass_, state.batch_number)
             return
         if not raising and detect.has_problem(pass_, self.options.limit_max):
             culprit = detect.find_in_forward(pass_, self.options)
@@ -535,30 +446,28 @@ class Guard:
         self._recent.remember(pass_, self.options.max_frames)
 
     # ---- values ---------------------------------------------------------------------------
-    def _add_nested(self, pass_: PassRecord, call: CallRecord, role, category, value, watch_grads) -> None:
-        if isinstance(value, torch.Tensor):  # the common case, without walking
-            self._add(pass_, call, role, category, value, watch_grads)
-            return
-        for leaf_role, leaf in _tree.named_leaves(value, role):
-            self._add(pass_, call, leaf_role, category, leaf, watch_grads)
-
     def _add(self, pass_: PassRecord, call: CallRecord, role, category, value, watch_grads) -> None:
-        """Add a slot for one value of a call; for gradients-to-be, hook the tensor."""
+        """Add a slot for one value of a call (one per leaf of a nested value); for
+        gradients-to-be, hook the tensor."""
         if not isinstance(value, torch.Tensor):
-            kind = VALUE_NONE if value is None else VALUE_OTHER
-            call.slots.append((role, category, kind, None, None, None, 0))
+            for leaf_role, leaf in _tree.named_leaves(value, role):
+                if isinstance(leaf, torch.Tensor):
+                    self._add(pass_, call, leaf_role, category, leaf, watch_grads)
+                else:
+                    kind = VALUE_NONE if leaf is None else VALUE_OTHER
+                    call.slots.append((leaf_role, category, kind, None, None, None, 0))
             return
         entry = pass_.summarise(value, (call.module_id, role), self._nonzero_min, self._sign_hints)
         call.slots.append(
             (role, category, entry[ENTRY_KIND], value.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0))
-        if watch_grads and value.requires_grad and category != PARAM:
+        if watch_grads and value.requires_grad:
             # Targets lie flat, (call, role, category) after one another: no tuple per target.
             if value.is_leaf:
                 targets = self._grad_hooks.leaf_targets_of(value)
             elif entry[ENTRY_TARGETS] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
                 targets = entry[ENTRY_TARGETS] = []
-                self._grad_hooks.handles.append(value.register_hook(_GradHook(self, targets)))
+                self._grad_hooks.handles.append(value.register_hook(GradHook(self, targets)))
             else:
                 targets = entry[ENTRY_TARGETS]
             targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
@@ -576,22 +485,17 @@ class Guard:
         return pass_
 
     def _on_grad(self, targets, grad):
-        if self._attached and not self._paused and grad is not None:
+        if self._attached and not self._paused and grad is not None and not is_dynamo_compiling():
             self._record_grad(targets, grad)
         return None
 
-    def _on_param_grad(self, module, pname, grad):
-        if not self._attached or self._paused or grad is None:
+    def _on_param_grad(self, hook: ParamHook, grad):
+        if not self._attached or self._paused or grad is None or is_dynamo_compiling():
             return None
-        forward_call = self._first_calls.get(id(module))
-        if forward_call is None:
-            # Its weights were used without calling it (F.linear(x, sub.weight)): a call of its
-            # own still gives the gradient a frame.
-            forward_call = self._first_calls[id(module)] = CallRecord(
-                id(module), self._names.get(id(module), "?"), type(module).__name__, FORWARD,
-                self.batch_number, 0, False,
-            )
-        self._record_grad((forward_call, pname + ".grad", GRAD_PARAM), grad)
+        forward_call = hook.forward_call(self._first_calls, self.batch_number)
+        self._record_grad((forward_call, hook.role, GRAD_PARAM), grad)
+        if hook.input_targets:  # the calls it was an input of
+            self._record_grad(hook.input_targets, grad)
         return None
 
     def _record_grad(self, targets, grad) -> None:
@@ -619,23 +523,20 @@ class Guard:
         if pass_ is None or not self._attached:
             return
         try:
-            self._finish_backward(pass_)
+            self._grad_hooks.drop_dead(force=True)  # the graph this pass ran on has been consumed
+            pass_.read_back()
+            if self._tracing:
+                self._record_trace(pass_, self.batch_number)
+                return
+            if detect.has_problem(pass_, self.options.limit_max):
+                culprit = detect.find_in_backward(pass_, self.options)
+                if culprit is not None:
+                    self._detect(pass_, BACKWARD, *culprit)
+            self._recent.remember(pass_, self.options.max_frames)
         finally:
             if self._op_recorder is not None:
                 self._op_recorder.forget_grads()  # held for a re-run only until this pass ends
-            self._grad_hooks.backward_done()
-
-    def _finish_backward(self, pass_: PassRecord) -> None:
-        self._grad_hooks.drop_dead()  # the graph this pass ran on has been consumed
-        pass_.read_back()
-        if self._tracing:
-            self._record_trace(pass_)
-            return
-        if detect.has_problem(pass_, self.options.limit_max):
-            culprit = detect.find_in_backward(pass_, self.options)
-            if culprit is not None:
-                self._detect(pass_, BACKWARD, *culprit)
-        self._recent.remember(pass_, self.options.max_frames)
+            self._grad_hooks.forget_targets()
 
     # ---- reports --------------------------------------------------------------------------
     def _detect(self, pass_: PassRecord, phase, call: CallRecord, bad_slots, cause) -> None:
@@ -651,18 +552,22 @@ class Guard:
             finally:
                 self._paused = False
             frames.add_op_location(culprit, where)
+        batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
-            self.batch_number)
-        self._reset_pass_state()
+            batch)
+        if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
+            self.detection.reason += _COMPILED_NOTE
+        pass_.release()
+        self._forget_pass(self._threads.state)
         error = options.on_detect(self.detection) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(self.detection)
 
-    def _record_trace(self, pass_: PassRecord) -> None:
+    def _record_trace(self, pass_: PassRecord, batch: int) -> None:
         # A trace notes where a non-finite value would have been caught, without stopping.
         culprit = detect.find_in_trace(pass_, self.options)
-        report = self.traces[self.batch_number] = frames.add_to_trace(
-            self.traces.get(self.batch_number), pass_, culprit, self.options, self.batch_number)
+        report = self.traces[batch] = frames.add_to_trace(
+            self.traces.get(batch), pass_, culprit, self.options, batch)
         if self.options.on_trace is not None:
             self.options.on_trace(report)
 

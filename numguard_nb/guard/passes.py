@@ -12,24 +12,35 @@ A *cache entry* is what a pass knows about one tensor, so that a tensor seen by 
 summarised (and, for gradients, hooked) once. A list, since its gradient targets are filled in
 later:
 
-    [weak reference, version, stats index or None, gradient targets or None, shape, value kind]
+    [reference, version, stats index or None, gradient targets or None, shape, value kind]
+
+The reference is weak for values (a pass must not keep activations alive) and the tensor itself
+for weights and buffers, which their module holds anyway: a weak reference on a parameter would
+stop `torch.utils.swap_tensors` (`module.to()`, `load_state_dict` with swapping on).
+
+A *pass state* is what one thread's forward pass is in the middle of (its open calls, its pass,
+its batch); each thread calling a guarded model has its own (`ThreadPasses`).
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
-from typing import Dict, Optional
+from functools import partial
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import stats as _stats
 from .._schema import BACKWARD, VALUE_EMPTY, VALUE_TENSOR, VALUE_UNSUPPORTED
+from ..errors import BatchLimitReached
 
 __all__ = [
     "SLOT_ROLE", "SLOT_CATEGORY", "SLOT_KIND", "SLOT_DTYPE", "SLOT_SHAPE", "SLOT_INDEX", "SLOT_SEQ",
     "ENTRY_REF", "ENTRY_VERSION", "ENTRY_INDEX", "ENTRY_TARGETS", "ENTRY_SHAPE", "ENTRY_KIND",
-    "FINE", "CallRecord", "PassRecord",
+    "FINE", "CallRecord", "PassRecord", "PassState", "ThreadPasses", "BackwardPasses",
+    "BatchCounter",
 ]
 
 # Slot fields (see the module docstring).
@@ -73,7 +84,8 @@ class CallRecord:
 class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
-    __slots__ = ("calls", "vectors", "values", "cache", "seq", "received", "received_by_module")
+    __slots__ = ("calls", "vectors", "values", "cache", "seq", "received", "received_by_module",
+                 "thread")
 
     def __init__(self):
         self.calls: list = []
@@ -85,16 +97,21 @@ class PassRecord:
         # and its direct children's input gradients), by id of the forward call and by module.
         self.received: Dict[int, set] = {}
         self.received_by_module: Dict[int, set] = {}
+        self.thread = threading.get_ident()  # the thread that started it
 
-    def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict) -> list:
+    def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
+                  held: bool = False) -> list:
         """The cache entry of `t` in this pass, computing its statistics the first time. `site`
-        (module id, role) says where it was seen, for `stats.device_stats`' sign hints."""
+        (module id, role) says where it was seen, for `stats.device_stats`' sign hints; `held`:
+        `t` is a weight or buffer, referenced strongly (see the module docstring)."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
             key = id(t)
             entry = self.cache.get(key)
             version = t._version
-            if entry is not None and entry[ENTRY_REF]() is t and entry[ENTRY_VERSION] == version:
+            # A held entry under this id is `t` itself (it is alive, so no other has its id).
+            if entry is not None and entry[ENTRY_VERSION] == version and (
+                    entry[ENTRY_REF] is t or entry[ENTRY_REF]() is t):
                 return entry
         vec = None
         numel = t.numel()
@@ -114,8 +131,15 @@ class PassRecord:
         kind = VALUE_TENSOR if index is not None else (VALUE_EMPTY if numel == 0 else VALUE_UNSUPPORTED)
         if inference:
             return [None, None, index, None, _stats.shape_of(t), kind]
-        entry = self.cache[key] = [weakref.ref(t), version, index, None, _stats.shape_of(t), kind]
+        entry = self.cache[key] = [t if held else weakref.ref(t), version, index, None,
+                                   _stats.shape_of(t), kind]
         return entry
+
+    def weight_slot(self, t: torch.Tensor, role: str, category: str, site, nonzero_min: bool,
+                    sign_hints: dict) -> tuple:
+        """The slot of a weight or buffer (`category`), summarised once per pass and held."""
+        entry = self.summarise(t, site, nonzero_min, sign_hints, True)
+        return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0)
 
     def backward_call(self, forward_call: CallRecord) -> CallRecord:
         """The backward counterpart of a forward call in this backward pass (made on first use:
@@ -160,3 +184,97 @@ class PassRecord:
 
 def _arrival(slot: tuple) -> int:
     return slot[SLOT_SEQ]
+
+
+class PassState:
+    """One thread's place in a forward pass: the calls open on its stack, the pass they record
+    into, and the batch it is running (threads calling one model each run their own batches)."""
+
+    __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref")
+
+    def __init__(self, batch_number: int = 0):
+        self.root_frame_ref = None  # see `watch_top_level_call`
+        self.stack: List[CallRecord] = []
+        self.forward: Optional[PassRecord] = None
+        self.call_counts: Dict[int, int] = {}  # module id -> its calls so far in the batch
+        self.tracing = False  # the batch is one of `trace_batches`
+        self.batch_number = batch_number
+
+    def reset(self) -> None:
+        """Forget the pass in progress (kept: the batch number)."""
+        self.stack.clear()  # in place: the hooks hold it
+        self.forward = None
+        self.call_counts.clear()
+        self.tracing = False
+
+    def forget_when_gone(self, frame_local) -> None:
+        """Forget the pass just started if the frame of its top-level call goes before it ends:
+        an interrupt (Ctrl-C) skips the hooks that close calls. `frame_local`: an object that
+        lives as long as that frame, or None (then the guard finds out at the next call made from
+        outside the pass's open calls)."""
+        if frame_local is not None:
+            self.root_frame_ref = weakref.ref(frame_local, partial(_forget_if_open, self, self.forward))
+
+    def keep_running_calls(self, running: Dict[int, int]) -> int:
+        """Drop the open calls whose forward no longer runs (an interrupt skipped the hooks
+        that close calls); `running`: module id -> its calls running up the thread's stack.
+        Returns how many calls stay open."""
+        kept = 0
+        for call in self.stack:
+            if running.get(call.module_id, 0) <= 0:
+                break
+            running[call.module_id] -= 1
+            kept += 1
+        del self.stack[kept:]
+        return kept
+
+
+def _forget_if_open(state: PassState, pass_: PassRecord, _gone) -> None:
+    if state.forward is pass_:
+        state.reset()
+
+
+class BackwardPasses(dict):
+    """The backward passes in progress: autograd graph task id -> its PassRecord."""
+
+    # Backward passes that ended in an exception are never closed by autograd; past this many
+    # open ones, they are all forgotten.
+    MAX_OPEN = 64
+
+    def forget_open(self) -> None:
+        """This thread starts a forward pass, so it is in no backward: the passes it opened
+        raised before their end."""
+        me = threading.get_ident()
+        for task, pass_ in list(self.items()):  # a snapshot: other threads add theirs
+            if pass_.thread == me:
+                self.pop(task, None)
+        if len(self) > self.MAX_OPEN:
+            self.clear()
+
+
+class ThreadPasses(threading.local):
+    """`.state`: the calling thread's `PassState`, made on its first use in each thread, in the
+    batch `current_batch()` says is running."""
+
+    def __init__(self, current_batch: Callable[[], int]):
+        self.state = PassState(current_batch())
+
+
+class BatchCounter:
+    """Numbers batches, in whichever thread they start; stops at `abort_after_batch`."""
+
+    def __init__(self):
+        self.started = 0
+        self._lock = threading.Lock()
+
+    def next(self, limit: Optional[int]) -> int:
+        """The number of the batch starting now; BatchLimitReached past batch `limit`."""
+        with self._lock:
+            batch = self.started
+            if limit is not None and batch > limit:
+                raise BatchLimitReached(
+                    f"numguard: stopped before batch {batch} because abort_after_batch="
+                    f"{limit} (batches 0..{limit} ran)"
+                )
+            self.started += 1
+            return batch

@@ -1,0 +1,430 @@
+"""Where the Guard's hooks go, and what it learns placing them; the checks its hooks make first.
+
+- `ModuleHooks`: a forward pre-hook and one always-called forward hook on every module, a
+  gradient hook on every trainable parameter; each module's name in reports and the module whose
+  forward calls it. Three kinds of module are not hooked like the rest:
+    * a TorchScript module runs its submodules in C++, where no hook reaches: it is an opaque
+      leaf, seen through its caller's inputs and outputs (its weights' gradients are watched);
+    * a model compiled before the guard attached (`torch.compile`'s `OptimizedModule`) ignores
+      hooks added after compiling: its wrapper is hooked, named as the original model (its name,
+      its class), and its weights' gradients are watched under the original names;
+    * a lazy module (`nn.LazyLinear`) has no weights until its first call: they are hooked then.
+  After `torch.utils.swap_tensors` (`module.to()` or `load_state_dict` with
+  `torch.__future__.set_swap_module_params_on_conversion(True)`, tensor-subclass parameters) a
+  parameter's hook stays with its old tensor: `rehook_swapped` puts it on the new one.
+- `GradHooks`: the gradient hooks on tensors of a graph and on leaf tensors fed to modules.
+- `inert_context()`: whether module calls are being compiled, traced or exported rather than
+  run (or run under a dispatch mode: fake tensors, FLOP counters), when the hooks do nothing.
+- `running_calls()`: the modules whose forward is running in this thread, from its frames, and
+  `frame_local_of_call()`: an object that goes with the frame of a module call.
+
+Nothing is put on parameters but their gradient hook: no weak references outlive a pass, so
+parameters can be swapped and pickled while the guard is attached; copies of hooked modules come
+out unwatched (`copies`).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .._schema import BUFFER, FORWARD, PARAM
+from . import copies
+from .passes import CallRecord
+
+__all__ = [
+    "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
+    "frame_local_of_call", "is_dynamo_compiling",
+]
+
+# Constant True inside code Dynamo traces, so a hook's body drops out of compiled graphs; a plain
+# function returning False when run, as cheap as a call can be (is_compiling() costs 3x more).
+_is_compiling = getattr(torch.compiler, "is_compiling", None) or (lambda: False)
+is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or _is_compiling
+
+_get_tracing_state = torch._C._get_tracing_state
+_swap_on_conversion = getattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: False)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
+_CALL_IMPL = nn.Module._call_impl.__code__
+_UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
+_PLAIN_PARAMETERS = (nn.Parameter, torch.Tensor)
+
+
+def inert_context() -> bool:
+    """Whether module calls are being compiled or exported (`torch.compiler.is_compiling()`),
+    traced by `torch.jit.trace`, functionalized, or run under a dispatch mode (fake tensors,
+    `make_fx`, FLOP counters): the values are not real, or the guard's own ops would be recorded
+    as the model's."""
+    return (_is_compiling() or _get_tracing_state() is not None
+            or _dispatch_modes() > 0
+            or torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE))
+
+
+def frame_local_of_call():
+    """An object living exactly as long as the frame of the module call whose hook asks (the
+    `inner` closure torch's `_call_impl` makes per call), or None where there is none."""
+    frame = sys._getframe(1)
+    for _ in range(8):  # the guard's own frames, then the hook's caller
+        if frame is None or frame.f_code is _CALL_IMPL:
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code is not _CALL_IMPL:
+        return None
+    local = frame.f_locals.get("inner")
+    return local if callable(local) else None
+
+
+def running_calls() -> collections.Counter:
+    """How many times each module (by id) is being called further up this thread's stack,
+    leaving out the innermost call (the one whose hook asks)."""
+    running: collections.Counter = collections.Counter()
+    frame = sys._getframe(1)
+    own_call = True
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            if own_call:
+                own_call = False
+            else:
+                running[id(frame.f_locals.get("self"))] += 1
+        frame = frame.f_back
+    return running
+
+
+class GradHook:
+    """The one hook a tensor gets: hands its gradient to the guard with the calls it belongs to.
+    (One object, where a partial of a bound method is two for the garbage collector to track.)"""
+
+    __slots__ = ("guard", "targets")
+
+    def __init__(self, guard, targets: list):
+        self.guard = guard
+        self.targets = targets
+
+    def __call__(self, grad):
+        return self.guard._on_grad(self.targets, grad)
+
+
+class ParamHook:
+    """The gradient hook of one parameter, what its gradient is reported as, and the calls that
+    took the parameter itself as an input (`input_targets`, as `GradHook.targets`)."""
+
+    __slots__ = ("guard", "param", "module_id", "module_name", "module_class", "role", "handle",
+                 "cdata", "input_targets")
+
+    def __init__(self, guard, param, module_id: int, module_name: str, module_class: str, role: str):
+        self.guard = guard
+        self.param = param
+        self.module_id = module_id
+        self.module_name = module_name
+        self.module_class = module_class
+        self.role = role  # "weight.grad"
+        self.input_targets: list = []
+        self.cdata = param._cdata  # changes when the parameter is swapped
+        self.handle = param.register_hook(self)
+
+    def __call__(self, grad):
+        return self.guard._on_param_grad(self, grad)
+
+    def forward_call(self, first_calls: dict, batch_number: int) -> CallRecord:
+        """The call the gradient is reported under: its module's first call in the batch or,
+        where its weights were used without calling it (F.linear(x, sub.weight), a compiled or
+        scripted model), a call of its own, which still gives the gradient a frame."""
+        call = first_calls.get(self.module_id)
+        if call is None:
+            call = first_calls[self.module_id] = CallRecord(
+                self.module_id, self.module_name, self.module_class, FORWARD, batch_number, 0, False)
+        return call
+
+    def rehook(self) -> Optional[str]:
+        """Move the hook to the tensor swapped in. Returns why it could not, or None: it cannot
+        go without bringing back hooks of the user's, which the swap left with the old tensor."""
+        param = self.param
+        if self.handle is not None:
+            self.handle.remove()  # from the hook dict the parameter kept: it no longer fires
+        self.handle = None
+        self.cdata = param._cdata
+        if not param.requires_grad:
+            return None
+        if param._backward_hooks:
+            return "swapped, with hooks of its own"
+        try:
+            param._backward_hooks = None  # a fresh dict, wired to the tensor it has now
+            self.handle = param.register_hook(self)
+        except Exception as error:  # a tensor subclass refusing hooks
+            return f"swapped, {type(error).__name__}"
+        return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return name if not prefix else (f"{prefix}.{name}" if name else prefix)
+
+
+def _compiled_original(module: nn.Module) -> Optional[nn.Module]:
+    """The original model of a `torch.compile` wrapper, else None (without importing Dynamo:
+    no wrapper exists before it is imported)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return None
+
+
+def _is_uninitialised(param) -> bool:
+    return isinstance(param, nn.parameter.UninitializedParameter)
+
+
+class _WhenMaterialised:
+    """A one-shot forward pre-hook on a lazy module, run after the one that makes its weights:
+    hooks them and names the module by its new class (`LazyLinear` becomes `Linear`)."""
+
+    def __init__(self, hooks: "ModuleHooks", guard, watch_backward: bool):
+        self.hooks = hooks
+        self.guard = guard
+        self.watch_backward = watch_backward
+        self.handle = None
+
+    def __call__(self, module, args):
+        if any(_is_uninitialised(p) for p in module._parameters.values()):
+            return  # made later (a lazy module may wait for a later call)
+        self.handle.remove()
+        name, _, caller = self.hooks.names[id(module)]
+        self.hooks.names[id(module)] = (name, type(module).__name__, caller)
+        if self.watch_backward:
+            self.hooks.hook_params(self.guard, module, id(module), name, type(module).__name__)
+
+
+class _CompiledWeights:
+    """A second forward pre-hook on a compiled model's wrapper, whose call is all the guard sees
+    of the model: it gets the original model's weights and floating-point buffers, named as
+    there, first among the call's rows."""
+
+    def __init__(self, guard, original: nn.Module):
+        self.guard = guard
+        self.weights = [(name, PARAM, p) for name, p in original.named_parameters()] + [
+            (name, BUFFER, b) for name, b in original.named_buffers() if b.is_floating_point()]
+
+    def __call__(self, module, args):
+        guard = self.guard
+        if is_dynamo_compiling() or guard._paused:
+            return
+        state = guard._threads.state
+        if not state.stack or state.stack[-1].module_id != id(module):
+            return  # not watched now (traced, exported)
+        pass_, site = state.forward, id(module)
+        state.stack[-1].slots[0:0] = [
+            pass_.weight_slot(t, name, category, (site, name), guard._nonzero_min, guard._sign_hints)
+            for name, category, t in self.weights]
+
+
+class ModuleHooks:
+    """The hooks the guard puts on modules and parameters, and what it learns placing them; all
+    removed and forgotten on detach."""
+
+    def __init__(self):
+        self.handles: list = []
+        # id(module) -> (its name in reports, its class name, the id of the module whose forward
+        # calls it or None for a model's root): a call made from anywhere else makes the guard
+        # look whether its open calls still run.
+        self.names: Dict[int, tuple] = {}
+        self.modules: Dict[int, nn.Module] = {}  # id(module) -> module
+        self.hook_ids: Dict[int, List[int]] = {}  # id(module) -> ids of the hooks on it
+        self.compiled: set = set()  # ids of the modules of models that run compiled
+        self.param_hooks: Dict[int, ParamHook] = {}  # id(parameter) -> its hook
+        self.unwatched: List[str] = []  # parameters whose gradient could not be hooked
+        self.subclass_params = False  # some parameter is a tensor subclass (torch swaps those)
+        self.primary_root_id: Optional[int] = None  # the first model: its calls start batches
+
+    def add(self, guard, models: Dict[str, nn.Module], watch_backward: bool) -> None:
+        """Hook every module of `models` (once each, under its name with the model's prefix)."""
+        for prefix, root in models.items():
+            if self.primary_root_id is None:
+                self.primary_root_id = id(root)
+            self._add_tree(guard, root, prefix, None, watch_backward)
+        for module_id, module in self.modules.items():
+            copies.install(module, self.hook_ids[module_id])
+        if self.unwatched:
+            self._warn_unwatched()
+
+    def _add_tree(self, guard, module: nn.Module, name: str, caller: Optional[int],
+                  watch_backward: bool) -> None:
+        if id(module) in self.names:
+            return
+        if isinstance(module, torch.jit.ScriptModule):
+            if caller is None:
+                warnings.warn(f"numguard: {name or 'the model'} is a TorchScript module: its calls "
+                              "cannot be watched, only its weights' gradients (guard the model "
+                              "before scripting it)", stacklevel=4)
+            if watch_backward:
+                cls = getattr(module, "original_name", type(module).__name__)
+                self.hook_params(guard, module, id(module), name, cls, recurse=True)
+            return
+        original = _compiled_original(module)
+        if original is not None:
+            self._add_compiled(guard, module, original, name, caller, watch_backward)
+            return
+        self._hook_module(guard, module, name, type(module).__name__, caller, watch_backward)
+        self.compiled.discard(id(module))  # also run uncompiled, elsewhere in the model
+        if watch_backward:
+            self.hook_params(guard, module, id(module), name, type(module).__name__)
+        if type(module).forward is not _UNIMPLEMENTED_FORWARD:
+            caller = id(module)
+        for child_name, child in module._modules.items():
+            if child is not None:
+                self._add_tree(guard, child, _join(name, child_name), caller, watch_backward)
+
+    def _add_compiled(self, guard, wrapper: nn.Module, original: nn.Module, name: str,
+                      caller: Optional[int], watch_backward: bool) -> None:
+        # Hooks added to the original model now would be ignored by its compiled code (and
+        # adding them would not recompile it): the wrapper's call is what the guard can see.
+        self._hook_module(guard, wrapper, name, type(original).__name__, caller, watch_backward)
+        weights = wrapper.register_forward_pre_hook(_CompiledWeights(guard, original))
+        self.handles.append(weights)
+        self.hook_ids[id(wrapper)].append(weights.id)
+        self.compiled.add(id(wrapper))
+        for sub_name, sub in original.named_modules():
+            if id(sub) not in self.names:
+                self.compiled.add(id(sub))
+            if watch_backward:
+                self.hook_params(guard, sub, id(sub), _join(name, sub_name), type(sub).__name__)
+
+    def _hook_module(self, guard, module: nn.Module, name: str, cls: str, caller: Optional[int],
+                     watch_backward: bool) -> None:
+        module_id = id(module)
+        self.names[module_id] = (name, cls, caller)
+        self.modules[module_id] = module
+        handles = []
+        if any(_is_uninitialised(p) for p in module._parameters.values()):
+            materialised = _WhenMaterialised(self, guard, watch_backward)
+            materialised.handle = module.register_forward_pre_hook(materialised)
+            handles.append(materialised.handle)
+        handles.append(module.register_forward_pre_hook(guard._pre_hook, with_kwargs=True))
+        # One hook after every call: called with the keyword inputs after a forward that
+        # returned, and with (module, inputs, None) after one that raised an Exception.
+        handles.append(module.register_forward_hook(guard._post_hook, with_kwargs=True,
+                                                    always_call=True))
+        self.handles += handles
+        self.hook_ids[module_id] = [h.id for h in handles]
+
+    def hook_params(self, guard, module: nn.Module, module_id: int, name: str, cls: str,
+                    recurse: bool = False) -> None:
+        """Hook the gradient of each trainable parameter of `module` (of its submodules too with
+        `recurse`) not hooked yet; lazy ones wait for their module's first call."""
+        for pname, param in module.named_parameters(recurse=recurse):
+            if not param.requires_grad or id(param) in self.param_hooks or _is_uninitialised(param):
+                continue
+            self.subclass_params = self.subclass_params or type(param) not in _PLAIN_PARAMETERS
+            try:
+                self.param_hooks[id(param)] = ParamHook(guard, param, module_id, name, cls,
+                                                        pname + ".grad")
+            except Exception as error:  # a tensor subclass refusing hooks: watch the rest
+                self.unwatched.append(f"{_join(name, pname)} ({type(error).__name__})")
+
+    def rehook_swapped(self) -> None:
+        """Hook the tensors swapped into parameters since the last pass. Looked for only where
+        torch swaps (`module.to()`, `load_state_dict`): with the swap flag on, or with
+        tensor-subclass parameters."""
+        if not (self.subclass_params or _swap_on_conversion()):
+            return
+        for hook in list(self.param_hooks.values()):  # a lazy module's first call may add some
+            if hook.param._cdata != hook.cdata:
+                failed = hook.rehook()
+                if failed:
+                    self.unwatched.append(f"{_join(hook.module_name, hook.role[:-5])} ({failed})")
+        if self.unwatched:
+            self._warn_unwatched()
+
+    def _warn_unwatched(self) -> None:
+        warnings.warn(f"numguard: the gradients of {', '.join(self.unwatched)} are not watched",
+                      stacklevel=2)
+        self.unwatched.clear()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for module_id, module in self.modules.items():
+            copies.uninstall(module, self.hook_ids[module_id])
+        for hook in self.param_hooks.values():
+            if hook.handle is not None:
+                hook.handle.remove()
+        self.handles.clear()
+        self.names.clear()  # cleared, never replaced: the guard reads it as `_names`
+        self.modules.clear()
+        self.hook_ids.clear()
+        self.compiled.clear()
+        self.param_hooks.clear()
+        self.unwatched.clear()
+        self.subclass_params = False
+        self.primary_root_id = None
+
+
+class GradHooks:
+    """The gradient hooks the guard puts on tensors, and their handles (removed on detach).
+
+    A tensor seen in forward gets one hook per pass (and version), fanned out to every call that
+    saw it; its handle is dead once the tensor's graph is freed. A leaf tensor fed to a module
+    gets one hook while it lives (a hook per forward would pile up on it: a leaf outlives its
+    graphs); a guarded parameter fed to a module reports through its own gradient hook. The calls
+    a leaf's gradient belongs to are kept until the backward pass or the next batch."""
+
+    def __init__(self, guard, param_hooks: Dict[int, ParamHook]):
+        self.guard = guard
+        self.param_hooks = param_hooks
+        self.handles: list = []  # hooks on tensors of a graph
+        self.leaf_targets: Dict[int, tuple] = {}  # id(leaf) -> (handle, targets)
+        self._fed_params: List[ParamHook] = []  # hooks of parameters fed to modules
+        self._kept = (0, 0)  # live handles and leaves after the last pruning
+
+    def leaf_targets_of(self, leaf: torch.Tensor) -> list:
+        """The targets of the one hook delivering `leaf`'s gradient, hooking it the first time."""
+        hook = self.param_hooks.get(id(leaf))
+        if hook is not None and hook.param is leaf and hook.handle is not None:
+            if not hook.input_targets:
+                self._fed_params.append(hook)
+            return hook.input_targets
+        known = self.leaf_targets.get(id(leaf))
+        if known is not None:
+            hooks = known[0].hooks_dict_ref()
+            if hooks is not None and hooks is leaf._backward_hooks:
+                return known[1]
+        targets: list = []
+        self.leaf_targets[id(leaf)] = (leaf.register_hook(GradHook(self.guard, targets)), targets)
+        if len(self.leaf_targets) > 2 * self._kept[1] + 32:
+            self._drop_dead_leaves()
+        return targets
+
+    def drop_dead(self, force: bool = False) -> None:
+        """Forget the handles of hooks on freed graphs and tensors, which need no removal; unless
+        `force`d, only once they have doubled since the last time (bounded, amortised)."""
+        handles = self.handles
+        if force or len(handles) > 2 * self._kept[0] + 64:
+            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]  # in place: threads
+            self._kept = (len(handles), self._kept[1])
+
+    def _drop_dead_leaves(self) -> None:
+        for key, known in list(self.leaf_targets.items()):  # a snapshot: threads add theirs
+            if known[0].hooks_dict_ref() is None:
+                self.leaf_targets.pop(key, None)
+        self._kept = (self._kept[0], len(self.leaf_targets))
+
+    def forget_targets(self) -> None:
+        """The calls that used leaves are done with (their backward ran, or a batch started)."""
+        for _, targets in list(self.leaf_targets.values()):
+            targets.clear()
+        fed, self._fed_params = self._fed_params, []
+        for hook in fed:
+            hook.input_targets.clear()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for handle, _ in self.leaf_targets.values():
+            handle.remove()
+        self.handles.clear()
+        self.leaf_targets.clear()
+        self._fed_params = []
+        self._kept = (0, 0)
