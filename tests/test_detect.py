@@ -23,6 +23,7 @@ FINITE = [0.5, 2.0, 0.0]
 POSINF = [0.5, math.inf, math.inf]
 NEGINF = [0.0, math.inf, -math.inf]
 NAN = [math.nan, math.nan, math.nan]
+NEGINF_DATA = [1.0, math.inf, -math.inf]  # -inf next to finite values: no zeros, so no mask
 BEYOND_FP16 = [0.5, 1e5, 0.0]  # finite in float32, an overflow in float16
 
 RULES = GuardOptions()
@@ -147,7 +148,7 @@ def test_a_minus_inf_mask_reaching_the_models_output_is_its_makers_doing():
     assert detect.find_in_forward(rec.pass_, GuardOptions(allow_inf="build*")) is None
 
 
-@pytest.mark.parametrize("row", [POSINF, NEGINF])
+@pytest.mark.parametrize("row", [POSINF, NEGINF_DATA])
 def test_an_inf_in_the_data_is_the_datas_once_it_turns_into_something_new(row):
     rec = Recording()
     root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
@@ -156,6 +157,17 @@ def test_an_inf_in_the_data_is_the_datas_once_it_turns_into_something_new(row):
     linear = rec.forward_call("0", [rec.same(data, "input[0]", INPUT),
                                     rec.slot("output", OUTPUT, NAN)], parent=root)
     assert detect.forward_culprit(rec.pass_, [linear], RULES) == (root, [data], CAUSE_DATA)
+
+
+def test_a_mask_passed_in_that_turns_into_nan_names_the_call_that_made_the_nan():
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    mask = rec.slot("input[1]", INPUT, NEGINF)  # zeros and -inf: a mask
+    root.slots.extend([rec.slot("input[0]", INPUT, FINITE), mask])
+    softmax = rec.forward_call("softmax", [rec.same(mask, "input[1]", INPUT),
+                                           rec.slot("output", OUTPUT, NAN)], parent=root)
+    call, bad, cause = detect.forward_culprit(rec.pass_, [softmax], RULES)
+    assert (call, cause) == (softmax, CAUSE_FORWARD) and [s[0] for s in bad] == ["output"]
 
 
 def test_a_minus_inf_in_the_data_that_only_masks_is_no_detection_but_reaching_the_output_is():

@@ -97,13 +97,33 @@ def test_a_fully_masked_row_names_the_softmax_and_where_the_minus_inf_came_from(
     report = run(MaskedAttention(), torch.randn(2, 3, 4), keep, sync=sync)
     assert report is not None and report.cause == "forward"
     assert report.first_nonfinite.module_name == "scores"
-    assert report.reason.endswith("the -inf came from build_mask (MaskBuilder)")
+    assert report.reason.endswith("the -inf mask it received came from build_mask (MaskBuilder)")
 
 
 def test_a_minus_inf_mask_passed_in_that_only_masks_is_no_detection():
     torch.manual_seed(0)
     additive = MaskBuilder()(torch.tensor([[1, 1, 0], [1, 0, 0]]))
     assert run(Scores(), torch.randn(2, 3, 4, requires_grad=True), additive) is None
+
+
+class PassesMaskOn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scores = Scores()
+
+    def forward(self, x, additive):
+        return self.scores(x, additive)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_mask_passed_in_with_a_fully_masked_row_names_the_softmax_and_the_data(sync):
+    torch.manual_seed(0)
+    additive = MaskBuilder()(torch.tensor([[1, 1, 0], [0, 0, 0]]))
+    report = run(PassesMaskOn(), torch.randn(2, 3, 4, requires_grad=True), additive, sync=sync)
+    assert report is not None and report.cause == "forward"
+    assert report.first_nonfinite.module_name == "scores"
+    assert report.reason.endswith(
+        "the -inf mask it received came from the data fed to PassesMaskOn")
 
 
 @pytest.mark.parametrize("sync", [False, True])

@@ -29,8 +29,8 @@ from .._schema import (
 from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassRecord
 
 __all__ = [
-    "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "has_problem", "value_kinds", "forward_culprit",
-    "mask_maker", "backward_culprit", "first_nan", "find_in_forward", "find_in_backward", "find_in_trace",
+    "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds",
+    "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward", "find_in_backward", "find_in_trace",
 ]
 
 NAN = frozenset((PROBLEM_NAN,))
@@ -81,9 +81,10 @@ def forward_culprit(pass_: PassRecord, calls, rules):
 
     The data and masks: a nan in the data is always the data's; an inf or -inf in the data is
     the data's once it turns into something new in any call, or reaches the model's output; a
-    -inf made from finite values (a mask builder) is no culprit by itself, but its consumer is
-    once it makes nan or +inf from it (`mask_maker` says where the -inf came from), and the
-    maker is once the -inf reaches the model's output."""
+    -inf mask (made from finite values by a mask builder, or passed in as zeros and -inf) is
+    no culprit by itself, but its consumer is once it makes nan or +inf (`mask_maker` says
+    where the -inf came from), and the mask's maker (or the data) is once the -inf reaches the
+    model's output."""
     limit_max = rules.limit_max
     for call in calls:
         received = set(call.child_kinds)
@@ -139,15 +140,22 @@ def forward_culprit(pass_: PassRecord, calls, rules):
     return None
 
 
-def _data_culprit(pass_: PassRecord, call, limit_max):
-    """(top-level call, its non-finite inputs, data) when the data fed to the model holds
-    nan or an inf (what `call` received from its parents may have come from there), or None."""
+def _data_culprit(pass_: PassRecord, call, limit_max, masks_too=False):
+    """(top-level call, its non-finite inputs, data) when the data fed to the model holds nan
+    or an inf (what `call` received from its parents may have come from there), or None. A
+    mask passed in (zeros and -inf) counts only with `masks_too`."""
     root = call
     while root.parent is not None:
         root = root.parent
     bad = [slot for slot in root.slots if slot[SLOT_CATEGORY] == INPUT
-           and value_kinds(pass_, slot, limit_max) & NONFINITE]
+           and value_kinds(pass_, slot, limit_max) & NONFINITE
+           and (masks_too or not is_mask(pass_, slot, limit_max))]
     return (root, bad, CAUSE_DATA) if bad else None
+
+
+def is_mask(pass_: PassRecord, slot: tuple, limit_max) -> bool:
+    """Does the value look like an additive mask: -inf next to zeros, nothing else wrong?"""
+    return value_kinds(pass_, slot, limit_max) == MASK and pass_.values[slot[SLOT_INDEX]][0] == 0
 
 
 def _reached_output(pass_: PassRecord, root, given, produced, rules):
@@ -155,7 +163,7 @@ def _reached_output(pass_: PassRecord, root, given, produced, rules):
     data's doing when the data held one, else a -inf's maker's (a guarded call, or the call's
     own code: `produced`), or None (a stored mask buffer, an allowed maker)."""
     limit_max = rules.limit_max
-    data = _data_culprit(pass_, root, limit_max)
+    data = _data_culprit(pass_, root, limit_max, masks_too=True)
     if data is not None:
         return data
     if PROBLEM_NEGINF not in given:

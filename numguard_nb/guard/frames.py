@@ -93,17 +93,25 @@ def mask_source(pass_: PassRecord, call: CallRecord, cause: str, options) -> str
     if cause != CAUSE_FORWARD:
         return ""
     limit_max = options.limit_max
-    received = PROBLEM_NEGINF in call.child_kinds or any(
-        slot[SLOT_CATEGORY] == INPUT and PROBLEM_NEGINF in detect.value_kinds(pass_, slot, limit_max)
-        for slot in call.slots)
-    if not received:
+    if PROBLEM_NEGINF not in call.child_kinds and not _holds_neginf(pass_, call, limit_max):
         return ""
     maker = detect.mask_maker(pass_, call, limit_max)
     if maker is not None:
         return f"{maker.module_name or maker.module_class} ({maker.module_class})"
+    root = call
+    while root.parent is not None:
+        root = root.parent
+    if _holds_neginf(pass_, root, limit_max):
+        return f"the data fed to {root.module_name or root.module_class}"
     if call.parent is not None:
         return f"the code of {call.parent.module_name or call.parent.module_class}"
     return ""
+
+
+def _holds_neginf(pass_: PassRecord, call: CallRecord, limit_max) -> bool:
+    """Was `call` handed a -inf in its inputs?"""
+    return any(slot[SLOT_CATEGORY] == INPUT and PROBLEM_NEGINF in detect.value_kinds(
+        pass_, slot, limit_max) for slot in call.slots)
 
 
 def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame] = None,
@@ -153,8 +161,8 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
         return (f"{where} produced a value beyond {limit} in forward ({call}): {what}, while its "
                 f"inputs and weights {below}")
     if mask_from:
-        return (f"{where} produced a non-finite value in forward ({call}): {what}, from a -inf it "
-                f"received (a mask); the -inf came from {mask_from}")
+        return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
+                f"inputs and weights did not hold; the -inf mask it received came from {mask_from}")
     if rows and all(row.neginf and not row.nan and not row.posinf for row in rows):
         return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
                 "inputs and weights did not hold, and the -inf reaches the model's output")
