@@ -135,6 +135,20 @@ def test_a_carrier_passing_a_minus_inf_mask_through_is_no_culprit_but_a_new_plus
     assert detect.mask_maker(rec.pass_, add_mask, None) is build
 
 
+def test_the_mask_maker_is_found_through_the_calls_that_carried_its_minus_inf():
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    build = rec.forward_call("build", [rec.slot("input[0]", INPUT, FINITE),
+                                       rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    carry = rec.forward_call("unsqueeze", [rec.same(build.slots[1], "input[0]", INPUT),
+                                           rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    rec.forward_call("other_mask", [rec.slot("input[0]", INPUT, FINITE),
+                                    rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    softmax = rec.forward_call("softmax", [rec.same(carry.slots[1], "input[1]", INPUT),
+                                           rec.slot("output", OUTPUT, NAN)], parent=root)
+    assert detect.mask_maker(rec.pass_, softmax, None) is build
+
+
 def test_a_minus_inf_mask_reaching_the_models_output_is_its_makers_doing():
     rec = Recording()
     root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)

@@ -30,7 +30,8 @@ from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassR
 
 __all__ = [
     "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds",
-    "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward", "find_in_backward", "find_in_trace",
+    "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward",
+    "find_in_backward", "find_in_trace",
 ]
 
 NAN = frozenset((PROBLEM_NAN,))
