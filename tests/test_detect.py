@@ -23,6 +23,7 @@ FINITE = [0.5, 2.0, 0.0]
 POSINF = [0.5, math.inf, math.inf]
 NEGINF = [0.0, math.inf, -math.inf]
 NAN = [math.nan, math.nan, math.nan]
+NEGINF_DATA = [1.0, math.inf, -math.inf]  # -inf next to finite values: no zeros, so no mask
 BEYOND_FP16 = [0.5, 1e5, 0.0]  # finite in float32, an overflow in float16
 
 RULES = GuardOptions()
@@ -51,12 +52,29 @@ class Recording:
         self.pass_.calls.append(call)
         return call
 
+    def same(self, slot, role, category):
+        """A slot of the very value `slot` holds, seen again (as the Guard's cache does)."""
+        return (role, category, VALUE_TENSOR, slot[3], slot[4], slot[5], next(self.pass_.seq))
+
     def gradient(self, forward_call, role, category, row):
         """A gradient arriving in backward for `forward_call` (arrival order = call order)."""
         call = self.pass_.backward_call(forward_call)
         slot = self.slot(role, category, row)
         call.slots.append(slot)
         return call, slot
+
+
+def close(rec, call, slots):
+    """Close a call whose inputs were recorded already: add its outputs, after its children."""
+    call.slots.extend(slots)
+    call.seq = next(rec.pass_.seq)
+    rec.pass_.calls.append(call)
+
+
+def reset(rec):
+    """Forget what a search noted (what parents received), to search the pass again."""
+    for call in rec.pass_.calls:
+        call.child_kinds = frozenset()
 
 
 def forward_calls(names_and_parents):
@@ -102,18 +120,83 @@ def test_a_call_whose_output_holds_what_its_inputs_and_weights_did_not_is_the_pr
 def test_a_carrier_passing_a_minus_inf_mask_through_is_no_culprit_but_a_new_plus_inf_is():
     rec = Recording()
     root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    root.slots.append(rec.slot("input[0]", INPUT, FINITE))
+    build = rec.forward_call("build_mask", [rec.slot("input[0]", INPUT, FINITE),
+                                            rec.slot("output", OUTPUT, NEGINF)], parent=root)
     add_mask = rec.forward_call("add_mask", [rec.slot("input[0]", INPUT, FINITE),
-                                             rec.slot("input[1]", INPUT, NEGINF),
+                                             rec.same(build.slots[1], "input[1]", INPUT),
                                              rec.slot("output", OUTPUT, NEGINF)], parent=root)
-    root.slots.extend([rec.slot("input[0]", INPUT, FINITE), rec.slot("input[1]", INPUT, NEGINF),
-                       rec.slot("output", OUTPUT, NEGINF)])
-    root.seq = next(rec.pass_.seq)
-    rec.pass_.calls.append(root)
+    close(rec, root, [rec.slot("output", OUTPUT, FINITE)])  # the mask did its job inside
     assert detect.find_in_forward(rec.pass_, RULES) is None
 
     add_mask.slots.append(rec.slot("output[1]", OUTPUT, POSINF))  # news next to the mask
     call, bad, cause = detect.forward_culprit(rec.pass_, rec.pass_.calls, RULES)
     assert (call, cause) == (add_mask, CAUSE_FORWARD) and [s[0] for s in bad] == ["output[1]"]
+    assert detect.mask_maker(rec.pass_, add_mask, None) is build
+
+
+def test_the_mask_maker_is_found_through_the_calls_that_carried_its_minus_inf():
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    build = rec.forward_call("build", [rec.slot("input[0]", INPUT, FINITE),
+                                       rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    carry = rec.forward_call("unsqueeze", [rec.same(build.slots[1], "input[0]", INPUT),
+                                           rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    rec.forward_call("other_mask", [rec.slot("input[0]", INPUT, FINITE),
+                                    rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    softmax = rec.forward_call("softmax", [rec.same(carry.slots[1], "input[1]", INPUT),
+                                           rec.slot("output", OUTPUT, NAN)], parent=root)
+    assert detect.mask_maker(rec.pass_, softmax, None) is build
+
+
+def test_a_minus_inf_mask_reaching_the_models_output_is_its_makers_doing():
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    root.slots.append(rec.slot("input[0]", INPUT, FINITE))
+    build = rec.forward_call("build_mask", [rec.slot("input[0]", INPUT, FINITE),
+                                            rec.slot("output", OUTPUT, NEGINF)], parent=root)
+    close(rec, root, [rec.same(build.slots[1], "output", OUTPUT)])
+    call, bad, cause = detect.find_in_forward(rec.pass_, RULES)
+    assert (call, cause) == (build, CAUSE_FORWARD) and bad == [build.slots[1]]
+    reset(rec)
+    assert detect.find_in_forward(rec.pass_, GuardOptions(allow_inf="build*")) is None
+
+
+@pytest.mark.parametrize("row", [POSINF, NEGINF_DATA])
+def test_an_inf_in_the_data_is_the_datas_once_it_turns_into_something_new(row):
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    data = rec.slot("input[0]", INPUT, row)
+    root.slots.append(data)
+    linear = rec.forward_call("0", [rec.same(data, "input[0]", INPUT),
+                                    rec.slot("output", OUTPUT, NAN)], parent=root)
+    assert detect.forward_culprit(rec.pass_, [linear], RULES) == (root, [data], CAUSE_DATA)
+
+
+def test_a_mask_passed_in_that_turns_into_nan_names_the_call_that_made_the_nan():
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    mask = rec.slot("input[1]", INPUT, NEGINF)  # zeros and -inf: a mask
+    root.slots.extend([rec.slot("input[0]", INPUT, FINITE), mask])
+    softmax = rec.forward_call("softmax", [rec.same(mask, "input[1]", INPUT),
+                                           rec.slot("output", OUTPUT, NAN)], parent=root)
+    call, bad, cause = detect.forward_culprit(rec.pass_, [softmax], RULES)
+    assert (call, cause) == (softmax, CAUSE_FORWARD) and [s[0] for s in bad] == ["output"]
+
+
+def test_a_minus_inf_in_the_data_that_only_masks_is_no_detection_but_reaching_the_output_is():
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "Model", FORWARD, 0, 0, True)
+    mask = rec.slot("input[1]", INPUT, NEGINF)
+    root.slots.extend([rec.slot("input[0]", INPUT, FINITE), mask])
+    rec.forward_call("attn", [rec.same(mask, "input[1]", INPUT),
+                              rec.slot("output", OUTPUT, FINITE)], parent=root)
+    close(rec, root, [rec.slot("output", OUTPUT, FINITE)])
+    assert detect.find_in_forward(rec.pass_, RULES) is None
+
+    root.slots[-1] = rec.same(mask, "output", OUTPUT)  # the -inf goes on to the loss
+    reset(rec)
+    assert detect.find_in_forward(rec.pass_, RULES) == (root, [mask], CAUSE_DATA)
 
 
 def test_a_stored_minus_inf_mask_buffer_is_received_not_produced():

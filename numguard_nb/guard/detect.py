@@ -29,13 +29,16 @@ from .._schema import (
 from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassRecord
 
 __all__ = [
-    "NAN", "OVERFLOW", "INF_KINDS", "has_problem", "value_kinds", "forward_culprit",
-    "backward_culprit", "first_nan", "find_in_forward", "find_in_backward", "find_in_trace",
+    "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds",
+    "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward",
+    "find_in_backward", "find_in_trace",
 ]
 
 NAN = frozenset((PROBLEM_NAN,))
 OVERFLOW = frozenset((PROBLEM_OVERFLOW,))  # finite, but beyond limit_dtype's largest value
 INF_KINDS = frozenset((PROBLEM_POSINF, PROBLEM_NEGINF, PROBLEM_OVERFLOW))  # what allow_inf allows
+NONFINITE = frozenset((PROBLEM_NAN, PROBLEM_POSINF, PROBLEM_NEGINF))
+MASK = frozenset((PROBLEM_NEGINF,))  # what an attention mask holds besides finite values
 
 
 def has_problem(pass_: PassRecord, limit_max) -> bool:
@@ -75,7 +78,14 @@ def value_kinds(pass_: PassRecord, slot: tuple, limit_max) -> frozenset:
 
 def forward_culprit(pass_: PassRecord, calls, rules):
     """(call, bad slots, cause) of the first of `calls` (in closing order) that produced a
-    non-finite value, or None."""
+    non-finite value, or None.
+
+    The data and masks: a nan in the data is always the data's; an inf or -inf in the data is
+    the data's once it turns into something new in any call, or reaches the model's output; a
+    -inf mask (made from finite values by a mask builder, or passed in as zeros and -inf) is
+    no culprit by itself, but its consumer is once it makes nan or +inf (`mask_maker` says
+    where the -inf came from), and the mask's maker (or the data) is once the -inf reaches the
+    model's output."""
     limit_max = rules.limit_max
     for call in calls:
         received = set(call.child_kinds)
@@ -101,7 +111,7 @@ def forward_culprit(pass_: PassRecord, calls, rules):
         if bad_inputs:
             return call, bad_inputs, CAUSE_DATA
         allowed = rules.inf_allowed(call.module_name)
-        given = set()
+        given, made = set(), set()
         for slot in call.slots:
             if slot[SLOT_CATEGORY] != OUTPUT:
                 continue
@@ -112,14 +122,89 @@ def forward_culprit(pass_: PassRecord, calls, rules):
                 new = new - INF_KINDS
             if new:
                 produced.append(slot)
-        if produced:
+                made |= new
+        if produced and from_parent & NONFINITE:
+            data = _data_culprit(pass_, call, limit_max)
+            if data is not None:  # the data's inf turned into something new here
+                return data
+        if produced and not made <= MASK:
             return call, produced, CAUSE_FORWARD
+        if call.parent is None and given & NONFINITE:
+            reached = _reached_output(pass_, call, given, produced, rules)
+            if reached is not None:
+                return reached
         if call.parent is not None:
             # What the child gave out beyond what the parent handed it (an allowed inf, a
-            # stored mask) is news the parent received; what it only passed on came from the
-            # parent, who may have made it.
+            # stored mask, a mask it built) is news the parent received; what it only passed
+            # on came from the parent, who may have made it.
             call.parent.child_kinds |= given - from_parent
     return None
+
+
+def _data_culprit(pass_: PassRecord, call, limit_max, masks_too=False):
+    """(top-level call, its non-finite inputs, data) when the data fed to the model holds nan
+    or an inf (what `call` received from its parents may have come from there), or None. A
+    mask passed in (zeros and -inf) counts only with `masks_too`."""
+    root = call
+    while root.parent is not None:
+        root = root.parent
+    bad = [slot for slot in root.slots if slot[SLOT_CATEGORY] == INPUT
+           and value_kinds(pass_, slot, limit_max) & NONFINITE
+           and (masks_too or not is_mask(pass_, slot, limit_max))]
+    return (root, bad, CAUSE_DATA) if bad else None
+
+
+def is_mask(pass_: PassRecord, slot: tuple, limit_max) -> bool:
+    """Does the value look like an additive mask: -inf next to zeros, nothing else wrong?"""
+    return value_kinds(pass_, slot, limit_max) == MASK and pass_.values[slot[SLOT_INDEX]][0] == 0
+
+
+def _reached_output(pass_: PassRecord, root, given, produced, rules):
+    """A top-level call's output holds an inf or nan (a model's output goes to the loss): the
+    data's doing when the data held one, else a -inf's maker's (a guarded call, or the call's
+    own code: `produced`), or None (a stored mask buffer, an allowed maker)."""
+    limit_max = rules.limit_max
+    data = _data_culprit(pass_, root, limit_max, masks_too=True)
+    if data is not None:
+        return data
+    if PROBLEM_NEGINF not in given:
+        return None
+    if produced:
+        return root, produced, CAUSE_FORWARD
+    maker = mask_maker(pass_, root, limit_max)
+    if maker is None or rules.inf_allowed(maker.module_name):
+        return None
+    bad = [slot for slot in maker.slots if slot[SLOT_CATEGORY] == OUTPUT
+           and PROBLEM_NEGINF in value_kinds(pass_, slot, limit_max)]
+    return maker, bad, CAUSE_FORWARD
+
+
+def mask_maker(pass_: PassRecord, call, limit_max):
+    """The call that made the -inf `call` received, from values without one (a mask builder):
+    the one whose output is the very value `call` received, through the calls that carried it;
+    else the last such maker before it; None when no guarded call made it (an enclosing call's
+    own code did)."""
+    # What it received, or (a top-level call's output) gave out: the Guard's cache gives a value
+    # seen by several calls one stats index.
+    wanted = {slot[SLOT_INDEX] for slot in call.slots if slot[SLOT_CATEGORY] in (INPUT, OUTPUT)
+              and PROBLEM_NEGINF in value_kinds(pass_, slot, limit_max)}
+    last_maker = None
+    earlier = [other for other in pass_.calls if other.seq < call.seq and other is not call]
+    for other in reversed(earlier):
+        outputs = [slot for slot in other.slots if slot[SLOT_CATEGORY] == OUTPUT
+                   and PROBLEM_NEGINF in value_kinds(pass_, slot, limit_max)]
+        if not outputs:
+            continue
+        received = [slot for slot in other.slots if slot[SLOT_CATEGORY] in (INPUT, PARAM, BUFFER)
+                    and PROBLEM_NEGINF in value_kinds(pass_, slot, limit_max)]
+        makes = not received and PROBLEM_NEGINF not in other.child_kinds
+        if any(slot[SLOT_INDEX] in wanted for slot in outputs):
+            if makes:
+                return other
+            wanted |= {slot[SLOT_INDEX] for slot in received}  # carried: follow it back
+        elif makes and last_maker is None:
+            last_maker = other
+    return last_maker
 
 
 def backward_culprit(pass_: PassRecord, slots, owner, rules):

@@ -14,19 +14,22 @@ import torch
 
 from .. import stats as _stats
 from .._schema import (
-    BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_LOSS_GRADIENT,
-    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, TRACE, VALUE_UNSUPPORTED,
+    BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
+    CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, INPUT,
+    PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..explain import hint_for
 from ..report import Frame, Report, TensorRow
+from . import detect
 from .passes import (
     SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_KIND, SLOT_ROLE, SLOT_SEQ, SLOT_SHAPE, CallRecord,
     PassRecord,
 )
 
 __all__ = [
-    "build_frame", "reason_sentence", "unwatched_note", "make_report", "detection_report",
+    "build_frame", "mask_source", "reason_sentence", "unwatched_note", "make_report",
+    "detection_report",
     "add_to_trace", "add_op_location", "RecentPasses",
 ]
 
@@ -76,9 +79,46 @@ def _holds(rows, of: str = "") -> str:
                      else f"{row.role}{of} reaches {row.abs_max:.3g}" for row in rows)
 
 
-def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame] = None) -> str:
+def _data_words(rows) -> str:
+    """What the data holds, in words: 'nan', '-inf', '+inf and -inf', 'nan and +inf'."""
+    words = [word for word, present in (("nan", any(row.nan for row in rows)),
+                                        ("+inf", any(row.posinf for row in rows)),
+                                        ("-inf", any(row.neginf for row in rows))) if present]
+    return " and ".join(words)
+
+
+def mask_source(pass_: PassRecord, call: CallRecord, cause: str, options) -> str:
+    """Where the -inf a forward culprit received came from ('' when it received none): the
+    guarded call that made it (`detect.mask_maker`), else its caller's own code."""
+    if cause != CAUSE_FORWARD:
+        return ""
+    limit_max = options.limit_max
+    if PROBLEM_NEGINF not in call.child_kinds and not _holds_neginf(pass_, call, limit_max):
+        return ""
+    maker = detect.mask_maker(pass_, call, limit_max)
+    if maker is not None:
+        return f"{maker.module_name or maker.module_class} ({maker.module_class})"
+    root = call
+    while root.parent is not None:
+        root = root.parent
+    if _holds_neginf(pass_, root, limit_max):
+        return f"the data fed to {root.module_name or root.module_class}"
+    if call.parent is not None:
+        return f"the code of {call.parent.module_name or call.parent.module_class}"
+    return ""
+
+
+def _holds_neginf(pass_: PassRecord, call: CallRecord, limit_max) -> bool:
+    """Was `call` handed a -inf in its inputs?"""
+    return any(slot[SLOT_CATEGORY] == INPUT and PROBLEM_NEGINF in detect.value_kinds(
+        pass_, slot, limit_max) for slot in call.slots)
+
+
+def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame] = None,
+                    mask_from: str = "") -> str:
     """The one sentence a report gives for its culprit `frame`. `evidence`: for a gradient made
-    in a module's own code, the frame of the submodule that received it."""
+    in a module's own code, the frame of the submodule that received it. `mask_from`: where the
+    -inf a forward culprit received came from (`mask_source`)."""
     inline = cause == CAUSE_BACKWARD_INLINE and evidence is not None
     rows = evidence.flagged_rows if inline else frame.flagged_rows
     what = _holds(rows, f" of {evidence.label}" if inline else "")
@@ -99,7 +139,8 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
         return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
                 "an earlier optimizer step wrote them")
     if cause == CAUSE_DATA:
-        return f"the data fed to {where} in batch {frame.batch_number} holds nan ({what})"
+        return (f"the data fed to {where} in batch {frame.batch_number} holds "
+                f"{_data_words(rows)} ({what})")
     if cause == CAUSE_LOSS_GRADIENT:
         return (f"the gradient entering {where} in backward of batch {frame.batch_number} is "
                 f"already {'beyond ' + limit if predicted else 'non-finite'} ({what}"
@@ -119,6 +160,12 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
     if predicted:
         return (f"{where} produced a value beyond {limit} in forward ({call}): {what}, while its "
                 f"inputs and weights {below}")
+    if mask_from:
+        return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
+                f"inputs and weights did not hold; the -inf mask it received came from {mask_from}")
+    if rows and all(row.neginf and not row.nan and not row.posinf for row in rows):
+        return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
+                "inputs and weights did not hold, and the -inf reaches the model's output")
     return (f"{where} produced a non-finite value in forward ({call}): {what}, which its inputs "
             "and weights did not hold")
 
@@ -165,7 +212,8 @@ def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots,
     frames = (context + led_up_frames + [culprit])[-max_frames:]
     # A gradient made in a module's own code shows in the submodule that received it.
     evidence = next((f for f in led_up_frames if f.flagged_rows), None)
-    reason = reason_sentence(cause, culprit, options, evidence)
+    reason = reason_sentence(cause, culprit, options, evidence,
+                             mask_source(pass_, call, cause, options))
     report = make_report(frames, culprit, DETECTION, reason, cause, batch_number, options)
     report.hint = hint_for(report)  # after op localisation: the hint may name the op and line
     return report
@@ -189,7 +237,8 @@ def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
         evidence = next((f for f in frames if f.flagged_rows and f is not frame), None)
         report.first_nonfinite = frame
         report.cause = cause
-        report.reason = reason_sentence(cause, frame, options, evidence)
+        report.reason = reason_sentence(cause, frame, options, evidence,
+                                        mask_source(pass_, call, cause, options))
         report.hint = hint_for(report)
     return report
 

@@ -1,0 +1,136 @@
+"""The data and mask rules on real tiny models: an inf in the data is bad data like a nan, a -inf
+mask that only masks stops nothing, a mask that leads to nan names the module that made the nan
+and says where the -inf came from, and a -inf reaching the model's output is a detection."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from numguard_nb import Guard, NonFiniteError
+
+
+class MaskBuilder(nn.Module):
+    """Turns a 0/1 key-padding mask into an additive one: 0 where kept, -inf where masked."""
+
+    def forward(self, keep):
+        return torch.zeros(keep.shape).masked_fill(keep == 0, -math.inf).unsqueeze(1)
+
+
+class Scores(nn.Module):
+    """Softmax over masked attention scores."""
+
+    def forward(self, x, additive):
+        return (x @ x.transpose(-2, -1) + additive).softmax(-1)
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.build_mask = MaskBuilder()
+        self.scores = Scores()
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x, keep):
+        weights = self.scores(x, self.build_mask(keep))
+        return self.out(weights @ x)
+
+
+class ReturnsMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.build_mask = MaskBuilder()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, keep):
+        return self.proj(x), self.build_mask(keep)
+
+
+def run(model, *inputs, sync=False):
+    """The detection of one forward and backward pass under a guard, or None."""
+    with Guard(model, sync=sync) as guard:
+        try:
+            out = model(*inputs)
+            out = out[0] if isinstance(out, tuple) else out
+            out.sum().backward()
+        except NonFiniteError as error:
+            return error.report
+    assert guard.detection is None
+    return None
+
+
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_an_inf_or_nan_in_the_data_is_bad_data(bad, sync):
+    torch.manual_seed(0)
+    model = nn.Linear(2, 3)
+    report = run(model, torch.tensor([[bad, 1.0]]), sync=sync)
+    assert report is not None and report.cause == "data"
+    assert report.first_nonfinite.module_name == ""
+    assert [row.role for row in report.first_nonfinite.flagged_rows] == ["input[0]"]
+    word = {math.inf: "+inf", -math.inf: "-inf"}.get(bad, "nan")
+    assert f"the data fed to Linear (Linear) in batch 0 holds {word} " in report.reason
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_an_inf_in_the_data_is_bad_data_when_a_submodule_turns_it_into_something_new(sync):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    report = run(model, torch.tensor([[-math.inf, 1.0]]), sync=sync)
+    assert report is not None and report.cause == "data"
+    assert report.first_nonfinite.module_name == ""
+    assert "holds -inf" in report.reason
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_built_minus_inf_mask_over_partly_masked_rows_is_no_detection(sync):
+    torch.manual_seed(0)
+    keep = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert run(MaskedAttention(), torch.randn(2, 3, 4), keep, sync=sync) is None
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_fully_masked_row_names_the_softmax_and_where_the_minus_inf_came_from(sync):
+    torch.manual_seed(0)
+    keep = torch.tensor([[1, 1, 0], [0, 0, 0]])  # the second sample has no key left
+    report = run(MaskedAttention(), torch.randn(2, 3, 4), keep, sync=sync)
+    assert report is not None and report.cause == "forward"
+    assert report.first_nonfinite.module_name == "scores"
+    assert report.reason.endswith("the -inf mask it received came from build_mask (MaskBuilder)")
+
+
+def test_a_minus_inf_mask_passed_in_that_only_masks_is_no_detection():
+    torch.manual_seed(0)
+    additive = MaskBuilder()(torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    assert run(Scores(), torch.randn(2, 3, 4, requires_grad=True), additive) is None
+
+
+class PassesMaskOn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scores = Scores()
+
+    def forward(self, x, additive):
+        return self.scores(x, additive)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_mask_passed_in_with_a_fully_masked_row_names_the_softmax_and_the_data(sync):
+    torch.manual_seed(0)
+    additive = MaskBuilder()(torch.tensor([[1, 1, 0], [0, 0, 0]]))
+    report = run(PassesMaskOn(), torch.randn(2, 3, 4, requires_grad=True), additive, sync=sync)
+    assert report is not None and report.cause == "forward"
+    assert report.first_nonfinite.module_name == "scores"
+    assert report.reason.endswith(
+        "the -inf mask it received came from the data fed to PassesMaskOn")
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_minus_inf_reaching_the_models_output_names_its_maker(sync):
+    torch.manual_seed(0)
+    keep = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    report = run(ReturnsMask(), torch.randn(2, 3, 4), keep, sync=sync)
+    assert report is not None and report.cause == "forward"
+    assert report.first_nonfinite.module_name == "build_mask"
+    assert report.reason.endswith("and the -inf reaches the model's output")
