@@ -335,19 +335,27 @@ def _shape(shape) -> str:
 
 def _data_hint(facts: Facts) -> str:
     row = facts.flagged[0] if facts.flagged else TensorRow("x", INPUT)
+    test = "torch.isnan(x)" if facts.nan and not facts.inf else "~torch.isfinite(x)"
     if row.shape and row.shape[0] == 1:
         find = (f"It is in the batch's only sample ({row.role} has shape {_shape(row.shape)}): "
                 "fix or drop it")
     elif row.shape is None or len(row.shape) > 1:
-        find = ("Find the samples with `torch.isnan(x).flatten(1).any(1).nonzero()` "
+        find = (f"Find the samples with `{test}.flatten(1).any(1).nonzero()` "
                 f"(x: {row.role}, shape {_shape(row.shape)}) and fix or drop them")
     else:
-        find = (f"Find the entries with `torch.isnan(x).nonzero()` (x: {row.role}) and fix or "
+        find = (f"Find the entries with `{test}.nonzero()` (x: {row.role}) and fix or "
                 "drop them")
+    if facts.inf and not facts.nan:
+        made = ("e.g. log(0) of a zero-width box or a zero count, a division by zero, or a value "
+                "too large for the data's dtype")
+        fix = "guard the log or division, e.g. `torch.log(w.clamp_min(1e-6))`"
+    else:
+        made = ("e.g. a normalisation dividing by a zero range or std (a blank image) or missing "
+                "values read as nan")
+        fix = "guard the division, e.g. `(x - lo) / (hi - lo).clamp_min(1e-8)`"
     return (f"The batch fed to {facts.where} already holds {facts.found} in "
-            f"{_roles(facts.flagged)}, before any module ran: the data pipeline made it, e.g. a "
-            "normalisation dividing by a zero range or std (a blank image) or missing values read "
-            f"as nan. {find}; guard the division, e.g. `(x - lo) / (hi - lo).clamp_min(1e-8)`.")
+            f"{_roles(facts.flagged)}, before any module ran: the data pipeline made it, {made}. "
+            f"{find}; {fix}.")
 
 
 def _loss_gradient_hint(facts: Facts) -> str:

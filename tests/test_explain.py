@@ -350,8 +350,9 @@ def test_an_inf_given_with_the_data_is_traced_back_to_it():
     x[1, 2] = float("-inf")  # log(0) of a zero-width box in the preprocessing
     report = detect(model, lambda: model(x))
     hint = hint_for(report)
-    assert "was given -inf (input[0])" in hint and "came with the data" in hint
-    assert "65504" not in hint and "overflow" not in hint
+    assert report.cause == "data"
+    assert "already holds -inf in input[0]" in hint and "~torch.isfinite(x)" in hint
+    assert "log(0)" in hint and "65504" not in hint and "overflow" not in hint
 
 
 def test_an_unknown_cause_gets_a_general_hint_that_names_no_wrong_fix():
