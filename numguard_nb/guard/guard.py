@@ -49,7 +49,7 @@ from .hooks import (
     GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
     is_dynamo_compiling, running_calls,
 )
-from .options import GuardOptions
+from .options import OPTION_DOCS, GuardOptions
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
@@ -142,23 +142,6 @@ class Guard:
     Args:
         model_or_models: a module, a list of modules, or a dict of name -> module (names are then
             used as prefixes; a loss module can be watched alongside the model).
-        max_frames: frames kept in the report, leading up to the culprit.
-        trace_batches: batch numbers (0-indexed calls of the first model) whose every frame is
-            recorded in `guard.traces[batch]`, without stopping on inf/nan.
-        abort_after_batch: raise `BatchLimitReached` when batch `abort_after_batch + 1` starts.
-        backward: also watch gradients (module outputs, inputs, parameters).
-        sync: read statistics in every hook and raise there (slower; for when the process would
-            crash before the pass ends).
-        allow_inf: True, or module-name globs, for modules that legitimately produce +-inf.
-        limit_dtype: e.g. torch.float16: values beyond its largest finite value count as an
-            overflow (predicted) and non-zero values below its smallest are flagged as underflow.
-        on_trace: called with each traced batch's report after each of its passes.
-        on_detect: called with the report before `NonFiniteError` is raised; if it returns an
-            exception, that exception is raised instead.
-        ops: on a detection, re-run the failing step inside the culprit module to name the first
-            ATen op that turned non-finite and the source line that called it.
-        capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
-            to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
 
     The options are checked into `guard.options` (a `GuardOptions`); each is also an attribute
     (`guard.sync`, ...; `capture` is `guard.capture_enabled`), settable between attaches.
@@ -575,3 +558,6 @@ class Guard:
         state = "attached" if self._attached else "detached"
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {state}, batch {self.batch_number}>"
+
+
+Guard.__doc__ += OPTION_DOCS  # documented where they are checked: help(Guard) shows them

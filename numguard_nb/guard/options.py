@@ -18,7 +18,29 @@ from typing import Callable, FrozenSet, Iterable, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["GuardOptions", "LIMIT_DTYPES"]
+__all__ = ["GuardOptions", "LIMIT_DTYPES", "OPTION_DOCS"]
+
+# What each option means; appended to the Guard's docstring, so `help(Guard)` shows it.
+OPTION_DOCS = """
+    Options (keyword-only; checked by `GuardOptions`):
+        max_frames: frames kept in the report, leading up to the culprit.
+        trace_batches: batch numbers (0-indexed calls of the first model) whose every frame is
+            recorded in `guard.traces[batch]`, without stopping on inf/nan.
+        abort_after_batch: raise `BatchLimitReached` when batch `abort_after_batch + 1` starts.
+        backward: also watch gradients (module outputs, inputs, parameters).
+        sync: read statistics in every hook and raise there (slower; for when the process would
+            crash before the pass ends).
+        allow_inf: True, or module-name globs, for modules that legitimately produce +-inf.
+        limit_dtype: e.g. torch.float16: values beyond its largest finite value count as an
+            overflow (predicted) and non-zero values below its smallest are flagged as underflow.
+        on_trace: called with each traced batch's report after each of its passes.
+        on_detect: called with the report before `NonFiniteError` is raised; if it returns an
+            exception, that exception is raised instead.
+        ops: on a detection, re-run the failing step inside the culprit module to name the first
+            ATen op that turned non-finite and the source line that called it.
+        capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
+            to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
+"""
 
 # The names limit_dtype accepts (after dropping a "torch." prefix, in any case).
 LIMIT_DTYPES = {
