@@ -51,3 +51,16 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+
+# ---- causes a sentinel's re-run adds (mode="sentinel") ----------------------------------------
+CAUSE_TRANSIENT = "transient"  # non-finite once, finite when the same call was run again
+CAUSE_COMPILED = "compiled-code"  # non-finite when run compiled, finite when run eagerly
+
+# ---- guard modes: how much a Guard watches (GuardOptions.mode) -------------------------------
+MODE_FULL = "full"  # hooks on every module call, forward and backward
+MODE_SENTINEL = "sentinel"  # cheap checks per step; the full hooks only to re-run a failing call
+MODES = (MODE_FULL, MODE_SENTINEL)
+
+# ---- who found a detection (Report.found_by) -------------------------------------------------
+FOUND_BY_HOOKS = ""  # the full guard's hooks, as the values were made
+FOUND_BY_RERUN = "re-run"  # a sentinel's re-run of the failing call with the full guard

@@ -189,6 +189,9 @@ class Report:
     # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
     # set by the engine on a detection, empty when nothing is wrong.
     hint: str = ""
+    # Who found it: FOUND_BY_HOOKS ("") as the values were made, or FOUND_BY_RERUN ("re-run")
+    # when a sentinel (mode="sentinel") re-ran the failing call with the full guard.
+    found_by: str = ""
 
     @property
     def ok(self) -> bool:

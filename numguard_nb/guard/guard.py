@@ -38,7 +38,7 @@ from .. import _tree
 from .. import stats as _stats
 from .._schema import (
     BACKWARD, BUFFER, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
-    OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
+    MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
 )
 from ..callstate import take as take_call_state
 from ..errors import BatchLimitReached, NonFiniteError  # re-exported
@@ -54,6 +54,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
 )
+from .sentinel import Sentinel
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
@@ -61,9 +62,12 @@ __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 _UNNAMED = ("?", "?", None)  # a module not hooked itself (a DataParallel replica shares hooks)
 _RAISED = object()  # the output the forward hook gets after a forward that raised
-# Said after a culprit whose code ran compiled: the compiled code ignores hooks added after it.
+# Said once, after a culprit whose code ran compiled: the compiled code ignores hooks added after
+# it. Sentinel mode re-runs a failing call eagerly through the original model instead.
 _COMPILED_NOTE = ("; it ran compiled (torch.compile), so its submodules were not watched: guard "
-                  "the model before compiling it (or model._orig_mod) to find the one that made it")
+                  "the model before compiling it (or model._orig_mod) to find the one that made it,"
+                  " or guard it with mode=\"sentinel\" (--sentinel), which keeps it compiled and "
+                  "re-runs a failing call eagerly")
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 
@@ -161,6 +165,7 @@ class Guard:
     on_trace = _Option("on_trace")
     on_detect = _Option("on_detect")
     ops = _Option("ops")
+    mode = _Option("mode")
     # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
     # fitting in memory); `capture` is the latest captured call.
     capture_enabled = _Option("capture")
@@ -180,6 +185,7 @@ class Guard:
         on_detect=None,
         ops: bool = False,
         capture: bool = False,
+        mode: str = "full",
     ):
         self.models = _normalise_models(model_or_models)
         self._op_recorder: Optional[OpRecorder] = None  # kept while ops=True
@@ -187,7 +193,7 @@ class Guard:
             max_frames=max_frames, trace_batches=trace_batches,
             abort_after_batch=abort_after_batch, backward=backward, sync=sync,
             allow_inf=allow_inf, limit_dtype=limit_dtype, on_trace=on_trace,
-            on_detect=on_detect, ops=ops, capture=capture,
+            on_detect=on_detect, ops=ops, capture=capture, mode=mode,
         ))
         self._capture = None  # replay.Capture, made on attach
         self.detection: Optional[Report] = None  # set when a non-finite value was found
@@ -201,6 +207,7 @@ class Guard:
         self._module_hooks = ModuleHooks()
         self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
         self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
+        self._sentinel = Sentinel(self)  # mode="sentinel": its checks, and its re-runs
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._recent = frames.RecentPasses()  # context for a report of a later pass
@@ -223,6 +230,9 @@ class Guard:
             if self._attached:
                 return self
             self._forget_passes()
+            if self.options.mode == MODE_SENTINEL:  # no hooks on modules: checks per step
+                self._attached = self._sentinel.attach()
+                return self
             try:
                 self._module_hooks.add(self, self.models, self._watch_backward)
                 if self.options.capture:
@@ -241,6 +251,7 @@ class Guard:
         with self._lifecycle_lock:
             self._entered = 0
             self._attached = False  # first: a backward's end queued already does nothing
+            self._sentinel.detach()
             self._module_hooks.remove()
             self._grad_hooks.remove()
             if self._capture is not None:
@@ -297,8 +308,8 @@ class Guard:
     @property
     def report(self) -> Report:
         """The detection report if there was one, else a report of the last frames seen."""
-        if self.detection is not None:
-            return self.detection
+        if self.detection is not None or self.options.mode == MODE_SENTINEL:
+            return self.detection or self._sentinel.report()
         return frames.make_report(self._recent.frames(self.options), None, LATEST, "", "",
                                   self.batch_number, self.options)
 

@@ -18,6 +18,8 @@ from typing import Callable, FrozenSet, Iterable, Optional, Tuple, Union
 
 import torch
 
+from .._schema import MODE_FULL, MODES
+
 __all__ = ["GuardOptions", "LIMIT_DTYPES", "OPTION_DOCS"]
 
 # What each option means; appended to the Guard's docstring, so `help(Guard)` shows it.
@@ -40,6 +42,9 @@ OPTION_DOCS = """
             ATen op that turned non-finite and the source line that called it.
         capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
             to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
+        mode: "full" (hooks on every module call) or "sentinel" (a whole run at almost no cost:
+            checks the outputs of the model's calls and the gradients after each backward; on
+            the first inf/nan, re-runs that call with the full guard, see `guard.sentinel`).
 """
 
 # The names limit_dtype accepts (after dropping a "torch." prefix, in any case).
@@ -71,6 +76,7 @@ class GuardOptions:
     on_detect: Optional[Callable] = None
     ops: bool = False
     capture: bool = False
+    mode: str = MODE_FULL
     # Derived from limit_dtype: its largest finite value, and its smallest positive (subnormal)
     # value, below which a value flushes to 0. None without limit_dtype.
     limit_max: Optional[float] = dataclasses.field(init=False, default=None)
@@ -86,6 +92,8 @@ class GuardOptions:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         set_field(self, "allow_inf", _parse_allow_inf(self.allow_inf))
+        if self.mode not in MODES:
+            raise ValueError(f'mode must be "full" or "sentinel", got {self.mode!r}')
         limit_dtype = _parse_limit_dtype(self.limit_dtype)
         set_field(self, "limit_dtype", limit_dtype)
         if limit_dtype is not None:

@@ -1,0 +1,539 @@
+"""Sentinel mode (`Guard(model, mode="sentinel")`): the guard left on for a whole run at almost no
+cost, and the full diagnosis when a step breaks.
+
+No hooks inside the model. What a step cannot hide is checked, and nothing else:
+- the outputs of each top-level call (the loss, the logits): summarised on their device and read
+  back once per call;
+- after each backward pass through those outputs, the gradients of every guarded parameter: one
+  fused norm per device and dtype (`torch._foreach_norm`), read back once, when autograd ends the
+  pass (after the callbacks queued before it, DDP's all-reduce among them), before an optimizer
+  can apply them.
+A *top-level call* is a call of a guarded model, or of one of its first callable submodules, with
+no guarded call around it: a LightningModule's training_step calls its submodules, never the
+LightningModule. Those modules get the only module hooks: a compiled model is watched through its
+wrapper (its compiled code is not traced again), and named as the original model.
+
+Kept for a re-run, and only until its backward pass has been checked: each call's inputs (copied
+only for a model seen changing its inputs in place, which `Tensor._version` tells), its call state
+(`callstate.take`: RNG streams, autocast, grad mode) and the gradients its outputs got from
+outside it (an output the model's own loss was computed from gets its gradient from the model).
+
+On the first problem, `sentinel_rerun` runs the failing call(s) again, eagerly, under the full
+guard, and the report it gives is raised as full mode raises its own (`on_detect`, then
+`NonFiniteError`), marked `found_by="re-run"`.
+
+Batches are counted as in full mode (the first model's top-level calls, or `begin_batch()`). A
+batch in `trace_batches` runs with the full hooks (`_start_batch`): the place where chosen
+batches are watched fully, as a run goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from functools import partial
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+from .. import _tree
+from .._schema import FORWARD, LATEST, OUTPUT
+from ..callstate import take as take_call_state
+from ..errors import NonFiniteError
+from ..report import Report
+from . import copies, detect, frames
+from .hooks import inert_context, is_dynamo_compiling
+from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
+from .sentinel_rerun import (
+    compiled_original, full_guard, gradient_frame, original_name, rerun_backward, rerun_forward,
+)
+
+__all__ = ["Sentinel"]
+
+_RAISED = object()  # the output an always-called forward hook gets after a forward that raised
+_CALL_IMPL = nn.Module._call_impl.__code__
+_UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _queue_callback(callback) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _join(prefix: str, name: str) -> str:
+    return name if not prefix else (f"{prefix}.{name}" if name else prefix)
+
+
+# ---- the modules watched: models and their first callable submodules ---------------------------
+def _entry_modules(prefix: str, root: nn.Module):
+    """(name, module) of the modules whose calls can be top-level: `root`, then (unless it runs
+    compiled) its first callable submodules, looking through containers."""
+    yield prefix, root
+    if compiled_original(root) is not None:
+        return  # hooks inside compiled code would be traced into it
+    stack = [(_join(prefix, key), child) for key, child in reversed(root._modules.items())
+             if child is not None]
+    while stack:
+        name, module = stack.pop()
+        if type(module).forward is _UNIMPLEMENTED_FORWARD and compiled_original(module) is None:
+            stack.extend((_join(name, key), child) for key, child in reversed(module._modules.items())
+                         if child is not None)
+        else:
+            yield name, module
+
+
+class _Entry:
+    """A module whose calls can be top-level: how reports name it, what it is hooked with."""
+
+    __slots__ = ("module", "name", "cls", "primary", "hook_ids", "copy_inputs", "plans")
+
+    def __init__(self, module: nn.Module, name: str, primary: bool):
+        self.module = module
+        self.name = name
+        self.cls = type(compiled_original(module) or module).__name__
+        self.primary = primary  # the first model: its calls start batches
+        self.hook_ids: list = []
+        self.copy_inputs = False  # a call of it was seen changing its inputs in place
+        self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
+
+
+class _Call:
+    """One top-level call, kept for a re-run until its backward pass has been checked."""
+
+    __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
+                 "output_ids", "top", "grads", "task", "top_seen", "inputs_changed")
+
+    def __init__(self, entry: _Entry, args, kwargs, batch_number: int, call_index: int):
+        if entry.copy_inputs:  # seen changing its inputs in place: keep them as they are now
+            args, kwargs = _tree.rebuild((args, kwargs), _copy, keep_unchanged=True)
+        self.entry = entry
+        self.args = args
+        self.kwargs = kwargs
+        self.versions = _versions((args, kwargs))
+        self.state = take_call_state()
+        self.batch_number = batch_number
+        self.call_index = call_index  # calls of this module before it in the batch
+        self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
+        self.top: tuple = ()  # per output: nothing else in the output was computed from it
+        self.grads: list = []  # per output: the gradient it got from outside the call
+        self.task = None  # the autograd graph task its outputs last got gradients in
+        self.top_seen = False  # a top output got its gradient in that task
+        self.inputs_changed = False  # its inputs changed in place after it started
+
+    def inputs_now_changed(self) -> bool:
+        return _versions((self.args, self.kwargs)) != self.versions
+
+
+def _copy(t: torch.Tensor, path) -> torch.Tensor:
+    with torch.no_grad():
+        return t.clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t.clone()
+
+
+def _versions(value) -> tuple:
+    return tuple(-1 if t.is_inference() else t._version for t in _tree.tensors(value))
+
+
+class _ThreadState(threading.local):
+    """One thread's place: how deep in top-level calls, the top call's frame, the call kept."""
+
+    def __init__(self):
+        self.depth = 0
+        self.top_frame = 0  # id of the top-level call's `_call_impl` frame
+        self.call = None
+
+
+def _call_impl_frame():
+    frame = sys._getframe(2)  # the hook's caller: `inner` in torch's `_call_impl`
+    for _ in range(4):
+        if frame is None or frame.f_code is _CALL_IMPL:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _still_running(frame_id: int) -> bool:
+    """Whether the top-level call's frame is further up this thread's stack (an interrupt such as
+    Ctrl-C skips the hooks that close calls)."""
+    own = _call_impl_frame()
+    frame = own.f_back if own is not None else None
+    for _ in range(256):
+        if frame is None:
+            return False
+        if id(frame) == frame_id and frame.f_code is _CALL_IMPL:
+            return True
+        frame = frame.f_back
+    return True  # deeper than looked: assume it runs
+
+
+class _OutputGradient:
+    """The hook on one output tensor of a kept call: hands its gradient to the sentinel."""
+
+    __slots__ = ("sentinel", "call", "position")
+
+    def __init__(self, sentinel, call: _Call, position: int):
+        self.sentinel = sentinel
+        self.call = call
+        self.position = position
+
+    def __call__(self, grad):
+        self.sentinel._on_output_gradient(self.call, self.position, grad)
+
+
+# ---- the checks ----------------------------------------------------------------------------
+def _all_finite(tensors) -> bool:
+    """Whether every tensor is finite: one fused norm per device and dtype, one read-back per
+    device. A norm overflows (inf) for huge finite values: `_nonfinite_of` confirms exactly."""
+    groups: Dict[tuple, list] = {}
+    flags: Dict[torch.device, list] = {}
+    for t in tensors:
+        if t.layout != torch.strided:
+            t = t.coalesce().values() if t.is_sparse else t.to_dense()
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), group in groups.items():
+        try:
+            norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
+        except (RuntimeError, TypeError):  # a tensor subclass or dtype foreach cannot take
+            norms = [torch.linalg.vector_norm(t.float() if dtype in _LOW_PRECISION else t) for t in group]
+        flags.setdefault(device, []).append(torch.stack(norms).isfinite().all())
+    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
+
+
+def _nonfinite_of(named_tensors) -> list:
+    """The (name, tensor) pairs whose tensor holds inf or nan, checked exactly."""
+    bad = []
+    with torch.no_grad():
+        for name, t in named_tensors:
+            values = t.coalesce().values() if t.is_sparse else t
+            if values.numel() and not bool(torch.isfinite(values).all()):
+                bad.append((name, t))
+    return bad
+
+
+class Sentinel:
+    """The checks of `mode="sentinel"` for one Guard, its kept calls and its re-runs."""
+
+    MAX_KEPT_CALLS = 16  # top-level calls waiting for their backward pass (then dropped)
+    MAX_PLANS = 8  # output layouts remembered per module
+
+    def __init__(self, guard):
+        self.guard = guard
+        self.attached = False
+        self.paused = False  # True while a re-run runs the model again
+        self.entries: Dict[int, _Entry] = {}
+        self.calls: collections.deque = collections.deque(maxlen=self.MAX_KEPT_CALLS)
+        self._handles: list = []  # module hooks
+        self._grad_handles: list = []  # hooks on output tensors (dead once their graph is freed)
+        self._kept_handles = 0  # live ones after the last pruning
+        self._local = _ThreadState()
+        self._queued: set = set()  # graph tasks whose end is checked already
+        self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
+        self._accepted: set = set()  # (module id, role, kinds) the full guard's rules accept
+        self._recent = frames.RecentPasses()  # the last outputs checked, for `report()`
+        self._batch = -1  # the batch whose start was seen last
+        self._call_counts: Dict[int, int] = {}  # module id -> top-level calls in the batch
+        self._tracer = None  # a full guard watching a traced batch with all its hooks
+        self.passes_checked = 0
+
+    # ---- attach / detach ------------------------------------------------------------------
+    def attach(self) -> bool:
+        """Hook the models' top-level modules; returns True (detaches itself if it fails)."""
+        try:
+            for position, (prefix, root) in enumerate(self.guard.models.items()):
+                for name, module in _entry_modules(prefix, root):
+                    if id(module) not in self.entries:
+                        self._hook(module, name, position == 0 and module is root)
+        except BaseException:
+            self.detach()
+            raise
+        self.attached = True
+        return True
+
+    def _hook(self, module: nn.Module, name: str, primary: bool) -> None:
+        entry = self.entries[id(module)] = _Entry(module, name, primary)
+        for handle in (module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                       module.register_forward_hook(self._post_hook, with_kwargs=True,
+                                                    always_call=True)):
+            self._handles.append(handle)
+            entry.hook_ids.append(handle.id)
+        copies.install(module, entry.hook_ids)
+
+    def detach(self) -> None:
+        """Remove every hook (idempotent); what was reported stays."""
+        self.attached = False
+        for handle in self._handles + self._grad_handles:
+            handle.remove()
+        for entry in self.entries.values():
+            copies.uninstall(entry.module, entry.hook_ids)
+        self._stop_tracer()
+        self._handles.clear()
+        self._grad_handles.clear()
+        self._kept_handles = 0
+        self.entries.clear()
+        self.calls.clear()
+        self._queued.clear()
+        self._sign_hints.clear()
+        self._accepted.clear()
+        self._call_counts.clear()
+        self._local = _ThreadState()
+        self._batch = -1
+
+    def report(self) -> Report:
+        """The outputs of the last top-level calls checked, all finite."""
+        options = self.guard.options
+        note = (f'mode="sentinel": {self.passes_checked} passes checked (the outputs of the '
+                "model's calls, and the gradients after each backward)")
+        return frames.make_report(self._recent.frames(options), None, LATEST, note, "",
+                                  self.guard.batch_number, options)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _pre_hook(self, module, args, kwargs):
+        if is_dynamo_compiling() or self.paused:
+            return
+        local = self._local
+        depth = local.depth
+        if depth and not _still_running(local.top_frame):
+            depth = 0
+        local.depth = depth + 1
+        if depth:
+            return
+        local.call = None
+        local.top_frame = id(_call_impl_frame())
+        # Compiled, traced or exported; or recomputed in backward (activation checkpointing).
+        if inert_context() or _current_graph_task_id() != -1:
+            return
+        entry, guard = self.entries[id(module)], self.guard
+        if entry.primary and not guard._batches_counted_by_caller:
+            guard.batch_number = guard._batches.next(guard.options.abort_after_batch)
+        if guard.batch_number != self._batch:
+            self._start_batch(guard.batch_number, module, args, kwargs)
+        if self._tracer is not None:
+            return  # a traced batch: the full hooks watch it
+        index = self._call_counts.get(id(module), 0)
+        self._call_counts[id(module)] = index + 1
+        local.call = _Call(entry, args, kwargs, guard.batch_number, index)
+
+    def _post_hook(self, module, args, kwargs, output=_RAISED):
+        if is_dynamo_compiling() or self.paused:
+            return
+        local = self._local
+        local.depth = max(local.depth - 1, 0)
+        if local.depth:
+            return
+        call, local.call = local.call, None
+        if call is None or output is _RAISED or call.entry.module is not module:
+            return
+        if call.inputs_now_changed():  # the call itself changed them: copy from the next call on
+            call.inputs_changed = call.entry.copy_inputs = True
+        self._check_outputs(call, output)
+
+    def _check_outputs(self, call: _Call, output) -> None:
+        entry, options = call.entry, self.guard.options
+        pass_ = PassRecord()
+        record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD, call.batch_number,
+                            call.call_index, True)
+        tensors, nonzero_min = [], options.limit_dtype is not None
+        for role, leaf in _tree.named_leaves(output, "output"):
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+                summary = pass_.summarise(leaf, (id(entry.module), role), nonzero_min,
+                                          self._sign_hints)
+                record.slots.append((role, OUTPUT, summary[ENTRY_KIND], leaf.dtype,
+                                     summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
+        pass_.calls.append(record)
+        pass_.read_back()  # the forward's one synchronisation
+        self.passes_checked += 1
+        if detect.has_problem(pass_, options.limit_max):
+            self._forward_problem(call, pass_, record)
+        self._recent.remember(pass_, options.max_frames)
+        if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            self._keep_for_backward(call, tensors)
+
+    def _forward_problem(self, call: _Call, pass_: PassRecord, record: CallRecord) -> None:
+        """Re-run the call if its outputs hold what the full guard's rules may flag; raise."""
+        options, module_id = self.guard.options, record.module_id
+        allowed = detect.INF_KINDS if options.inf_allowed(call.entry.name) else frozenset()
+        bad = {}
+        for slot in record.slots:
+            kinds = detect.value_kinds(pass_, slot, options.limit_max) - allowed
+            if kinds and (module_id, slot[SLOT_ROLE], kinds) not in self._accepted:
+                bad[id(slot)] = (slot[SLOT_ROLE], kinds)
+        if not bad:
+            return
+        seen = frames.build_frame(pass_, record, options, set(bad))
+        report = self._rerun(rerun_forward, self.guard, call, seen)
+        if report is None:  # the same values again, which the full guard's rules accept
+            self._accepted.update((module_id, role, kinds) for role, kinds in bad.values())
+            return
+        self._raise(report)
+
+    # ---- backward --------------------------------------------------------------------------
+    def _keep_for_backward(self, call: _Call, tensors: list) -> None:
+        """Hook the outputs that take gradients; keep the call until its backward is checked."""
+        call.output_ids = [id(t) for t in tensors]
+        call.top = self._top_outputs(call.entry, tensors)
+        call.grads = [None] * len(tensors)
+        hooked = set()
+        for position, t in enumerate(tensors):
+            if t.requires_grad and id(t) not in hooked:
+                hooked.add(id(t))
+                self._grad_handles.append(t.register_hook(_OutputGradient(self, call, position)))
+        self.calls.append(call)
+        handles = self._grad_handles
+        if len(handles) > 2 * self._kept_handles + 64:  # forget the dead ones, amortised
+            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]
+            self._kept_handles = len(handles)
+
+    def _top_outputs(self, entry: _Entry, tensors: list) -> tuple:
+        """Per output: whether no other output was computed from it (the loss a model returns
+        was computed from its logits: the logits' gradient then comes from the model itself).
+        Found by walking the autograd graph once per output layout."""
+        layout = tuple((t.requires_grad, t.grad_fn is not None, t.output_nr) for t in tensors)
+        plan = entry.plans.get(layout)
+        if plan is None:
+            if len(entry.plans) >= self.MAX_PLANS:
+                entry.plans.clear()
+            plan = entry.plans[layout] = _top_of(tensors)
+        return plan
+
+    def _on_output_gradient(self, call: _Call, position: int, grad) -> None:
+        if self.paused or grad is None or not self.attached or is_dynamo_compiling():
+            return
+        task = _current_graph_task_id()
+        if call.task != task:  # the first gradient of this call in this backward pass
+            call.task, call.top_seen = task, False
+            call.grads = [None] * len(call.grads)
+        if call.top[position]:
+            call.top_seen = True
+            call.grads[position] = grad
+        elif not call.top_seen:  # the pass started from this output, outside the call
+            call.grads[position] = grad
+        if task not in self._queued:
+            self._queued.add(task)
+            _queue_callback(partial(self._end_backward, task, True))
+
+    def _end_backward(self, task, first_round: bool) -> None:
+        if first_round:  # once more: after every callback queued meanwhile (DDP's all-reduce)
+            _queue_callback(partial(self._end_backward, task, False))
+            return
+        self._queued.discard(task)
+        if not self.attached:
+            return
+        done = [call for call in self.calls if call.task == task]
+        try:
+            self.passes_checked += 1
+            parameters = self._parameters()
+            grads = [p.grad for p in parameters if p.grad is not None]
+            if grads and not _all_finite(grads) and self._gradient_problems_are_errors():
+                self._backward_problem(done, parameters)
+        finally:
+            for call in done:
+                call.grads = []
+                if call in self.calls:
+                    self.calls.remove(call)
+
+    def _gradient_problems_are_errors(self) -> bool:
+        """The one place loss scaling plugs in. With a GradScaler (the `scaler` option, see
+        guard/scaler.py) inf/nan gradients are how the scaler learns its scale is too high: it
+        skips that optimizer step, which is no error. Without one, every inf/nan gradient is."""
+        return getattr(self.guard.options, "scaler", None) is None
+
+    def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
+        names = self._parameter_names()
+        bad = _nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
+                            if p.grad is not None)
+        if not bad:
+            return  # a norm overflowed on huge finite values
+        first = calls[0] if calls else None
+        entry = first.entry if first is not None else next(iter(self.entries.values()))
+        batch = first.batch_number if first is not None else self.guard.batch_number
+        seen = gradient_frame(entry.name, entry.cls, batch, first.call_index if first else 0, bad)
+        if not calls:
+            return  # no call of the model took part: nothing to run again
+        for call in calls:
+            call.inputs_changed = call.inputs_changed or call.inputs_now_changed()
+        report = self._rerun(rerun_backward, self.guard, calls, seen, parameters)
+        if report is not None:
+            self._raise(report)
+
+    def _parameters(self) -> list:
+        seen, parameters = set(), []
+        for root in self.guard.models.values():
+            for p in root.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    parameters.append(p)
+        return parameters
+
+    def _parameter_names(self) -> dict:
+        return {id(p): original_name(_join(prefix, name))
+                for prefix, root in self.guard.models.items()
+                for name, p in root.named_parameters()}
+
+    # ---- re-runs and reports ---------------------------------------------------------------
+    def _rerun(self, rerun, *args):
+        self.paused = True  # the re-run's calls and gradients are the full guard's alone
+        try:
+            return rerun(*args)
+        finally:
+            self.paused = False
+
+    def _raise(self, report: Report) -> None:
+        """Raise a detection as full mode does: on_detect's exception, or NonFiniteError."""
+        guard, options = self.guard, self.guard.options
+        guard.detection = report
+        self.calls.clear()
+        error = options.on_detect(report) if options.on_detect is not None else None
+        raise error if isinstance(error, BaseException) else NonFiniteError(report)
+
+    # ---- batches ---------------------------------------------------------------------------
+    def _start_batch(self, batch: int, module, args, kwargs) -> None:
+        """A batch starts. One in `trace_batches` runs with the full hooks: a full guard is
+        attached for it (its hooks join from the call that starts it) and detached when a batch
+        that is not traced starts."""
+        self._batch = batch
+        self._call_counts.clear()
+        guard = self.guard
+        if batch not in guard.options.trace_batches:
+            self._stop_tracer()
+            return
+        joining = self._tracer is None
+        if joining:
+            self._tracer = full_guard(guard, guard.models, batch)
+            self._tracer.traces = guard.traces
+            self._tracer.attach()
+        else:
+            self._tracer._batches.started = batch
+            self._tracer.begin_batch()
+        if joining:  # attached inside this call: its pre-hook missed it
+            self._tracer._pre_hook(module, args, kwargs)
+
+    def _stop_tracer(self) -> None:
+        tracer, self._tracer = self._tracer, None
+        if tracer is not None:
+            tracer._paused = True  # a hook of the call running now may still be called
+            tracer.detach()
+
+
+def _top_of(tensors: list) -> tuple:
+    """Per tensor: whether none of the others was computed from it (one walk of the graph)."""
+    nodes: Dict[tuple, List[int]] = {}
+    for position, t in enumerate(tensors):
+        if t.grad_fn is not None:
+            nodes.setdefault((t.grad_fn, t.output_nr), []).append(position)
+    inner, seen = set(), set()
+    stack = [fn for fn, _ in nodes]
+    while stack:
+        fn = stack.pop()
+        for next_fn, output_nr in getattr(fn, "next_functions", ()):
+            if next_fn is None:
+                continue
+            inner.update(nodes.get((next_fn, output_nr), ()))
+            if next_fn not in seen:
+                seen.add(next_fn)
+                stack.append(next_fn)
+    return tuple(position not in inner for position in range(len(tensors)))
+

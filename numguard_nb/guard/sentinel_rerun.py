@@ -1,0 +1,396 @@
+"""A sentinel's second look: the failing call(s) run again, eagerly, under the full guard.
+
+`Sentinel` (`sentinel`) keeps, for each top-level call, its inputs, its call state and the
+gradients that arrived at its outputs. When a check fails it hands the call(s) here:
+
+- `rerun_forward`: the call runs again with the same inputs, random state and weights, under a
+  full guard (`Guard(models, ops=True)`, the existing engine) on the same models;
+- `rerun_backward`: the calls of the failing backward pass run forward again, then backward from
+  the gradients their outputs got, with `torch.autograd.grad` (no `.grad` is touched).
+
+Either returns the full guard's report, marked `found_by="re-run"`; or, where the re-run comes out
+finite, a report that says so: the fault did not repeat (`cause="transient"`) or, for a compiled
+model finite eagerly and non-finite compiled again, the compiled code makes it (`"compiled-code"`,
+with `backend="aot_eager"` telling graph capture from the backend's kernels); or None where the
+re-run repeats the values and the full guard's rules accept them (an allowed inf, a mask).
+
+Compiled parts run eagerly: a compiled model through `model._orig_mod`, a compiled submodule
+swapped for its original in its parent for the re-run, under `torch.compiler.set_stance(
+"force_eager")`; reports name modules as in the original model. Everything a re-run changes is put
+back: the buffers (running statistics), the random state, the swapped submodules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import _tree
+from .._schema import (
+    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, DETECTION, FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL,
+)
+from .._util import dtype_name
+from ..callstate import enter_autocast, take as take_call_state
+from ..errors import NonFiniteError
+from ..report import Frame, Report, TensorRow
+from . import frames
+
+__all__ = ["compiled_original", "original_name", "full_guard", "rerun_forward", "rerun_backward",
+           "gradient_frame"]
+
+_INF = float("inf")
+
+
+# ---- compiled models -------------------------------------------------------------------------
+def compiled_original(module) -> Optional[nn.Module]:
+    """The original model of a `torch.compile` wrapper, else None (without importing Dynamo: no
+    wrapper exists before it is imported)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return None
+
+
+def _eager(module: nn.Module) -> nn.Module:
+    original = compiled_original(module)
+    return module if original is None else _eager(original)
+
+
+def original_name(name: str) -> str:
+    """A name as in the original model: 'encoder._orig_mod.layer' -> 'encoder.layer'."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _compiled_parts(root: nn.Module) -> List[Tuple[Optional[nn.Module], str, nn.Module]]:
+    """(parent, key, wrapper) of every compiled wrapper in `root`, itself included (parent None)."""
+    parts, stack = [], [(None, "", root)]
+    while stack:
+        parent, key, module = stack.pop()
+        original = compiled_original(module)
+        if original is not None:
+            parts.append((parent, key, module))
+            module = original
+        stack.extend((module, k, child) for k, child in module._modules.items() if child is not None)
+    return parts
+
+
+@contextlib.contextmanager
+def _swapped(parts, replacement: Callable[[nn.Module], nn.Module]):
+    """Each compiled submodule replaced in its parent by `replacement(wrapper)`, then put back."""
+    done = []
+    try:
+        for parent, key, wrapper in parts:
+            if parent is not None:
+                parent._modules[key] = replacement(wrapper)
+                done.append((parent, key, wrapper))
+        yield
+    finally:
+        for parent, key, wrapper in reversed(done):
+            parent._modules[key] = wrapper
+
+
+def _eager_stance():
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+# ---- the full guard --------------------------------------------------------------------------
+def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
+    """A full-mode guard of the sentinel's class and options on `models`, whose batches are
+    counted by its caller, starting at `batch`."""
+    options = guard.options.replace(mode=MODE_FULL, capture=False, abort_after_batch=None,
+                                    **changes)
+    full = type(guard)(models, **options.as_kwargs())
+    full._batches.started = batch  # numbered as the sentinel numbers its batches
+    full.begin_batch()
+    return full
+
+
+def _rerun_guard(guard, models, batch: int):
+    return full_guard(guard, models, batch, ops=True, sync=False, trace_batches=(), on_trace=None,
+                      on_detect=None)
+
+
+# ---- what a re-run changes, put back -----------------------------------------------------------
+class _Restorer:
+    """Takes the random state and the buffers of `models`; `restore()` puts them back."""
+
+    def __init__(self, models: Dict[str, nn.Module]):
+        self.state = take_call_state()
+        self.buffers = []
+        with torch.no_grad():
+            for root in models.values():
+                for module in root.modules():
+                    for name, buffer in module._buffers.items():
+                        if buffer is not None:
+                            self.buffers.append((module, name, buffer, buffer.clone()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, buffer, saved in self.buffers:
+                module._buffers[name] = buffer
+                try:
+                    buffer.copy_(saved)
+                except RuntimeError:  # an inference tensor: written only in inference mode
+                    with torch.inference_mode():
+                        buffer.copy_(saved)
+        self.state.restore()
+
+
+@contextlib.contextmanager
+def _kept(models: Dict[str, nn.Module]):
+    restorer = _Restorer(models)
+    try:
+        yield
+    finally:
+        restorer.restore()
+
+
+# ---- running a kept call again -------------------------------------------------------------------
+def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
+    """`module(*args, **kwargs)` from the call's random state, under its autocast, with grad mode
+    `grad` (inference mode where the call ran in it)."""
+    state = call.state
+    state.restore()
+    with contextlib.ExitStack() as stack:
+        enter_autocast(state, stack)
+        if state.inference and not grad:
+            stack.enter_context(torch.inference_mode())
+        else:
+            stack.enter_context(torch.set_grad_enabled(grad))
+        return module(*args, **kwargs)
+
+
+def _in_fresh_thread(run: Callable):
+    """`run()` in a thread of its own, where no autograd graph task is running (a re-run started
+    at the end of a backward pass would otherwise look like a recomputation to the full guard)."""
+    outcome: dict = {}
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    stream = torch.cuda.current_stream() if device is not None else None
+
+    def target():
+        try:
+            with contextlib.ExitStack() as stack:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                    stack.enter_context(torch.cuda.stream(stream))
+                outcome["value"] = run()
+        except BaseException as error:  # raised again in the calling thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="numguard-rerun")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A re-run's own leaf with `t`'s values: its backward stops there, and never reaches `t`."""
+    return t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() \
+        else t.detach()
+
+
+def _forwards(calls, eager: Callable, grad: bool) -> Tuple[list, list]:
+    """Run `calls` again in order; an input that was an earlier call's output is that call's new
+    output (so the backward goes through both). Returns (outputs, leaf inputs)."""
+    outputs, made, leaves = [], {}, []
+
+    def feed(t: torch.Tensor, path) -> torch.Tensor:
+        new = made.get(id(t))
+        if new is not None and new.shape == t.shape and new.dtype == t.dtype:
+            return new
+        leaf = _leaf(t) if grad else t
+        if leaf is not t and leaf.requires_grad:
+            leaves.append(leaf)
+        return leaf
+
+    for call in calls:
+        args = _tree.rebuild(call.args, feed, keep_unchanged=True)
+        kwargs = _tree.rebuild(call.kwargs, feed, keep_unchanged=True)
+        output = _call_again(eager(call.entry.module), call, args, kwargs, grad)
+        outputs.append(output)
+        for output_id, new in zip(call.output_ids, _tree.tensors(output)):
+            made[output_id] = new
+    return outputs, leaves
+
+
+def _backward(calls, outputs, inputs: list) -> list:
+    """Gradients of `inputs` from the re-run's outputs and the gradients the originals got."""
+    pairs = []
+    for call, output in zip(calls, outputs):
+        tensors = _tree.tensors(output)
+        for position, grad in enumerate(call.grads or ()):
+            if grad is not None and position < len(tensors) and tensors[position].requires_grad:
+                pairs.append((tensors[position], grad))
+    wanted = [t for t in inputs if t.requires_grad]
+    if not pairs or not wanted:
+        return []
+    return list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                    allow_unused=True))
+
+
+def _has_problem(tensors, allow_inf: bool, limit: Optional[float]) -> bool:
+    """Whether any floating tensor holds nan (inf too, unless `allow_inf`; beyond `limit` too)."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+            continue
+        with torch.no_grad():
+            if bool(t.isnan().any()) or (not allow_inf and bool(t.isinf().any())):
+                return True
+            if limit is not None and not allow_inf and float(t.abs().max()) > limit:
+                return True
+    return False
+
+
+# ---- the re-runs -------------------------------------------------------------------------------
+def _eager_models(models: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
+    return {prefix: _eager(root) for prefix, root in models.items()}
+
+
+def _all_parts(models: Dict[str, nn.Module]) -> list:
+    return [part for root in models.values() for part in _compiled_parts(root)]
+
+
+def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
+    """Run the call again under the full guard; see the module docstring. `seen`: the frame of
+    the call's outputs as the sentinel saw them, the problems flagged."""
+    models, options = guard.models, guard.options
+    allow_inf = options.inf_allowed(call.entry.name)
+    with _kept(models):
+        parts = _all_parts(models)
+        with _swapped(parts, _eager), _eager_stance():
+            full = _rerun_guard(guard, _eager_models(models), call.batch_number)
+            try:
+                with full:
+                    output = _call_again(_eager(call.entry.module), call, call.args, call.kwargs,
+                                         call.state.grad_enabled)
+            except NonFiniteError as error:
+                return _found(error.report)
+            if _has_problem(_tree.tensors(output), allow_inf, options.limit_max):
+                return None  # the same values again, and the full guard's rules accept them
+            output = None
+        if not _involves_compiled(call.entry.module):
+            return _transient(seen, call, options, "the re-run's outputs were finite")
+        again = _call_again(call.entry.module, call, call.args, call.kwargs, False)
+        if not _has_problem(_tree.tensors(again), allow_inf, options.limit_max):
+            return _transient(seen, call, options, "run again, eagerly and compiled, its outputs "
+                              "were finite")
+        with _swapped(parts, _aot_eager):
+            aot = _call_again(_aot_eager(call.entry.module), call, call.args, call.kwargs, False)
+        captured = _has_problem(_tree.tensors(aot), allow_inf, options.limit_max)
+        return _compiled(seen, call, options, captured)
+
+
+def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Report]:
+    """Run the calls of a backward pass again, forward then backward, under the full guard.
+    `parameters`: the guarded parameters, whose gradients the re-run computes (not in `.grad`)."""
+    models, options = guard.models, guard.options
+    batch = calls[0].batch_number
+    with _kept(models):
+        parts = _all_parts(models)
+        with _swapped(parts, _eager), _eager_stance():
+            full = _rerun_guard(guard, _eager_models(models), batch)
+            try:
+                with full:
+                    outputs, leaves = _in_fresh_thread(lambda: _forwards(calls, _eager, True))
+                    grads = _backward(calls, outputs, parameters + leaves)
+            except NonFiniteError as error:
+                return _found(error.report)
+            if not grads:
+                return _transient(seen, calls[0], options, "nothing of the re-run's outputs took "
+                                  "a gradient, so its backward could not be run again")
+            if _has_problem(grads, False, None):
+                return None  # the same gradients again, and the full guard's rules accept them
+            outputs = grads = None
+        finite = ("the gradients of a re-run through the model's calls were finite (or the "
+                  "inf/nan came from code outside them that uses the weights directly)")
+        if not any(_involves_compiled(call.entry.module) for call in calls):
+            return _transient(seen, calls[0], options, finite)
+        outputs, _ = _in_fresh_thread(lambda: _forwards(calls, lambda m: m, True))
+        if not _has_problem(_backward(calls, outputs, list(parameters)), False, None):
+            return _transient(seen, calls[0], options, finite + ", run compiled again too")
+        with _swapped(parts, _aot_eager):
+            outputs, _ = _in_fresh_thread(lambda: _forwards(calls, _aot_eager, True))
+            captured = _has_problem(_backward(calls, outputs, list(parameters)), False, None)
+        return _compiled(seen, calls[0], options, captured)
+
+
+def _involves_compiled(module: nn.Module) -> bool:
+    return any(compiled_original(m) is not None for m in module.modules())
+
+
+def _aot_eager(module: nn.Module) -> nn.Module:
+    """The original of a compiled wrapper compiled again with backend="aot_eager": Dynamo's graph
+    and AOTAutograd's decompositions, run by eager kernels."""
+    original = compiled_original(module)
+    if original is None:
+        return module
+    return torch.compile(_eager(original), backend="aot_eager")
+
+
+# ---- reports ---------------------------------------------------------------------------------
+def _found(report: Report) -> Report:
+    report.found_by = FOUND_BY_RERUN
+    return report
+
+
+def _holds(frame: Frame) -> str:
+    return "; ".join(f"{row.role} holds {row.nonfinite_words or 'values beyond the limit'}"
+                     for row in frame.flagged_rows)
+
+
+def _where(seen: Frame, call) -> str:
+    changed = (" (its inputs had been changed in place since: the re-run used them as they were "
+               "then)" if call.inputs_changed else "")
+    return (f"{seen.label} ({seen.module_class}) in {seen.phase} of batch {seen.batch_number} "
+            f"({_holds(seen)}){changed}")
+
+
+def _transient(seen: Frame, call, options, differed: str) -> Report:
+    reason = (f"inf/nan in {_where(seen, call)}, but a re-run of the same call with the same "
+              f"inputs, weights and random state did not repeat it: {differed}")
+    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_TRANSIENT,
+                                seen.batch_number, options)
+    report.hint = ("A fault that does not repeat: a hardware error (check `nvidia-smi -q` for ECC "
+                   "errors), a communication fault, a race, or state kept outside the model's "
+                   "tensors that changed between the two runs. Keep the sentinel on to see "
+                   "whether it comes back, and on which rank.")
+    return _found(report)
+
+
+def _compiled(seen: Frame, call, options, captured: bool) -> Report:
+    which = ("non-finite too: graph capture (Dynamo's graph, AOTAutograd's decompositions) makes "
+             "it" if captured else "finite: the backend's generated kernels make it")
+    reason = (f"inf/nan in {_where(seen, call)} when run compiled, again when re-run compiled, "
+              f"but not when re-run eagerly: the compiled code makes it; compiled with "
+              f'backend="aot_eager" it is {which}')
+    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_COMPILED,
+                                seen.batch_number, options)
+    report.hint = ("Run the part eagerly (torch.compiler.disable), or compile it with another "
+                   "backend, and report it to PyTorch with a minimal repro "
+                   "(TORCHDYNAMO_REPRO_AFTER=\"aot\" writes one).")
+    return _found(report)
+
+
+def gradient_frame(name: str, cls: str, batch: int, call_index: int, grads) -> Frame:
+    """A frame of the non-finite gradients a sentinel found: `grads` is [(parameter name, grad)]."""
+    rows = []
+    with torch.no_grad():
+        for role, grad in grads:
+            values = grad.coalesce().values() if grad.is_sparse else grad
+            abs_max = float(values.abs().max()) if values.numel() else None
+            rows.append(TensorRow(
+                role=f"{role}.grad", category=GRAD_PARAM, dtype=dtype_name(grad.dtype),
+                shape=tuple(grad.shape), abs_max=abs_max, nan=bool(values.isnan().any()),
+                posinf=bool((values == _INF).any()), neginf=bool((values == -_INF).any()),
+                flagged=True))
+    return Frame(module_name=name, module_class=cls, phase=BACKWARD, batch_number=batch,
+                 call_index=call_index, rows=rows)
+
