@@ -20,6 +20,9 @@ a new ``on_train_begin`` also drops hooks a crashed run left behind.
 Both classes are built on first access, so importing this module needs neither
 transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
 ``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``...).
+For a whole training run their ``mode`` is ``"sentinel"`` by default: the model's outputs and
+the gradients are checked every step at almost no cost, and the step that breaks is re-run with
+the full guard; ``mode="full"`` hooks every module throughout.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Callable
 
 from torch import nn
 
+from ._schema import MODE_SENTINEL
 from .guard import Guard, GuardOptions
 from .report import Report
 
@@ -35,9 +39,9 @@ from .report import Report
 class _GuardedRun:
     """What both callbacks share: one Guard per run, detached however the run ends."""
 
-    def __init__(self, **guard_options):
+    def __init__(self, mode: str = MODE_SENTINEL, **guard_options):
         # Fail at construction on a misspelt option or a bad value, not when training starts.
-        self.options = GuardOptions(**guard_options)
+        self.options = GuardOptions(mode=mode, **guard_options)
         self.guard: Guard | None = None
 
     @property

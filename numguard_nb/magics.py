@@ -31,6 +31,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser, argument, magic_arguments
 from IPython.utils.process import arg_split
 
+from ._schema import MODE_FULL, MODE_SENTINEL
 from ._util import message_line
 from .errors import BatchLimitReached, NonFiniteError
 from .guard import GuardOptions
@@ -137,6 +138,9 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
         help="let modules produce +-inf on purpose: all of them, or those matching the globs")
     add("--ops", action="store_true",
         help="on a detection, name the first ATen op that turned non-finite and its source line")
+    add("--sentinel", action="store_true",
+        help="check only the models' outputs and the gradients, at almost no cost (compiled models "
+             "stay compiled); re-run a failing call with the full hooks")
     add("--limit-dtype", choices=_LIMIT_DTYPES, default=None,
         help="count values beyond this dtype's range as overflow/underflow (predicted)")
     add("--capture", dest="capture", action="store_const", const=True, default=None,
@@ -220,6 +224,7 @@ def _guard_options(args, capture: bool) -> GuardOptions:
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
         limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
+        mode=MODE_SENTINEL if args.sentinel else MODE_FULL,
     )
 
 

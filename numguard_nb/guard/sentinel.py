@@ -13,10 +13,11 @@ no guarded call around it: a LightningModule's training_step calls its submodule
 LightningModule. Those modules get the only module hooks: a compiled model is watched through its
 wrapper (its compiled code is not traced again), and named as the original model.
 
-Kept for a re-run, and only until its backward pass has been checked: each call's inputs (copied
-only for a model seen changing its inputs in place, which `Tensor._version` tells), its call state
-(`callstate.take`: RNG streams, autocast, grad mode) and the gradients its outputs got from
+Kept for a re-run: each call's inputs (copied only for a model seen changing its inputs in
+place, which `Tensor._version` tells), its call state (`callstate.take`: RNG streams, autocast,
+grad mode) and, until its backward pass has been checked, the gradients its outputs got from
 outside it (an output the model's own loss was computed from gets its gradient from the model).
+A call is held by the hooks on its outputs only, so it lives as long as its autograd graph.
 
 On the first problem, `sentinel_rerun` runs the failing call(s) again, eagerly, under the full
 guard, and the report it gives is raised as full mode raises its own (`on_detect`, then
@@ -29,7 +30,7 @@ batches are watched fully, as a run goes on.
 
 from __future__ import annotations
 
-import collections
+import itertools
 import sys
 import threading
 from functools import partial
@@ -104,7 +105,9 @@ class _Call:
     """One top-level call, kept for a re-run until its backward pass has been checked."""
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
-                 "output_ids", "top", "grads", "task", "top_seen", "inputs_changed")
+                 "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order")
+
+    _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
     def __init__(self, entry: _Entry, args, kwargs, batch_number: int, call_index: int):
         if entry.copy_inputs:  # seen changing its inputs in place: keep them as they are now
@@ -122,6 +125,7 @@ class _Call:
         self.task = None  # the autograd graph task its outputs last got gradients in
         self.top_seen = False  # a top output got its gradient in that task
         self.inputs_changed = False  # its inputs changed in place after it started
+        self.order = next(self._made)
 
     def inputs_now_changed(self) -> bool:
         return _versions((self.args, self.kwargs)) != self.versions
@@ -134,6 +138,10 @@ def _copy(t: torch.Tensor, path) -> torch.Tensor:
 
 def _versions(value) -> tuple:
     return tuple(-1 if t.is_inference() else t._version for t in _tree.tensors(value))
+
+
+def _made_order(call: _Call) -> int:
+    return call.order
 
 
 class _ThreadState(threading.local):
@@ -216,20 +224,19 @@ def _nonfinite_of(named_tensors) -> list:
 class Sentinel:
     """The checks of `mode="sentinel"` for one Guard, its kept calls and its re-runs."""
 
-    MAX_KEPT_CALLS = 16  # top-level calls waiting for their backward pass (then dropped)
     MAX_PLANS = 8  # output layouts remembered per module
+    MAX_OPEN_TASKS = 64  # backward passes whose end never came (they raised): past this, forgotten
 
     def __init__(self, guard):
         self.guard = guard
         self.attached = False
         self.paused = False  # True while a re-run runs the model again
         self.entries: Dict[int, _Entry] = {}
-        self.calls: collections.deque = collections.deque(maxlen=self.MAX_KEPT_CALLS)
+        self.tasks: Dict[int, List[_Call]] = {}  # autograd graph task -> the calls it goes through
         self._handles: list = []  # module hooks
         self._grad_handles: list = []  # hooks on output tensors (dead once their graph is freed)
         self._kept_handles = 0  # live ones after the last pruning
         self._local = _ThreadState()
-        self._queued: set = set()  # graph tasks whose end is checked already
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._accepted: set = set()  # (module id, role, kinds) the full guard's rules accept
         self._recent = frames.RecentPasses()  # the last outputs checked, for `report()`
@@ -273,8 +280,7 @@ class Sentinel:
         self._grad_handles.clear()
         self._kept_handles = 0
         self.entries.clear()
-        self.calls.clear()
-        self._queued.clear()
+        self.tasks.clear()
         self._sign_hints.clear()
         self._accepted.clear()
         self._call_counts.clear()
@@ -310,7 +316,7 @@ class Sentinel:
             guard.batch_number = guard._batches.next(guard.options.abort_after_batch)
         if guard.batch_number != self._batch:
             self._start_batch(guard.batch_number, module, args, kwargs)
-        if self._tracer is not None:
+        if self._tracer is not None and not self._tracer._paused:
             return  # a traced batch: the full hooks watch it
         index = self._call_counts.get(id(module), 0)
         self._call_counts[id(module)] = index + 1
@@ -372,7 +378,7 @@ class Sentinel:
 
     # ---- backward --------------------------------------------------------------------------
     def _keep_for_backward(self, call: _Call, tensors: list) -> None:
-        """Hook the outputs that take gradients; keep the call until its backward is checked."""
+        """Hook the outputs that take gradients: the hooks hold the call."""
         call.output_ids = [id(t) for t in tensors]
         call.top = self._top_outputs(call.entry, tensors)
         call.grads = [None] * len(tensors)
@@ -381,7 +387,6 @@ class Sentinel:
             if t.requires_grad and id(t) not in hooked:
                 hooked.add(id(t))
                 self._grad_handles.append(t.register_hook(_OutputGradient(self, call, position)))
-        self.calls.append(call)
         handles = self._grad_handles
         if len(handles) > 2 * self._kept_handles + 64:  # forget the dead ones, amortised
             handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]
@@ -406,23 +411,27 @@ class Sentinel:
         if call.task != task:  # the first gradient of this call in this backward pass
             call.task, call.top_seen = task, False
             call.grads = [None] * len(call.grads)
+            calls = self.tasks.get(task)
+            if calls is None:
+                if len(self.tasks) >= self.MAX_OPEN_TASKS:
+                    self.tasks.clear()
+                calls = self.tasks[task] = []
+                _queue_callback(partial(self._end_backward, task, True))
+            calls.append(call)
         if call.top[position]:
             call.top_seen = True
             call.grads[position] = grad
         elif not call.top_seen:  # the pass started from this output, outside the call
             call.grads[position] = grad
-        if task not in self._queued:
-            self._queued.add(task)
-            _queue_callback(partial(self._end_backward, task, True))
 
     def _end_backward(self, task, first_round: bool) -> None:
         if first_round:  # once more: after every callback queued meanwhile (DDP's all-reduce)
             _queue_callback(partial(self._end_backward, task, False))
             return
-        self._queued.discard(task)
+        done = sorted(self.tasks.pop(task, []), key=_made_order)  # backward met them reversed
         if not self.attached:
             return
-        done = [call for call in self.calls if call.task == task]
+        self._stop_tracer(paused_only=True)  # the traced batch is over
         try:
             self.passes_checked += 1
             parameters = self._parameters()
@@ -431,9 +440,7 @@ class Sentinel:
                 self._backward_problem(done, parameters)
         finally:
             for call in done:
-                call.grads = []
-                if call in self.calls:
-                    self.calls.remove(call)
+                call.grads = [None] * len(call.grads)
 
     def _gradient_problems_are_errors(self) -> bool:
         """The one place loss scaling plugs in. With a GradScaler (the `scaler` option, see
@@ -485,36 +492,38 @@ class Sentinel:
         """Raise a detection as full mode does: on_detect's exception, or NonFiniteError."""
         guard, options = self.guard, self.guard.options
         guard.detection = report
-        self.calls.clear()
         error = options.on_detect(report) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(report)
 
     # ---- batches ---------------------------------------------------------------------------
     def _start_batch(self, batch: int, module, args, kwargs) -> None:
         """A batch starts. One in `trace_batches` runs with the full hooks: a full guard is
-        attached for it (its hooks join from the call that starts it) and detached when a batch
-        that is not traced starts."""
+        attached for it (its hooks join from the call that starts it). When a batch that is not
+        traced starts, it is paused, and detached at the next backward's end or on detach: never
+        inside a module call, whose hooks torch has already listed."""
         self._batch = batch
         self._call_counts.clear()
-        guard = self.guard
+        guard, tracer = self.guard, self._tracer
         if batch not in guard.options.trace_batches:
-            self._stop_tracer()
+            if tracer is not None:
+                tracer._paused = True
             return
-        joining = self._tracer is None
+        joining = tracer is None
         if joining:
-            self._tracer = full_guard(guard, guard.models, batch)
-            self._tracer.traces = guard.traces
-            self._tracer.attach()
-        else:
-            self._tracer._batches.started = batch
-            self._tracer.begin_batch()
+            tracer = self._tracer = full_guard(guard, guard.models, batch)
+            tracer.traces = guard.traces
+            tracer.attach()
+        tracer._paused = False
+        tracer._batches.started = batch
+        tracer.begin_batch()
         if joining:  # attached inside this call: its pre-hook missed it
-            self._tracer._pre_hook(module, args, kwargs)
+            tracer._pre_hook(module, args, kwargs)
 
-    def _stop_tracer(self) -> None:
-        tracer, self._tracer = self._tracer, None
-        if tracer is not None:
-            tracer._paused = True  # a hook of the call running now may still be called
+    def _stop_tracer(self, paused_only: bool = False) -> None:
+        tracer = self._tracer
+        if tracer is not None and (tracer._paused or not paused_only):
+            self._tracer = None
+            tracer._paused = True  # a hook of a call running now may still be called
             tracer.detach()
 
 

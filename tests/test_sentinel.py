@@ -1,0 +1,535 @@
+"""Sentinel mode: a whole run watched at almost no cost, and full mode's diagnosis when it breaks.
+
+The re-run must name what full mode names (forward, backward, data, weights, a loss outside the
+model, two models), through compiled models too (named as the original model); tell a fault
+that does not repeat (transient) and one made by compiled code; survive gradient accumulation,
+inputs changed in place and interrupts; keep memory flat, change nothing and leave nothing
+behind; and be reachable from the magics and both callbacks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import EatsInput, Exp, FirstCallOnly
+from numguard_nb import Guard, NonFiniteError
+from numguard_nb.guard import GuardOptions
+from promises import bit_identical, hooks_left, memory_growth, same_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from diagnosis_cases import CASES_BY_NAME, run_steps  # noqa: E402
+
+
+def x4(rows: int = 3, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(rows, 4, generator=torch.Generator().manual_seed(1)) * scale
+
+
+def exp_net() -> nn.Sequential:
+    """Overflows to inf in module "1" for inputs around 100."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), Exp(), nn.Linear(4, 2))
+
+
+def culprit(report) -> tuple:
+    """Everything a detection says about its culprit."""
+    frame = report.first_nonfinite
+    return (frame.module_name, frame.module_class, frame.phase, frame.call_index,
+            report.batch_number, report.cause, frame.op, frame.source, report.reason, report.hint)
+
+
+def caught(run) -> NonFiniteError:
+    with pytest.raises(NonFiniteError) as error:
+        run()
+    return error.value
+
+
+def one_line(error: BaseException) -> bool:
+    return "\n" not in str(error)
+
+
+# ---- the option --------------------------------------------------------------------------------
+def test_mode_is_full_by_default_and_anything_else_is_refused_in_one_line():
+    assert Guard(exp_net()).mode == "full" and Guard(exp_net(), mode="sentinel").mode == "sentinel"
+    for make in (lambda: Guard(exp_net(), mode="fast"), lambda: GuardOptions(mode="fast")):
+        with pytest.raises(ValueError) as error:
+            make()
+        assert str(error.value) == """mode must be "full" or "sentinel", got 'fast'"""
+    assert "mode:" in Guard.__doc__
+
+
+# ---- the re-run names what full mode names -----------------------------------------------------
+def _first_detection(case_name: str, mode: str):
+    run = CASES_BY_NAME[case_name].build()
+    models = run.models if len(run.models) > 1 else run.models[""]
+    try:
+        with Guard(models, mode=mode, ops=True):
+            run_steps(run)
+    except NonFiniteError as error:
+        assert one_line(error)
+        return error.report
+    return None
+
+
+@pytest.mark.parametrize("case_name", [
+    "masked_mean_empty",  # forward, a module's own division
+    "t5_ff_fp16_overflow",  # forward, deep in a model
+    "distance_at_zero",  # backward only
+    "bce_fp16_backward",  # backward, in a loss module guarded beside the model
+    "handwritten_bce_log0",  # a loss computed outside the model: its gradient enters the model
+    "nan_in_data",  # the data
+    "adam_eps_fp16",  # weights an optimizer wrote
+])
+def test_the_re_run_names_what_full_mode_names(case_name):
+    full = _first_detection(case_name, "full")
+    sentinel = _first_detection(case_name, "sentinel")
+    assert full is not None and sentinel is not None
+    assert culprit(sentinel) == culprit(full)
+    assert full.found_by == "" and sentinel.found_by == "re-run"
+    assert sentinel.first_nonfinite.flagged_rows
+
+
+@pytest.mark.parametrize("case_name", ["trap_padding_mask", "trap_causal_mask"])
+def test_masks_carrying_inf_are_no_problem_to_the_sentinel_either(case_name):
+    assert _first_detection(case_name, "sentinel") is None
+
+
+def test_a_clean_run_reports_the_outputs_it_checked():
+    model = exp_net()
+    with Guard(model, mode="sentinel", max_frames=3) as guard:
+        for _ in range(5):
+            model(x4()).sum().backward()
+    report = guard.report
+    assert report.ok and guard.detection is None
+    assert [(f.module_name, f.phase, f.batch_number) for f in report.frames] == [
+        ("", "forward", 2), ("", "forward", 3), ("", "forward", 4)]
+    assert 'mode="sentinel": 10 passes checked' in report.summary()
+
+
+# ---- compiled models -------------------------------------------------------------------------
+@pytest.fixture
+def dynamo():
+    torch._dynamo.reset()
+    yield torch._dynamo
+    torch._dynamo.reset()
+
+
+class LogNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.second(torch.log(self.first(x) + 10))  # nan for large inputs
+
+
+def log_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), LogNet())
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("what", ["model", "submodule"])
+def test_a_compiled_model_is_re_run_eagerly_and_named_as_the_original(dynamo, backend, what):
+    expected = caught(lambda: _guarded_steps(log_model(), "full")).report
+    model = log_model()
+    if what == "model":
+        target = torch.compile(model, backend=backend)
+    else:
+        model[1] = torch.compile(model[1], backend=backend)
+        target = model
+    target(x4()).sum().backward()  # compiled before the guard attaches
+    graphs = dynamo.utils.counters["stats"]["unique_graphs"]
+    before = hooks_left(target)
+    report = caught(lambda: _guarded_steps(target, "sentinel", graphs, dynamo)).report
+    assert hooks_left(target) == before
+    assert culprit(report) == culprit(expected)
+    assert report.first_nonfinite.op == "aten.log.default" and report.found_by == "re-run"
+    names = {frame.module_name for frame in report.frames}
+    assert {"1.first", "1"} <= names and not any("_orig_mod" in name for name in names)
+
+
+def _guarded_steps(model, mode, graphs=None, dynamo=None):
+    with Guard(model, mode=mode, ops=True):
+        for _ in range(3):
+            model(x4()).sum().backward()
+        if graphs is not None:
+            assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+        model(x4(scale=1000))
+
+
+def test_full_mode_on_a_compiled_model_names_the_original_and_points_to_the_sentinel(dynamo):
+    compiled = torch.compile(log_model(), backend="eager")
+    error = caught(lambda: _guarded_steps(compiled, "full"))
+    text = str(error) + error.report.to_text()
+    assert culprit(error.report)[:2] == ("", "Sequential")
+    assert str(error).count('mode="sentinel"') == 1 and "OptimizedModule" not in text
+    assert "_orig_mod." not in text
+
+
+class OnlyWhenCompiled(nn.Module):
+    """Divides by zero only in the graph Dynamo captures: eager runs stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if torch.compiler.is_compiling():
+            h = h / 0
+        return h
+
+
+def nan_kernels(graph_module, example_inputs):
+    """A backend whose 'generated kernels' turn every floating output into nan."""
+    def run(*args):
+        return type(outputs := graph_module(*args))(
+            o * float("nan") if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+            for o in outputs)
+    return run
+
+
+@pytest.mark.parametrize("block, backend, where", [
+    (OnlyWhenCompiled, "eager", "graph capture"), (Exp, nan_kernels, "generated kernels")])
+def test_what_only_compiled_code_makes_is_told_apart(dynamo, block, backend, where):
+    torch.manual_seed(0)
+    model = torch.compile(nn.Sequential(nn.Linear(4, 4), block()), backend=backend)
+    with Guard(model, mode="sentinel"):
+        report = caught(lambda: model(x4())).report
+    assert report.cause == "compiled-code" and report.found_by == "re-run"
+    assert "not when re-run eagerly" in report.reason and where in report.reason
+    assert report.first_nonfinite.flagged_rows[0].role == "output"
+
+
+# ---- faults that do not repeat -------------------------------------------------------------------
+class NanGradientOnce(torch.autograd.Function):
+    """Identity forward; its first backward ever returns nan."""
+
+    backwards = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        NanGradientOnce.backwards += 1
+        return grad * float("nan") if NanGradientOnce.backwards == 1 else grad
+
+
+class FirstBackwardOnly(nn.Module):
+    def forward(self, x):
+        return NanGradientOnce.apply(x)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_fault_that_does_not_repeat_is_called_transient(phase):
+    torch.manual_seed(0)
+    odd = FirstCallOnly() if phase == "forward" else FirstBackwardOnly()
+    model = nn.Sequential(nn.Linear(4, 4), odd, nn.Linear(4, 2))
+    odd.calls = NanGradientOnce.backwards = 1  # past their first: batch 0 runs clean
+    with Guard(model, mode="sentinel"):
+        model(x4()).sum().backward()
+        odd.calls = NanGradientOnce.backwards = 0  # the fault, once, in batch 1
+        error = caught(lambda: model(x4()).sum().backward())
+    report = error.report
+    assert report.cause == "transient" and report.found_by == "re-run" and one_line(error)
+    assert report.batch_number == 1 and report.phase == phase and report.rank is None
+    assert "did not repeat" in report.reason and report.hint
+    rows = report.first_nonfinite.flagged_rows
+    assert rows and all(row.nonfinite for row in rows)
+    assert rows[0].role == ("output" if phase == "forward" else "0.weight.grad")
+
+
+# ---- training loops ----------------------------------------------------------------------------
+class Norm(nn.Module):
+    """Row norms written out: the gradient of a zero row is inf * 0."""
+
+    def forward(self, x):
+        return torch.sqrt((x * x).sum(-1))
+
+
+def test_gradient_accumulation_finds_the_micro_batch_and_leaves_grad_as_backward_made_it():
+    def micro_batches():
+        batches = [x4(4) for _ in range(6)]
+        batches[3][2] = 0.0  # step 1, second micro-batch: a zero row
+        return batches
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4, bias=False), nn.Identity(), Norm())
+
+    def train(model, stop_at=None):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        with torch.no_grad():
+            model[0].weight.copy_(torch.eye(4))  # a zero row of x stays zero
+        for index, x in enumerate(micro_batches()):
+            model(x).sum().backward()
+            if index == stop_at:
+                return
+            if index % 2:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    full = caught(lambda: _run_with(Guard(build(), ops=True), train)).report
+    model = build()
+    with Guard(model, mode="sentinel"):
+        report = caught(lambda: train(model)).report
+    assert culprit(report) == culprit(full) and report.batch_number == 3
+    twin = build()
+    train(twin, stop_at=3)
+    assert bit_identical(model[0].weight.grad, twin[0].weight.grad)  # not accumulated twice
+
+
+def _run_with(guard, train):
+    with guard:
+        train(guard.models[""])
+
+
+def test_inputs_a_model_changes_in_place_are_copied_for_the_re_run():
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(EatsInput(), nn.Linear(4, 2))
+        with Guard(model, mode=mode, ops=True):
+            for scale in (1.0, 1.0, -1.0):  # log of negative values: nan in batch 2
+                model(x4().abs() * scale)
+    full, sentinel = caught(lambda: run("full")).report, caught(lambda: run("sentinel")).report
+    assert culprit(sentinel) == culprit(full) and "holds nan" in sentinel.reason
+
+
+def test_an_interrupted_call_does_not_blind_the_sentinel():
+    class Interrupt(nn.Module):
+        armed = False
+
+        def forward(self, x):
+            if self.armed:
+                raise KeyboardInterrupt
+            return x
+
+    torch.manual_seed(0)
+    stop = Interrupt()
+    model = nn.Sequential(nn.Linear(4, 4), stop, Exp())
+    with Guard(model, mode="sentinel"):
+        stop.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(x4())
+        stop.armed = False
+        report = caught(lambda: model(x4(scale=1000))).report
+    assert culprit(report)[:2] == ("2", "Exp")
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 2))
+        self.norm = nn.BatchNorm1d(2)
+
+    def forward(self, x):
+        return self.norm(self.body(x))
+
+
+def _train(model, steps=5):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    results = []
+    for step in range(steps):
+        out = model(x4(8))
+        loss = F.mse_loss(out, torch.ones_like(out))
+        loss.backward()
+        results.append((out, loss, [p.grad.clone() for p in model.parameters()]))
+        optimizer.step()
+        optimizer.zero_grad()
+    return results, model.state_dict()
+
+
+def test_outputs_gradients_and_random_state_are_bit_identical():
+    def build():
+        torch.manual_seed(0)
+        return Dropped()
+
+    plain, model = build(), build()
+    expected = same_run(lambda: _train(plain))
+    with Guard(model, mode="sentinel") as guard:
+        got = same_run(lambda: _train(model))
+    assert bit_identical(got, expected) and guard.detection is None
+
+
+def test_memory_stays_flat_over_2000_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = x4()
+
+    def step():
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model(x)  # evaluation with grad on: an output whose backward never comes
+
+    with Guard(model, mode="sentinel") as guard:
+        grown = memory_growth(step, 2000)
+        assert not guard._sentinel.tasks and len(guard._sentinel._grad_handles) < 200
+    assert grown < 64 * 1024, f"{grown} bytes more after 2000 steps"
+
+
+# ---- nothing left behind -------------------------------------------------------------------
+def test_nothing_is_left_behind_on_any_exit_path():
+    model = exp_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = []
+
+    def forward_nan():
+        model(x4(scale=1000))
+
+    def backward_nan():
+        with torch.no_grad():
+            model[2].weight[0, 0] = 0.0
+        out = model(x4())
+        (out * torch.tensor([float("nan"), 1.0])).sum().backward()
+
+    def raises():
+        model(torch.randn(3, 5))
+
+    def unused_output():
+        kept.append(model(x4()))  # a backward that never comes: its hooks go on detach
+
+    before = hooks_left(model, optimizers=[optimizer])
+    for exit_path in (forward_nan, backward_nan, raises, unused_output):
+        try:
+            with Guard(model, mode="sentinel"):
+                exit_path()
+        except (NonFiniteError, RuntimeError):
+            pass
+        assert hooks_left(model, optimizers=[optimizer], tensors=kept) == before, exit_path
+    assert kept[0].grad_fn is not None
+
+
+# ---- running chosen batches with the full hooks ------------------------------------------------
+def test_traced_batches_run_with_the_full_hooks():
+    model = exp_net()
+    traced = []
+    with Guard(model, mode="sentinel", trace_batches=[1, 2], on_trace=traced.append) as guard:
+        for _ in range(4):
+            model(x4()).sum().backward()
+        error = caught(lambda: model(x4(scale=1000)))
+    assert sorted(guard.traces) == [1, 2] and {r.batch_number for r in traced} == {1, 2}
+    names = {(f.module_name, f.phase) for f in guard.traces[1].frames}
+    assert {("1", "forward"), ("2", "backward"), ("", "forward")} <= names
+    assert error.report.batch_number == 4 and error.report.found_by == "re-run"
+    assert hooks_left(model) == []
+
+
+# ---- the magics ----------------------------------------------------------------------------
+@pytest.fixture
+def shell():
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_cell("%load_ext numguard_nb")
+    ip.reset(new_session=False)
+    assert ip.run_cell(
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "xs = [torch.randn(3, 4) for _ in range(4)]\nxs[3] = xs[3] * float('inf')\n").success
+    yield ip
+    ip.run_cell("%numguard off")
+    ip.run_cell("%unload_ext numguard_nb")
+
+
+def test_the_magics_take_sentinel(shell):
+    from IPython.utils.capture import capture_output
+
+    loop = "for x in xs:\n    net(x).sum().backward()"
+    with capture_output():
+        result = shell.run_cell("%%numguard --sentinel\n" + loop)
+    report = shell.user_ns["_numguard"]
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert report.found_by == "re-run" and report.cause == "data" and report.batch_number == 3
+    with capture_output():
+        assert shell.run_cell("%numguard on --sentinel net").success
+        shell.run_cell(loop)
+    assert shell.user_ns["_numguard"].found_by == "re-run"
+    net = shell.user_ns["net"]  # hooked: net and the modules it calls, not their parameters
+    assert [len(m._forward_hooks) for m in net.modules()] == [1, 1, 1, 1]
+    assert not any(p._backward_hooks for p in net.parameters())
+    with capture_output():
+        shell.run_cell("%numguard off")
+    assert hooks_left(shell.user_ns["net"]) == []
+
+
+# ---- the callbacks -------------------------------------------------------------------------
+LATE_STEP = 6  # 0-indexed: the step whose forward meets the nan
+
+
+def test_trainer_callback_is_a_sentinel_that_finds_a_late_nan(tmp_path):
+    import transformers
+
+    from numguard_nb.integrations import NumguardCallback
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=32, num_labels=2)
+    model = transformers.BertForSequenceClassification(config)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, 64, (8,), generator=generator), "labels": i % 2}
+            for i in range(64)]
+
+    class BreakWeights(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == LATE_STEP:
+                with torch.no_grad():
+                    model.bert.encoder.layer[1].intermediate.dense.weight[0, 0] = float("nan")
+
+    callback = NumguardCallback()
+    assert callback.options.mode == "sentinel"
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=4,
+        max_steps=12, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[BreakWeights(), callback])
+    report = caught(trainer.train).report
+    assert report.found_by == "re-run" and report.cause == "weights"
+    assert report.first_nonfinite.module_name == "bert.encoder.layer.1.intermediate.dense"
+    assert report.batch_number == LATE_STEP and trainer.state.global_step == LATE_STEP
+    assert callback.report is report and hooks_left(model) == []
+
+
+def test_lightning_callback_is_a_sentinel_that_finds_a_late_nan():
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class LitClassifier(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+        def training_step(self, batch, batch_index):
+            features, labels = batch
+            return F.cross_entropy(self.net(features), labels)  # the module is never called
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    features = torch.randn(40, 4)
+    features[4 * LATE_STEP + 1, 2] = float("nan")  # one sample of a late batch
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(features, torch.arange(40) % 2), batch_size=4)
+    module = LitClassifier()
+    callback = NumguardLightningCallback()
+    trainer = lightning.Trainer(max_steps=10, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[callback])
+    report = caught(lambda: trainer.fit(module, loader)).report
+    assert callback.options.mode == "sentinel" and report.found_by == "re-run"
+    assert report.cause == "data" and report.first_nonfinite.module_name == "net"
+    assert report.batch_number == LATE_STEP and callback.report is report
+    assert hooks_left(module) == []
