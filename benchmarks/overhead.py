@@ -1,10 +1,16 @@
 """Step time (forward + backward) with and without detectors, interleaved in one process.
 
-    python benchmarks/overhead.py [--steps 30] [--device cpu|cuda] [--models t5,gpt2,mlp]
+    python benchmarks/overhead.py [--steps 30] [--device cpu|cuda]
+                                  [--models t5,gpt2,mlp,deep,t5-compiled]
 
 Compares: no detector; numguard Guard (backward on, and forward only); Guard(ops=True)
-(op localisation armed: it must cost nothing until a detection); Hugging Face's
-DebugUnderflowOverflow (forward only); torch.autograd.detect_anomaly. Each detector is attached
+(op localisation armed: it must cost nothing until a detection); Guard(mode="sentinel") (the
+outputs and the gradients checked each step); Hugging Face's DebugUnderflowOverflow (forward
+only); torch.autograd.detect_anomaly. "deep" is a stack of many small modules (24 x [Linear 512,
+GELU, LayerNorm] on a 64 x 512 batch), where per-module hooks cost the most; "t5-compiled" is T5
+under torch.compile (inductor), with no detector, the sentinel on the compiled model (entered
+around each step: its hooks sit on the wrapper, so nothing recompiles) and full mode (which sees
+only the wrapper's call). Each other detector is attached
 once to its own identical copy of the model, as in a training loop. Configurations run round-robin, step by step, so
 machine noise hits them alike; the table shows the median step time and the median over rounds of
 each step's time divided by the no-detector step of the same round (paired, so that slow drift on
@@ -61,7 +67,26 @@ def build_mlp(device):
     return model, {"x": torch.randn(256, 512, device=device), "labels": torch.randn(256, device=device)}
 
 
-BUILDERS = {"t5": build_t5, "gpt2": build_gpt2, "mlp": build_mlp}
+class DeepStack(nn.Module):
+    """Many small modules: 24 x [Linear 512, GELU, LayerNorm]."""
+
+    def __init__(self, width=512, depth=24):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU(),
+                                                    nn.LayerNorm(width)) for _ in range(depth)])
+
+    def forward(self, x, labels):
+        return nn.functional.mse_loss(self.blocks(x), labels)
+
+
+def build_deep(device):
+    model = DeepStack().to(device)
+    return model, {"x": torch.randn(64, 512, device=device),
+                   "labels": torch.randn(64, 512, device=device)}
+
+
+BUILDERS = {"t5": build_t5, "gpt2": build_gpt2, "mlp": build_mlp, "deep": build_deep,
+            "t5-compiled": build_t5}
 
 
 def loss_of(model, batch):
@@ -86,8 +111,20 @@ def make_configs(model):
         "numguard fwd+bwd": guarded(),
         "numguard fwd only": guarded(backward=False),
         "numguard ops=True": guarded(ops=True),
+        "numguard sentinel": guarded(mode="sentinel"),
         "HF DebugUnderflowOverflow (fwd)": (hf_model, contextlib.nullcontext),
         "autograd.detect_anomaly": (model, torch.autograd.detect_anomaly),
+    }
+
+
+def make_compiled_configs(model):
+    """One compiled model (inductor) for every configuration: the guards are entered around each
+    step, on the compiled model, as a user guards the model they train."""
+    compiled = torch.compile(model)
+    return {
+        "none": (compiled, contextlib.nullcontext),
+        "numguard sentinel": (compiled, lambda: Guard(compiled, mode="sentinel")),
+        "numguard fwd+bwd (the wrapper only)": (compiled, lambda: Guard(compiled)),
     }
 
 
@@ -108,7 +145,7 @@ def bench(name, device, steps, warmup=3):
     torch.manual_seed(0)
     model, batch = BUILDERS[name](device)
     model.eval()  # no dropout: every configuration computes exactly the same thing
-    configs = make_configs(model)
+    configs = make_compiled_configs(model) if name.endswith("-compiled") else make_configs(model)
     times = {key: [] for key in configs}
     with warnings_silenced():
         for i in range(warmup + steps):
@@ -136,7 +173,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", default="t5,gpt2,mlp")
+    parser.add_argument("--models", default="t5,gpt2,mlp,deep,t5-compiled")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args()
     if args.threads:

@@ -9,6 +9,7 @@ behind; and be reachable from the magics and both callbacks.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch import nn
 from models import EatsInput, Exp, FirstCallOnly
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb.guard import GuardOptions
+from numguard_nb.guard.sentinel import _top_of
 from promises import bit_identical, hooks_left, memory_growth, same_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -249,6 +251,18 @@ def test_a_fault_that_does_not_repeat_is_called_transient(phase):
     assert rows[0].role == ("output" if phase == "forward" else "0.weight.grad")
 
 
+# ---- the gradients a backward re-run starts from -------------------------------------------------
+def test_only_outputs_nothing_else_was_computed_from_keep_the_gradient_they_get():
+    weight = torch.ones(3, requires_grad=True)
+    logits = weight * 2
+    loss = logits.sum()  # a model's loss, computed from its logits
+    hidden = weight.exp()  # independent of both
+    pieces = logits.split(1)  # outputs of one node
+    # The logits' gradient comes from the loss, inside the model: a re-run must not add it again.
+    assert _top_of([loss, logits, hidden, weight]) == (True, False, True, True)
+    assert _top_of([pieces[0], pieces[1], pieces[0].sum()]) == (False, True, True)
+
+
 # ---- training loops ----------------------------------------------------------------------------
 class Norm(nn.Module):
     """Row norms written out: the gradient of a zero row is inf * 0."""
@@ -404,6 +418,7 @@ def test_nothing_is_left_behind_on_any_exit_path():
     for exit_path in (forward_nan, backward_nan, raises, unused_output):
         try:
             with Guard(model, mode="sentinel"):
+                assert hooks_left(copy.deepcopy(model)) == []  # copies come out unwatched
                 exit_path()
         except (NonFiniteError, RuntimeError):
             pass
