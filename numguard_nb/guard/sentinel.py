@@ -449,17 +449,15 @@ class Sentinel:
         return getattr(self.guard.options, "scaler", None) is None
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
+        """Re-run the calls of a backward pass whose gradients hold inf/nan; raise."""
         names = self._parameter_names()
         bad = _nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
                             if p.grad is not None)
         if not bad:
             return  # a norm overflowed on huge finite values
-        first = calls[0] if calls else None
-        entry = first.entry if first is not None else next(iter(self.entries.values()))
-        batch = first.batch_number if first is not None else self.guard.batch_number
-        seen = gradient_frame(entry.name, entry.cls, batch, first.call_index if first else 0, bad)
-        if not calls:
-            return  # no call of the model took part: nothing to run again
+        first = calls[0]  # one at least: its output's gradient hook queued this check
+        seen = gradient_frame(first.entry.name, first.entry.cls, first.batch_number,
+                              first.call_index, bad)
         for call in calls:
             call.inputs_changed = call.inputs_changed or call.inputs_now_changed()
         report = self._rerun(rerun_backward, self.guard, calls, seen, parameters)
