@@ -415,6 +415,28 @@ def test_memory_stays_flat_over_2000_steps():
     assert grown < 64 * 1024, f"{grown} bytes more after 2000 steps"
 
 
+class SqrtWeight(nn.Module):
+    """x * sqrt(w): with w = 0 only the weight's own gradient is inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * torch.sqrt(self.w)
+
+
+def test_a_parameter_set_while_guarded_has_its_gradient_checked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtWeight(), nn.Linear(4, 2))
+    with Guard(model, mode="sentinel"):
+        model(x4()).sum().backward()
+        model[1].w = nn.Parameter(torch.zeros(4))  # a new parameter, unknown at attach
+        report = caught(lambda: model(x4()).sum().backward()).report
+    assert report.first_nonfinite.module_name == "1" and report.phase == "backward"
+    assert [row.role for row in report.frames[-1].rows if row.flagged] == ["w.grad"]
+
+
 # ---- nothing left behind -------------------------------------------------------------------
 def test_nothing_is_left_behind_on_any_exit_path():
     model = exp_net()

@@ -34,10 +34,11 @@ import itertools
 import sys
 import threading
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from .. import _tree
 from .._schema import FORWARD, LATEST, OUTPUT
@@ -58,6 +59,7 @@ _CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SMALL = 16384  # numbers: a CPU tensor smaller than this is summed with the other small ones
 
 
 def _queue_callback(callback) -> None:
@@ -192,8 +194,9 @@ class _OutputGradient:
 
 # ---- the checks ----------------------------------------------------------------------------
 def _all_finite(tensors) -> bool:
-    """Whether every tensor is finite: one fused norm per device and dtype, one read-back per
-    device. A norm overflows (inf) for huge finite values: `_nonfinite_of` confirms exactly."""
+    """Whether every tensor is finite, read back once per device. A sum (CPU) or a norm (other
+    devices: one fused kernel) is inf or nan where a tensor holds inf or nan; it can overflow for
+    huge finite values too, which `_nonfinite_of` then rules out exactly."""
     groups: Dict[tuple, list] = {}
     flags: Dict[torch.device, list] = {}
     for t in tensors:
@@ -202,12 +205,23 @@ def _all_finite(tensors) -> bool:
         if t.numel() and (t.is_floating_point() or t.is_complex()):
             groups.setdefault((t.device, t.dtype), []).append(t)
     for (device, dtype), group in groups.items():
+        wide = torch.float32 if dtype in _LOW_PRECISION else None
         try:
-            norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW_PRECISION else None)
+            sums = _sums(group, wide) if device.type == "cpu" else torch._foreach_norm(group, 2, dtype=wide)
         except (RuntimeError, TypeError):  # a tensor subclass or dtype foreach cannot take
-            norms = [torch.linalg.vector_norm(t.float() if dtype in _LOW_PRECISION else t) for t in group]
-        flags.setdefault(device, []).append(torch.stack(norms).isfinite().all())
+            sums = [t.sum(dtype=wide) for t in group]
+        flags.setdefault(device, []).append(torch.stack(list(sums)).isfinite().all())
     return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
+
+
+def _sums(group: list, dtype) -> list:
+    """One sum per large tensor, and one over all small ones put together: on CPU a reduction
+    costs about as much to start as to run over a few thousand numbers."""
+    small = [t.reshape(-1) for t in group if t.numel() < _SMALL]
+    sums = [t.sum(dtype=dtype) for t in group if t.numel() >= _SMALL]
+    if small:
+        sums.append(torch.cat(small).sum(dtype=dtype))
+    return sums
 
 
 def _nonfinite_of(named_tensors) -> list:
@@ -243,6 +257,8 @@ class Sentinel:
         self._batch = -1  # the batch whose start was seen last
         self._call_counts: Dict[int, int] = {}  # module id -> top-level calls in the batch
         self._tracer = None  # a full guard watching a traced batch with all its hooks
+        self._known_parameters: Optional[list] = None  # None: look them up again
+        self._registration_handles: list = []  # torch's global hooks telling of new parameters
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -253,6 +269,10 @@ class Sentinel:
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, position == 0 and module is root)
+            # The parameters are looked up again only after one is set or a submodule replaced.
+            self._registration_handles = [
+                module_hooks.register_module_parameter_registration_hook(self._new_parameters),
+                module_hooks.register_module_module_registration_hook(self._new_parameters)]
         except BaseException:
             self.detach()
             raise
@@ -271,13 +291,15 @@ class Sentinel:
     def detach(self) -> None:
         """Remove every hook (idempotent); what was reported stays."""
         self.attached = False
-        for handle in self._handles + self._grad_handles:
+        for handle in self._handles + self._grad_handles + self._registration_handles:
             handle.remove()
         for entry in self.entries.values():
             copies.uninstall(entry.module, entry.hook_ids)
         self._stop_tracer()
         self._handles.clear()
         self._grad_handles.clear()
+        self._registration_handles = []
+        self._known_parameters = None
         self._kept_handles = 0
         self.entries.clear()
         self.tasks.clear()
@@ -465,13 +487,19 @@ class Sentinel:
             self._raise(report)
 
     def _parameters(self) -> list:
-        seen, parameters = set(), []
-        for root in self.guard.models.values():
-            for p in root.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    parameters.append(p)
-        return parameters
+        """The guarded parameters (each once), as of the last parameter or submodule set."""
+        if self._known_parameters is None:
+            seen, parameters = set(), []
+            for root in self.guard.models.values():
+                for p in root.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        parameters.append(p)
+            self._known_parameters = parameters
+        return self._known_parameters
+
+    def _new_parameters(self, module, name, value) -> None:
+        self._known_parameters = None
 
     def _parameter_names(self) -> dict:
         return {id(p): original_name(_join(prefix, name))
