@@ -437,6 +437,42 @@ def test_a_parameter_set_while_guarded_has_its_gradient_checked():
     assert [row.role for row in report.frames[-1].rows if row.flagged] == ["w.grad"]
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_distributed_model_is_re_run_inside_its_wrapper_on_this_rank_alone(tmp_path, phase):
+    import torch.distributed as dist
+
+    class CountingDDP(nn.parallel.DistributedDataParallel):
+        calls = 0  # forwards of the wrapper: each one starts collectives on every rank
+
+        def forward(self, *args, **kwargs):
+            CountingDDP.calls += 1
+            return super().forward(*args, **kwargs)
+
+    def run(mode):
+        torch.manual_seed(0)
+        odd = Exp() if phase == "forward" else SqrtOfZeroPlusInput()
+        model = CountingDDP(nn.Sequential(nn.Linear(4, 4), odd))
+        CountingDDP.calls = 0
+        with Guard(model, mode=mode, ops=True):
+            model(x4()).sum().backward()
+            model(x4(scale=1000 if phase == "forward" else 1)).sum().backward()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        full, sentinel = caught(lambda: run("full")).report, caught(lambda: run("sentinel")).report
+        # the user's calls up to the detection: the re-runs went inside the wrapper
+        assert CountingDDP.calls == (2 if phase == "forward" else 1)
+    finally:
+        dist.destroy_process_group()
+    # Full mode's op localisation re-runs the DDP wrapper itself, which DDP refuses in backward.
+    assert culprit(sentinel)[:6] == culprit(full)[:6] and sentinel.reason == full.reason
+    assert sentinel.first_nonfinite.module_name == "module.1" and sentinel.phase == phase
+    assert sentinel.first_nonfinite.op.endswith("aten.exp.default" if phase == "forward"
+                                                else "aten.div.Tensor")
+    assert sentinel.rank == 0
+
+
 # ---- nothing left behind -------------------------------------------------------------------
 def test_nothing_is_left_behind_on_any_exit_path():
     model = exp_net()

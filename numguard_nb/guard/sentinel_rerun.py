@@ -44,6 +44,8 @@ __all__ = ["compiled_original", "original_name", "full_guard", "rerun_forward", 
            "gradient_frame"]
 
 _INF = float("inf")
+_NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
+                       "(Distributed)DataParallel wrapper would start collectives on this rank alone")
 
 
 # ---- compiled models -------------------------------------------------------------------------
@@ -59,6 +61,15 @@ def compiled_original(module) -> Optional[nn.Module]:
 def _eager(module: nn.Module) -> nn.Module:
     original = compiled_original(module)
     return module if original is None else _eager(original)
+
+
+def _run_alone(module: nn.Module) -> nn.Module:
+    """What a re-run calls for `module`: eager, and inside a (Distributed)DataParallel wrapper,
+    whose forward would start collectives on this rank alone (the names stay the wrapper's)."""
+    module = _eager(module)
+    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return _run_alone(module.module)
+    return module
 
 
 def original_name(name: str) -> str:
@@ -269,8 +280,8 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
             full = _rerun_guard(guard, _eager_models(models), call.batch_number)
             try:
                 with full:
-                    output = _call_again(_eager(call.entry.module), call, call.args, call.kwargs,
-                                         call.state.grad_enabled)
+                    output = _call_again(_run_alone(call.entry.module), call, call.args,
+                                         call.kwargs, call.state.grad_enabled)
             except NonFiniteError as error:
                 return _found(error.report)
             if _has_problem(_tree.tensors(output), allow_inf, options.limit_max):
@@ -278,6 +289,8 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
             output = None
         if not _involves_compiled(call.entry.module):
             return _transient(seen, call, options, "the re-run's outputs were finite")
+        if _run_alone(call.entry.module) is not _eager(call.entry.module):
+            return _transient(seen, call, options, _NOT_COMPILED_AGAIN)
         again = _call_again(call.entry.module, call, call.args, call.kwargs, False)
         if not _has_problem(_tree.tensors(again), allow_inf, options.limit_max):
             return _transient(seen, call, options, "run again, eagerly and compiled, its outputs "
@@ -299,7 +312,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             full = _rerun_guard(guard, _eager_models(models), batch)
             try:
                 with full:
-                    outputs, leaves = _in_fresh_thread(lambda: _forwards(calls, _eager, True))
+                    outputs, leaves = _in_fresh_thread(lambda: _forwards(calls, _run_alone, True))
                     grads = _backward(calls, outputs, parameters + leaves)
             except NonFiniteError as error:
                 return _found(error.report)
@@ -313,6 +326,8 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
                   "inf/nan came from code outside them that uses the weights directly)")
         if not any(_involves_compiled(call.entry.module) for call in calls):
             return _transient(seen, calls[0], options, finite)
+        if any(_run_alone(call.entry.module) is not _eager(call.entry.module) for call in calls):
+            return _transient(seen, calls[0], options, f"{finite}; {_NOT_COMPILED_AGAIN}")
         outputs, _ = _in_fresh_thread(lambda: _forwards(calls, lambda m: m, True))
         if not _has_problem(_backward(calls, outputs, list(parameters)), False, None):
             return _transient(seen, calls[0], options, finite + ", run compiled again too")
