@@ -522,41 +522,35 @@ def test_traced_batches_run_with_the_full_hooks():
 
 
 # ---- the magics ----------------------------------------------------------------------------
-@pytest.fixture
-def shell():
-    from IPython.testing.globalipapp import start_ipython
+def test_the_magics_take_sentinel():
+    from numguard_nb import magics
+    from numguard_nb.session import GuardedRun
 
-    ip = start_ipython()
-    ip.run_cell("%load_ext numguard_nb")
-    ip.reset(new_session=False)
-    assert ip.run_cell(
-        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
-        "net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
-        "xs = [torch.randn(3, 4) for _ in range(4)]\nxs[3] = xs[3] * float('inf')\n").success
-    yield ip
-    ip.run_cell("%numguard off")
-    ip.run_cell("%unload_ext numguard_nb")
-
-
-def test_the_magics_take_sentinel(shell):
-    from IPython.utils.capture import capture_output
-
-    loop = "for x in xs:\n    net(x).sum().backward()"
-    with capture_output():
-        result = shell.run_cell("%%numguard --sentinel\n" + loop)
-    report = shell.user_ns["_numguard"]
-    assert isinstance(result.error_in_exec, NonFiniteError)
-    assert report.found_by == "re-run" and report.cause == "data" and report.batch_number == 3
-    with capture_output():
-        assert shell.run_cell("%numguard on --sentinel net").success
-        shell.run_cell(loop)
-    assert shell.user_ns["_numguard"].found_by == "re-run"
-    net = shell.user_ns["net"]  # hooked: net and the modules it calls, not their parameters
-    assert [len(m._forward_hooks) for m in net.modules()] == [1, 1, 1, 1]
-    assert not any(p._backward_hooks for p in net.parameters())
-    with capture_output():
-        shell.run_cell("%numguard off")
-    assert hooks_left(shell.user_ns["net"]) == []
+    # %%numguard and %numguard on parse --sentinel into the Guard's mode (no IPython shell here:
+    # tests/test_magics.py owns the process's one test shell).
+    for parser in (magics._CELL, magics._ON):
+        args = magics._parse(parser, "net --sentinel")
+        assert args.names == ["net"] and magics._guard_options(args, False).mode == "sentinel"
+        assert magics._guard_options(magics._parse(parser, "net"), False).mode == "full"
+    assert "--sentinel" in magics.NumguardMagics.numguard.__doc__
+    # The run such a magic starts, on the notebook's names.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    namespace = {"net": net}
+    options = magics._guard_options(magics._parse(magics._CELL, "--sentinel"), False)
+    run = GuardedRun(namespace, {"net": net}, options)
+    try:
+        run.step()
+        for scale in (1.0, 1.0, float("inf")):
+            net(x4(scale=scale)).sum().backward()
+    except NonFiniteError:
+        pass
+    finally:
+        run.guard.detach()
+    run.finish_cell(failed=True)
+    report = namespace["_numguard"]
+    assert report.found_by == "re-run" and report.cause == "data" and report.batch_number == 2
+    assert hooks_left(net) == []
 
 
 # ---- the callbacks -------------------------------------------------------------------------

@@ -5,9 +5,10 @@ No hooks inside the model. What a step cannot hide is checked, and nothing else:
 - the outputs of each top-level call (the loss, the logits): summarised on their device and read
   back once per call;
 - after each backward pass through those outputs, the gradients of every guarded parameter: one
-  fused norm per device and dtype (`torch._foreach_norm`), read back once, when autograd ends the
-  pass (after the callbacks queued before it, DDP's all-reduce among them), before an optimizer
-  can apply them.
+  fused norm per device and dtype (`torch._foreach_norm`; sums on CPU, where they are faster),
+  read back once, when autograd ends the pass (after the callbacks queued before it, DDP's
+  all-reduce among them), before an optimizer can apply them. Loss scaling plugs in at
+  `Sentinel._gradient_problems_are_errors`.
 A *top-level call* is a call of a guarded model, or of one of its first callable submodules, with
 no guarded call around it: a LightningModule's training_step calls its submodules, never the
 LightningModule. Those modules get the only module hooks: a compiled model is watched through its
