@@ -167,6 +167,13 @@ def _guarded_steps(model, mode, graphs=None, dynamo=None):
         model(x4(scale=1000))
 
 
+def test_a_model_compiled_in_place_is_named_as_out_of_reach(dynamo):
+    model = exp_net()
+    model.compile(backend="eager")
+    with pytest.warns(UserWarning, match=r"compiled in place \(module.compile\(\)\)"):
+        Guard(model, mode="sentinel").attach().detach()
+
+
 def test_full_mode_on_a_compiled_model_names_the_original_and_points_to_the_sentinel(dynamo):
     compiled = torch.compile(log_model(), backend="eager")
     error = caught(lambda: _guarded_steps(compiled, "full"))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import warnings
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -281,6 +282,10 @@ class Sentinel:
         return True
 
     def _hook(self, module: nn.Module, name: str, primary: bool) -> None:
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            warnings.warn(f"numguard: {name or 'the model'} was compiled in place (module.compile()):"
+                          " the sentinel's checks would run inside its compiled code, where they do "
+                          "nothing; guard torch.compile(model) instead", stacklevel=5)
         entry = self.entries[id(module)] = _Entry(module, name, primary)
         for handle in (module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                        module.register_forward_hook(self._post_hook, with_kwargs=True,
