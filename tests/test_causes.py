@@ -31,7 +31,7 @@ from numguard_nb._schema import (
 from numguard_nb.guard import frames
 from numguard_nb.guard.options import GuardOptions
 from numguard_nb.guard.passes import PassRecord
-from numguard_nb.guard.steps import Origin, StepWatch
+from numguard_nb.guard.steps import MAX_STEPS, Origin, StepWatch
 from numguard_nb.report import (
     BACKWARD, BUFFER, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, PARAM, Frame, OptimizerStep,
     TensorRow,
@@ -136,6 +136,25 @@ def test_weights_written_under_no_grad_between_batches_changed_outside_the_forwa
     assert "learning rate" not in report.hint and "eps" not in report.hint
 
 
+def test_with_more_steps_between_two_forwards_than_it_keeps_it_does_not_claim_either():
+    model = linear()
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.0)
+
+    def train():
+        for number in range(3):
+            model(batch()).sum().backward()
+            if number == 1:
+                for _ in range(MAX_STEPS + 1):  # an inner loop of steps on other weights
+                    optimizer.step()
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+
+    report = detection(model, train)
+    assert report.weights_origin == "" and report.optimizer_step is None
+    assert report.reason.endswith("an optimizer step or code outside the model's forward wrote them")
+    assert "Attach the guard before the first step" in report.hint
+
+
 def test_weights_non_finite_from_the_start_were_so_when_the_guard_attached():
     model = linear()
     with torch.no_grad():
@@ -217,7 +236,7 @@ def test_the_step_record_stays_small_and_holds_no_tensor():
             optimizer.step()
             optimizer.zero_grad()
         kept = list(guard._steps._steps)
-    assert len(kept) <= 64
+    assert len(kept) <= MAX_STEPS
     for record in kept:
         assert type(record) is tuple
         assert not any(isinstance(field, torch.Tensor) for field in record)

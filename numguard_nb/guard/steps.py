@@ -64,8 +64,8 @@ class _StepNote:
             return
         try:
             watch.note_step(optimizer)
-        except Exception:  # never break the user's optimizer step
-            pass
+        except Exception:  # never break the user's optimizer step (the watch then cannot tell)
+            watch.lost_after = watch.forwards
 
 
 def _remove(handles: list) -> None:
@@ -83,14 +83,14 @@ class StepWatch:
         # the forward before it or None, that one's batch)
         self._roots: Dict[int, Tuple[int, int, Optional[int], Optional[int]]] = {}
         self._steps: collections.deque = collections.deque(maxlen=MAX_STEPS)
-        self._dropped_after = -1  # the forwards begun before the latest step dropped (MAX_STEPS)
+        self.lost_after = -1  # the forwards begun before the latest step not kept (MAX_STEPS)
         self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> [position, steps seen]
         self._handles: list = []  # the hook's handle while attached
-        weakref.finalize(self, _remove, self._handles)  # a guard dropped while attached
+        weakref.finalize(self, _remove, self._handles)  # a guard dropped, models and all, attached
 
     def start(self) -> None:
         """Start watching steps (on attach): what earlier attaches saw is forgotten."""
-        self.forwards, self.batch, self._dropped_after = 0, None, -1
+        self.forwards, self.batch, self.lost_after = 0, None, -1
         self._roots.clear()
         self._steps.clear()
         self._optimizers.clear()
@@ -119,7 +119,7 @@ class StepWatch:
         seen[1] += 1
         own = _own_step_number(optimizer)
         if len(self._steps) == MAX_STEPS:
-            self._dropped_after = self._steps[0][STEP_FORWARD]
+            self.lost_after = self._steps[0][STEP_FORWARD]
         self._steps.append((
             weakref.ref(optimizer), type(optimizer).__name__, seen[0],
             own if own is not None else seen[1], own is None, self.forwards, self.batch,
@@ -140,7 +140,7 @@ class StepWatch:
         step = self._first_holding(since, params)
         if step is not None:
             return Origin(ORIGIN_OPTIMIZER_STEP, step, finite_batch)
-        if self._dropped_after >= before:  # steps of that time were dropped: cannot tell
+        if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
         return Origin(ORIGIN_OUTSIDE_FORWARD, None, finite_batch)
 
