@@ -51,3 +51,8 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+
+# ---- weights origins: how weights found non-finite got that way (Report.weights_origin) -------
+ORIGIN_OPTIMIZER_STEP = "optimizer step"  # a step the guard saw since the forward before wrote them
+ORIGIN_OUTSIDE_FORWARD = "outside the forward"  # no step since a forward that found them finite
+ORIGIN_BEFORE_ATTACH = "before attach"  # non-finite in the guard's first forward of the model

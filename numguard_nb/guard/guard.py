@@ -54,6 +54,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
 )
+from .steps import StepWatch
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
@@ -206,6 +207,7 @@ class Guard:
         self._recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> its first call in the batch
         self._tracing = False  # the latest batch is traced (read in backward, in any thread)
+        self._steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
     def _use_options(self, options: GuardOptions) -> None:
@@ -224,6 +226,7 @@ class Guard:
                 return self
             self._forget_passes()
             try:
+                self._steps.start()
                 self._module_hooks.add(self, self.models, self._watch_backward)
                 if self.options.capture:
                     from ..replay import Capture
@@ -243,6 +246,7 @@ class Guard:
             self._attached = False  # first: a backward's end queued already does nothing
             self._module_hooks.remove()
             self._grad_hooks.remove()
+            self._steps.stop()
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
@@ -409,6 +413,7 @@ class Guard:
                 self._backward_passes.forget_open()
             if module_id == self._module_hooks.primary_root_id and not self._batches_counted_by_caller:
                 self._start_batch(state)
+            self._steps.forward_began(module_id, state.batch_number)
             if self._watch_backward and torch.is_grad_enabled():
                 self._module_hooks.rehook_swapped()
         state.forward = PassRecord()
@@ -538,7 +543,7 @@ class Guard:
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
-            batch)
+            batch, self._steps)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection.reason += _COMPILED_NOTE
         pass_.release()
@@ -550,7 +555,7 @@ class Guard:
         # A trace notes where a non-finite value would have been caught, without stopping.
         culprit = detect.find_in_trace(pass_, self.options)
         report = self.traces[batch] = frames.add_to_trace(
-            self.traces.get(batch), pass_, culprit, self.options, batch)
+            self.traces.get(batch), pass_, culprit, self.options, batch, self._steps)
         if self.options.on_trace is not None:
             self.options.on_trace(report)
 

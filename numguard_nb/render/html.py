@@ -285,10 +285,17 @@ def tensor_table_html(rows: List[TensorRow]) -> str:
         parts.append(
             f'<tr class="{" ".join(classes)}"><td class="ng-role">{esc(row.role)}</td>'
             f'<td class="ng-dtype">{esc(row.dtype or "")}</td><td class="ng-shape">{fmt_shape(row.shape)}</td>'
-            f'{stats}<td class="ng-role ng-problem">{esc(row.problems)}</td></tr>'
+            f'{stats}<td class="ng-role ng-problem">{esc(row.problems)}{_samples_html(row)}</td></tr>'
         )
     parts.append("</table>")
     return "".join(parts)
+
+
+def _samples_html(row: TensorRow) -> str:
+    """' in samples 1, 3 (2 of 32)' after a data row's problem ('' when not known)."""
+    if not row.sample_list:
+        return ""
+    return f' <span class="ng-samples">in samples {esc(row.sample_list)}</span>'
 
 
 def frame_head_text(frame: Frame) -> str:
