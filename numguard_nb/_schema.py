@@ -51,3 +51,9 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+
+# ---- history cells: what a module's cell of the numerics history holds (codes in int8 arrays) --
+CELL_VALUE = 0  # a finite abs max (zero included)
+CELL_MISSING = 1  # nothing of the module was recorded in that sampled batch
+CELL_NAN = 2
+CELL_INF = 3

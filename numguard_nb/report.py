@@ -189,6 +189,8 @@ class Report:
     # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
     # set by the engine on a detection, empty when nothing is wrong.
     hint: str = ""
+    # How the culprit's value moved over the sampled batches before (the guard's history_every).
+    history_note: str = ""
 
     @property
     def ok(self) -> bool:

@@ -74,6 +74,7 @@ def verdict_lines(report: Report) -> list:
     lines = [report.reason]
     if report.hint:
         lines.append(f"hint: {report.hint}")
+    lines += [f"history: {report.history_note}"] if report.history_note else []
     if frame.op:
         lines.append(f"first non-finite op: {frame.op}")
     if frame.source:
