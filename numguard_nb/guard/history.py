@@ -26,10 +26,10 @@ call's outputs, output gradients, parameter gradients, weights and floating buff
 The view (`History.view`, drawn by `render.history`): per module and sample, log10(abs max /
 largest value of the dtype) of its value nearest its limit (`limit_dtype`'s largest value where
 that option is set); the modules nearest their limit; and for the worst few a least-squares fit
-of log10(abs max) against the batch number over their last `TREND_WINDOW` finite samples. The
-trend is *steady* when at least `MIN_TREND_SAMPLES` samples lie on the line with R² >=
-`STEADY_R2`; a steady growth is projected to the batch where it reaches the dtype's largest
-value.
+of log10(abs max) against the batch number over the recent half of their finite samples (all of
+them, below twice `MIN_TREND_SAMPLES`). The trend is *steady* when at least `MIN_TREND_SAMPLES`
+samples were fitted and the line explains at least `STEADY_R2` of their variance (R²); a
+steady growth is projected to the batch where it reaches the dtype's largest value.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from .passes import SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_ROLE, PassRecord
 
 __all__ = [
     "History", "HistoryView", "Trend", "fit_trend", "KEPT_CATEGORIES", "MAX_SAMPLES",
-    "TREND_WINDOW", "MIN_TREND_SAMPLES", "STEADY_R2",
+    "TREND_SHARE", "MIN_TREND_SAMPLES", "STEADY_R2",
 ]
 
 MAX_SAMPLES = 1000
-TREND_WINDOW = 30  # the last finite samples a trend is fitted over
-MIN_TREND_SAMPLES = 5  # fewer points make no trend, however straight
-STEADY_R2 = 0.9  # a fit explaining less of the variance is not steady: no projection then
+TREND_SHARE = 0.5  # the recent share of a value's finite samples its trend is fitted over
+MIN_TREND_SAMPLES = 5  # fewer points make no steady trend, however straight
+STEADY_R2 = 0.8  # a fit explaining less of the variance is not steady: no projection then
 NOTE_WINDOW = 10  # the last samples a detection's history note compares
 
 # What a sample keeps of a call (see the module docstring for what it leaves out).
@@ -104,11 +104,11 @@ class Trend:
     limit: float  # that largest value
     batches: np.ndarray  # the sampled batches holding the value
     abs_max: np.ndarray  # its abs max in each (nan, inf where it was)
-    fitted: int = 0  # samples the fit used (the last finite ones)
+    fitted: int = 0  # the recent finite samples fitted (no fit below MIN_TREND_SAMPLES)
     slope: Optional[float] = None  # log10(abs max) per batch
     intercept: Optional[float] = None  # log10(abs max) at batch 0, on the fitted line
     r2: Optional[float] = None
-    steady: bool = False  # >= MIN_TREND_SAMPLES samples on the line with R² >= STEADY_R2
+    steady: bool = False  # the fitted samples lie on the line: R² >= STEADY_R2
     limit_batch: Optional[float] = None  # where a steady growth reaches `limit`
     nonfinite_batch: Optional[int] = None  # first sample of a trailing run of nan/inf
 
@@ -155,18 +155,20 @@ class HistoryView:
         return history_text(self)
 
 
-def fit_trend(batches: np.ndarray, abs_max: np.ndarray, limit: float,
-              window: int = TREND_WINDOW) -> dict:
-    """The fit of log10(abs max) against the batch over the last `window` finite, non-zero
-    values before any trailing nan/inf: the fields of a `Trend` from `fitted` on."""
+def fit_trend(batches: np.ndarray, abs_max: np.ndarray, limit: float) -> dict:
+    """The fit of log10(abs max) against the batch over the recent half of the finite, non-zero
+    values before any trailing nan/inf (all of them, below twice MIN_TREND_SAMPLES): the fields
+    of a `Trend` from `fitted` on."""
     finite = np.isfinite(abs_max)
     trailing = len(abs_max)
     while trailing and not finite[trailing - 1]:
         trailing -= 1
     result: dict = {"nonfinite_batch": int(batches[trailing]) if trailing < len(abs_max) else None}
-    usable = np.flatnonzero(finite[:trailing] & (abs_max[:trailing] > 0))[-window:]
+    usable = np.flatnonzero(finite[:trailing] & (abs_max[:trailing] > 0))
+    if len(usable) >= 2 * MIN_TREND_SAMPLES:
+        usable = usable[-math.ceil(len(usable) * TREND_SHARE):]
     result["fitted"] = len(usable)
-    if len(usable) < 2:
+    if len(usable) < MIN_TREND_SAMPLES:
         return result
     x = batches[usable].astype(np.float64)
     y = np.log10(abs_max[usable].astype(np.float64))
@@ -179,7 +181,7 @@ def fit_trend(batches: np.ndarray, abs_max: np.ndarray, limit: float,
     total = float(((y - y_mean) ** 2).sum())
     residual = float(((y - (intercept + slope * x)) ** 2).sum())
     r2 = 1.0 if total <= 1e-24 else 1.0 - residual / total
-    steady = len(usable) >= MIN_TREND_SAMPLES and r2 >= STEADY_R2
+    steady = r2 >= STEADY_R2
     result.update(slope=slope, intercept=intercept, r2=r2, steady=steady)
     if steady and slope > 0 and math.isfinite(limit):
         result["limit_batch"] = (math.log10(limit) - intercept) / slope
@@ -393,7 +395,8 @@ class History:
             here = sample.ids[is_weight]
             abs_max = sample.values[is_weight, 1].astype(np.float64)
             change = np.full(len(sample.ids), np.nan)
-            change[is_weight] = abs_max - previous[here]
+            with np.errstate(invalid="ignore"):  # inf - inf: nan, as it should read
+                change[is_weight] = abs_max - previous[here]
             previous[here] = abs_max
             changes.append(change)
         return np.concatenate(changes) if changes else np.zeros(0)

@@ -168,8 +168,9 @@ def _headline(view) -> str:
     first, last = int(view.batches[0]), int(view.batches[-1])
     every = f"every {view.every}; " if view.every else ""
     thinned = ", older ones thinned" if view.thinned else ""
+    modules = f"{len(view.modules)} module{'s' if len(view.modules) != 1 else ''}"
     return (f"numguard history: {len(view.batches)} sampled batches ({every}batches {first:,} to "
-            f"{last:,}{thinned}), {len(view.modules)} modules")
+            f"{last:,}{thinned}), {modules}")
 
 
 _SCALE_WORDS = ("log10(abs max / largest value of the dtype) of each module's value nearest its "
@@ -193,31 +194,31 @@ def trend_sentence(trend) -> str:
                  if value > 0 else "")
         parts.append(f"abs max {value:.3g} at batch {int(trend.batches[last]):,}{share}")
     if trend.nonfinite_batch is not None:
-        word = "nan" if np.isnan(trend.abs_max[-1]) else "inf"
+        run = trend.abs_max[trend.batches >= trend.nonfinite_batch]
+        word = "nan" if np.isnan(run).all() else "inf" if np.isinf(run).all() else "nan or inf"
         parts.append(f"{word} since batch {trend.nonfinite_batch:,}")
     parts.append(_fit_words(trend))
     return f"{what}: " + "; ".join(parts)
 
 
 def _fit_words(trend) -> str:
-    over = f"over the last {trend.fitted} samples"
     if trend.slope is None:
         return f"too few finite samples for a trend ({trend.fitted})"
+    fit = f"over the last {trend.fitted} samples, R² {trend.r2:.2f}"
     if not trend.steady:
-        return f"not steady (R² {trend.r2:.2f} {over}): no projection"
-    steady = f"steady {over} (R² {trend.r2:.2f})"
+        return f"not steady ({fit}): no projection"
     doubling = trend.doubling_batches
     if doubling is None or trend.limit_batch is None:
         per = 10 ** (trend.slope * 1000)
-        return f"{steady}, not growing (x{per:.3g} per 1,000 batches)"
+        return f"steady ({fit}), not growing (x{per:.3g} per 1,000 batches)"
     every, limit, batch = _number(doubling), f"{trend.limit:.5g}", _number(trend.limit_batch)
     if trend.nonfinite_batch is not None:
-        return (f"before that it doubled every {every} batches ({steady}), on course to reach "
-                f"{limit} near batch {batch}")
+        return (f"before that it doubled every {every} batches (steady {fit}), on course to "
+                f"reach {limit} near batch {batch}")
     last = int(trend.batches[np.flatnonzero(np.isfinite(trend.abs_max))[-1]])
     where = (f"would reach {limit} near batch {batch}" if trend.limit_batch > last
              else f"beyond {limit} since about batch {batch}")
-    return f"doubles every {every} batches, {steady}: {where}"
+    return f"doubles every {every} batches (steady {fit}): {where}"
 
 
 def trend_svg(trend, width: int = 320, height: int = 80) -> str:
