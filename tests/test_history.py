@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 import subprocess
 import sys
@@ -183,6 +184,11 @@ def test_views_of_a_made_up_run(golden):
     assert [view.modules[row][0] for row in view.marked] == ["head", "encoder", "act"]
     golden("history_view.html", history._repr_html_() + "\n")
     golden("history_view.txt", repr(history) + "\n")
+    kept = pickle.loads(pickle.dumps(history))  # saved for later, lock and all
+    assert repr(kept) == repr(history) and kept.to_frame().equals(history.to_frame())
+    kept.add_pass(made_up_pass(120, FORWARD, [
+        ("", "Net", [("output", OUTPUT, 0.1, 1.0, torch.float16)])]))
+    assert kept.batches[-1] == 120 and history.batches[-1] == 110
 
 
 def test_an_empty_history_says_how_to_keep_one():

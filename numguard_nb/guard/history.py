@@ -91,7 +91,7 @@ class _Sample:
         self.values = values
 
 
-@dataclass
+@dataclass(eq=False)
 class Trend:
     """How one value (a module's value nearest its limit) moved over the history: the points,
     the fit of log10(abs max) against the batch number, and where it leads."""
@@ -125,7 +125,7 @@ class Trend:
         return self.intercept + self.slope * batch
 
 
-@dataclass
+@dataclass(eq=False)
 class HistoryView:
     """What the history's views draw (`render.history`): one row per module (in model order),
     one column per sample, the modules nearest their limit and their trends."""
@@ -214,6 +214,15 @@ class History:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def __getstate__(self) -> dict:  # pickled without its lock (`pickle.dump(guard.history, f)`)
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def batches(self) -> List[int]:
