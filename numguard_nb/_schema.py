@@ -56,3 +56,9 @@ PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
 ORIGIN_OPTIMIZER_STEP = "optimizer step"  # a step the guard saw since the forward before wrote them
 ORIGIN_OUTSIDE_FORWARD = "outside the forward"  # no step since a forward that found them finite
 ORIGIN_BEFORE_ATTACH = "before attach"  # non-finite in the guard's first forward of the model
+
+# ---- history cells: what a module's cell of the numerics history holds (codes in int8 arrays) --
+CELL_VALUE = 0  # a finite abs max (zero included)
+CELL_MISSING = 1  # nothing of the module was recorded in that sampled batch
+CELL_NAN = 2
+CELL_INF = 3

@@ -19,7 +19,15 @@ a new ``on_train_begin`` also drops hooks a crashed run left behind.
 
 Both classes are built on first access, so importing this module needs neither
 transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
-``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``...).
+``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``,
+``history_every``...).
+
+With ``history_every=N`` the callbacks also log a few figures of each sampled batch through the
+trainer's own logging (``History.scalars``: ``numguard/max_log10_share``, the log10 of abs max
+over the dtype's largest value for the value nearest its limit, ``numguard/worst_abs_max``,
+``numguard/nonfinite_values``, ``numguard/batch``): the Trainer's ``state.log_history`` (an
+entry like ``trainer.log`` makes, with its ``step``), and Lightning's loggers
+(``logger.log_metrics`` at the global step). ``callback.history`` is the whole history.
 """
 
 from __future__ import annotations
@@ -39,6 +47,20 @@ class _GuardedRun:
         # Fail at construction on a misspelt option or a bad value, not when training starts.
         self.options = GuardOptions(**guard_options)
         self.guard: Guard | None = None
+        self._figures_taken = 0  # history samples whose figures were logged
+
+    @property
+    def history(self):
+        """The last run's numerics history (`history_every`), or None before a run."""
+        return self.guard.history if self.guard is not None else None
+
+    def new_figures(self) -> dict:
+        """The history's figures of its latest sample if it is new since the last call, else {}."""
+        history = self.history
+        if history is None or history.samples_taken == self._figures_taken:
+            return {}
+        self._figures_taken = history.samples_taken
+        return history.scalars()
 
     @property
     def report(self) -> Report | None:
@@ -49,6 +71,7 @@ class _GuardedRun:
         self.detach()  # a run that crashed outside `with` may have left its hooks
         options = self.options.replace(on_detect=self._on_detect)
         self.guard = Guard(model, **options.as_kwargs()).attach()
+        self._figures_taken = 0
 
     def detach(self) -> None:
         """Remove the guard's hooks (idempotent); the report stays available."""
@@ -80,6 +103,11 @@ def _build_trainer_callback() -> type:
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.start(model)
 
+        def on_step_end(self, args, state, control, **kwargs):
+            figures = self.new_figures()
+            if figures:
+                state.log_history.append({**figures, "step": state.global_step})
+
         def on_train_end(self, args, state, control, **kwargs):
             self.detach()
 
@@ -106,6 +134,11 @@ def _build_lightning_callback() -> type:
             # cannot see batches begin, so say when they do.
             if self.guard is not None:
                 self.guard.begin_batch()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            figures = self.new_figures()
+            for logger in trainer.loggers if figures else ():
+                logger.log_metrics(figures, step=trainer.global_step)
 
         def on_fit_end(self, trainer, pl_module):
             self.detach()

@@ -1,4 +1,4 @@
-"""IPython magics: `%%numguard`, `%numguard on|off|status|compare`, `%numguard_dist`,
+"""IPython magics: `%%numguard`, `%numguard on|off|status|compare|history`, `%numguard_dist`,
 `%numguard_check`, `%numguard_replay`.
 
 A thin layer: each magic parses its line, looks its objects up in the namespace, runs the engine
@@ -40,7 +40,7 @@ from .session import GuardedRun, Session, ToShow, choose_capture, find_models, l
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
 _LIMIT_DTYPES = ("float16", "bfloat16")
-_COMMANDS = ("on", "off", "status", "compare")
+_COMMANDS = ("on", "off", "status", "compare", "history")
 
 # The shells the extension is loaded in, and their magics (for unload).
 _loaded: Dict[int, "NumguardMagics"] = {}
@@ -144,6 +144,8 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
              "(default: on when a guarded model has a parameter on CUDA)")
     add("--no-capture", dest="capture", action="store_const", const=False,
         help="do not capture inputs")
+    add("--history-every", type=_positive_int, default=None, metavar="N",
+        help="keep every Nth batch's ranges per module (%%numguard history shows them)")
     add("-q", "--quiet", action="store_true", help="display nothing; only store the report")
     add("-o", "--output", type=_identifier, default=None, metavar="NAME",
         help="also store the report in the namespace as NAME")
@@ -166,11 +168,19 @@ def _compare_parser() -> MagicArgumentParser:
     return parser
 
 
+def _history_parser() -> MagicArgumentParser:
+    parser = MagicArgumentParser(prog="numguard history")
+    parser.add_argument("--worst", type=_positive_int, default=3, metavar="N",
+                        help="modules nearest their dtype's limit to number and follow (default 3)")
+    return parser
+
+
 _CELL = _guard_parser("%numguard")
 _ON = _guard_parser("numguard on")
 _OFF = _bare_parser("numguard off")
 _STATUS = _bare_parser("numguard status")
 _COMPARE = _compare_parser()
+_HISTORY = _history_parser()
 
 
 def _magic(parser: MagicArgumentParser) -> str:
@@ -220,6 +230,7 @@ def _guard_options(args, capture: bool) -> GuardOptions:
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
         limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
+        history_every=args.history_every,
     )
 
 
@@ -289,7 +300,7 @@ class NumguardMagics(Magics):
 
     # ---- %%numguard / %numguard ----------------------------------------------------------
     @line_cell_magic
-    @_with_usage(_CELL, _COMPARE)
+    @_with_usage(_CELL, _COMPARE, _HISTORY)
     def numguard(self, line="", cell=None):
         """Guard a cell (`%%numguard`), or every following cell (`%numguard on`), with a
         numguard Guard: find the first module that produces an inf or a nan, forward or backward.
@@ -299,6 +310,8 @@ class NumguardMagics(Magics):
             %numguard off                         stop guarding
             %numguard status                      what is guarded
             %numguard compare A B [--factor F]    first module whose abs max differs > F x (default 10)
+            %numguard history [--worst N]         each module's range over the sampled batches
+                                                  (after --history-every N)
 
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
@@ -320,16 +333,16 @@ class NumguardMagics(Magics):
         command, rest = (line.split(maxsplit=1) + ["", ""])[:2]
         if not command:
             raise UsageError(
-                "%numguard needs on, off, status or compare; to guard one cell use %%numguard "
-                "(two %) on the cell's first line"
+                "%numguard needs on, off, status or compare (or history); to guard one cell use "
+                "%%numguard (two %) on the cell's first line"
             )
         if command not in _COMMANDS:
             raise UsageError(
-                f"%numguard: unknown command {command!r}: use on, off, status or compare "
+                f"%numguard: unknown command {command!r}: use on, off, status, compare or history "
                 "(to guard one cell, write %%numguard on its first line)"
             )
         run_command = {"on": self._on, "off": self._off, "status": self._status,
-                       "compare": self._compare}[command]
+                       "compare": self._compare, "history": self._history}[command]
         return run_command(rest)
 
     def _guard_cell(self, line: str, cell: str):
@@ -372,6 +385,14 @@ class NumguardMagics(Magics):
             )
         good, bad = (self._report_named(text) for text in args.reports)
         return good.compare(bad, factor=args.factor)
+
+    def _history(self, rest: str):
+        args = _parse(_HISTORY, rest)
+        try:
+            history = self._session.history(self.shell.user_ns)
+        except LookupError as error:
+            raise UsageError(f"%numguard history: {message_line(error)}") from None
+        return history.view(worst=args.worst)
 
     # ---- %numguard_dist ------------------------------------------------------------------
     @magic_arguments()

@@ -266,6 +266,8 @@ class Report:
     # ORIGIN_* ("" when the guard cannot tell), and the optimizer step it names, if any.
     weights_origin: str = ""
     optimizer_step: Optional[OptimizerStep] = None
+    # How the culprit's value moved over the sampled batches before (the guard's history_every).
+    history_note: str = ""
 
     @property
     def ok(self) -> bool:

@@ -28,11 +28,12 @@ from .errors import CaptureTooLarge, NonFiniteError
 from .guard import Guard, GuardOptions
 from .report import Report
 
-__all__ = ["REPORT_NAME", "TRACES_NAME", "ToShow", "GuardedRun", "Session", "lookup", "model_of",
-           "find_models", "choose_capture"]
+__all__ = ["REPORT_NAME", "TRACES_NAME", "HISTORY_NAME", "ToShow", "GuardedRun", "Session",
+           "lookup", "model_of", "find_models", "choose_capture"]
 
 REPORT_NAME = "_numguard"  # the last report, in the user namespace
 TRACES_NAME = "_numguard_traces"  # {batch: trace report} of the last run that traced
+HISTORY_NAME = "_numguard_history"  # the numerics history of the last run that kept one
 
 
 @dataclass
@@ -291,6 +292,8 @@ class GuardedRun:
             self.namespace[self.output] = report
         if self.guard.traces:
             self.namespace[TRACES_NAME] = dict(sorted(self.guard.traces.items()))
+        if self.guard.history_every is not None:
+            self.namespace[HISTORY_NAME] = self.guard.history
 
     def show_collected(self) -> ToShow:
         """The reports made since they were last shown (none when quiet: they are only kept)."""
@@ -339,6 +342,8 @@ class Session:
         if run is None:
             return "numguard: already off"
         run.guard.detach()
+        if run.guard.history_every is not None:  # %numguard history still shows it
+            run.namespace[HISTORY_NAME] = run.guard.history
         return f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})"
 
     def status(self) -> str:
@@ -349,7 +354,21 @@ class Session:
         guard = run.guard
         traced = f"; tracing batches {sorted(guard.trace_batches)}" if guard.trace_batches else ""
         found = f"; a detection is in {REPORT_NAME}" if guard.detection is not None else ""
-        return f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}{found}"
+        kept = (f"; history of every {guard.history_every} batches ({len(guard.history)} samples)"
+                if guard.history_every is not None else "")
+        return (f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}"
+                f"{kept}{found}")
+
+    def history(self, namespace: Mapping):
+        """The numerics history `%numguard history` shows: the session guard's, else the last
+        one a run kept in the namespace. LookupError, saying how to keep one, without either."""
+        run = self.run
+        if run is not None and run.guard.history_every is not None:
+            return run.guard.history
+        if namespace.get(HISTORY_NAME) is not None:
+            return namespace[HISTORY_NAME]
+        raise LookupError("no numerics history: %numguard on --history-every N (or %%numguard "
+                          "--history-every N) keeps every Nth batch's ranges")
 
     def before_cell(self, source: str) -> ToShow:
         """Before a cell runs (pre_run_cell): follow the names and hook what they stand for."""

@@ -45,6 +45,7 @@ from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
 from ..report import Report
 from . import detect, frames
+from .history import History
 from .hooks import (
     GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
     is_dynamo_compiling, running_calls,
@@ -162,6 +163,7 @@ class Guard:
     on_trace = _Option("on_trace")
     on_detect = _Option("on_detect")
     ops = _Option("ops")
+    history_every = _Option("history_every")
     # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
     # fitting in memory); `capture` is the latest captured call.
     capture_enabled = _Option("capture")
@@ -181,6 +183,7 @@ class Guard:
         on_detect=None,
         ops: bool = False,
         capture: bool = False,
+        history_every: Optional[int] = None,
     ):
         self.models = _normalise_models(model_or_models)
         self._op_recorder: Optional[OpRecorder] = None  # kept while ops=True
@@ -188,11 +191,12 @@ class Guard:
             max_frames=max_frames, trace_batches=trace_batches,
             abort_after_batch=abort_after_batch, backward=backward, sync=sync,
             allow_inf=allow_inf, limit_dtype=limit_dtype, on_trace=on_trace,
-            on_detect=on_detect, ops=ops, capture=capture,
+            on_detect=on_detect, ops=ops, capture=capture, history_every=history_every,
         ))
         self._capture = None  # replay.Capture, made on attach
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
+        self.history = History()  # sampled batches' ranges, with history_every (`see`)
         self.batch_number = 0  # the batch being run (or last run, in any thread)
         self._batches = BatchCounter()
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
@@ -424,6 +428,7 @@ class Guard:
         pass_ = state.forward
         state.forward = None
         pass_.read_back()
+        self.history.see(pass_, state.batch_number, self.options)
         if state.tracing:
             self._record_trace(pass_, state.batch_number)
             return
@@ -513,6 +518,7 @@ class Guard:
         try:
             self._grad_hooks.drop_dead(force=True)  # the graph this pass ran on has been consumed
             pass_.read_back()
+            self.history.see(pass_, self.batch_number, self.options)
             if self._tracing:
                 self._record_trace(pass_, self.batch_number)
                 return
@@ -544,6 +550,7 @@ class Guard:
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
             batch, self._steps)
+        self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection.reason += _COMPILED_NOTE
         pass_.release()

@@ -40,6 +40,9 @@ OPTION_DOCS = """
             ATen op that turned non-finite and the source line that called it.
         capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
             to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
+        history_every: N to keep every Nth batch's ranges (abs min/max of each module call's
+            outputs, gradients and weights) in `guard.history`, to watch a drift toward the
+            dtype's limit; None (the default): no history.
 """
 
 # The names limit_dtype accepts (after dropping a "torch." prefix, in any case).
@@ -71,6 +74,7 @@ class GuardOptions:
     on_detect: Optional[Callable] = None
     ops: bool = False
     capture: bool = False
+    history_every: Optional[int] = None
     # Derived from limit_dtype: its largest finite value, and its smallest positive (subnormal)
     # value, below which a value flushes to 0. None without limit_dtype.
     limit_max: Optional[float] = dataclasses.field(init=False, default=None)
@@ -85,6 +89,7 @@ class GuardOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        _check_history_every(self.history_every)
         set_field(self, "allow_inf", _parse_allow_inf(self.allow_inf))
         limit_dtype = _parse_limit_dtype(self.limit_dtype)
         set_field(self, "limit_dtype", limit_dtype)
@@ -137,6 +142,15 @@ def _check_abort_after_batch(abort_after_batch) -> None:
     ):
         raise ValueError(
             f"abort_after_batch must be None or a batch number >= 0, got {abort_after_batch!r}"
+        )
+
+
+def _check_history_every(history_every) -> None:
+    if history_every is not None and (
+        isinstance(history_every, bool) or not isinstance(history_every, int) or history_every < 1
+    ):
+        raise ValueError(
+            f"history_every must be None or a positive number of batches, got {history_every!r}"
         )
 
 

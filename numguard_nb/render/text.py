@@ -77,6 +77,7 @@ def verdict_lines(report: Report) -> list:
         lines.append(f"hint: {report.hint}")
     lines.extend(f"samples holding inf/nan in {row.role}: {row.sample_list}"
                  for row in frame.flagged_rows if row.sample_list)
+    lines += [f"history: {report.history_note}"] if report.history_note else []
     if frame.op:
         lines.append(f"first non-finite op: {frame.op}")
     if frame.source:
