@@ -51,3 +51,4 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+PROBLEM_UNDERFLOW = "underflow"  # non-zero, but below limit_dtype's smallest value: would be 0
