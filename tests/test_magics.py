@@ -337,11 +337,12 @@ def test_options_reach_the_guard(ip, monkeypatch):
     assert list(seen["models"]) == ["net", "loss"]
 
 
-def test_limit_dtype_predicts_an_overflow_in_a_float32_run(ip):
+def test_stop_at_limit_stops_at_a_predicted_overflow_in_a_float32_run(ip):
     ip.run_cell("net.float()\nxs32 = [x.float() for x in xs]")
     result, _ = run(ip, "%%numguard net\nfor x in xs32:\n    step(net, x)")
     assert result.success
-    result, _ = run(ip, "%%numguard net --limit-dtype float16\nfor x in xs32:\n    step(net, x)")
+    result, _ = run(ip, "%%numguard net --limit-dtype float16 --stop-at-limit\n"
+                        "for x in xs32:\n    step(net, x)")
     assert isinstance(result.error_in_exec, NonFiniteError)
     report = ip.user_ns["_numguard"]
     assert report.limit_dtype == "float16" and report.batch_number == 4
