@@ -131,7 +131,8 @@ def headroom_html(headroom) -> str:
     shown = entries[:MAX_SHOWN]
     if shown:
         parts.append(
-            '<table class="ng-headroom-table"><tr><th>kind</th><th>module</th><th>phase</th>'
+            '<table class="ng-headroom-table" style="border-collapse:collapse;font-size:12px">'
+            "<tr><th>kind</th><th>module</th><th>phase</th>"
             "<th>value</th><th>dtype</th><th>at its worst</th><th>when</th></tr>"
             + "".join(_html_row(entry) for entry in shown) + "</table>")
     if len(entries) > len(shown):
