@@ -29,8 +29,9 @@ class Tiny(nn.Module):
 
 
 def widening_model():
-    """Scale (weights 1) -> Widen: output 1000 * x, weight gradient 1000 * sum of x."""
-    return nn.Sequential(M.Scale(4), M.Widen())
+    """Scale (weights 1) -> Widen: output 1000 * x, weight gradient 1000 * sum of x; ReLU only
+    carries Widen's values on."""
+    return nn.Sequential(M.Scale(4), M.Widen(), nn.ReLU())
 
 
 def run_batches(model, scales=SCALES, **options):
@@ -50,7 +51,7 @@ def test_an_activation_reaching_1e5_is_collected_at_its_batch_and_the_run_goes_o
     guard = run_batches(model, limit_dtype=torch.float16)
     assert guard.detection is None and guard.batch_number == len(SCALES) - 1
     headroom = guard.headroom
-    # the producers only: not the Sequential's output (the same tensor), not the carriers
+    # the producers only: not the ReLU's output (carried on), not the Sequential's (the same)
     assert keys(headroom) == {("1", "forward", "output", "overflow"),
                               ("0", "backward", "weight.grad", "overflow")}
     output = next(e for e in headroom if e.phase == "forward")
@@ -76,6 +77,14 @@ def test_values_that_would_flush_to_zero_are_collected_as_underflow():
         entry.nonzero_abs_min / 2.0 ** -24)
     assert entry.share < 1 and guard.headroom.overflows == 0
     assert guard.headroom.first is None  # the first *overflow*: none
+
+
+def test_a_gradient_carried_on_is_credited_to_its_maker_only():
+    model = nn.Sequential(M.Scale(4), nn.ReLU(), Tiny())
+    guard = run_batches(model, scales=[1.0], limit_dtype=torch.float16)
+    # ReLU passes Tiny's 1e-12 gradient back unchanged; Scale's weight gradient sums two of them
+    assert keys(guard.headroom) == {("2", "forward", "output", "underflow"),
+                                    ("2", "backward", "grad_input[0]", "underflow")}
 
 
 def test_to_frame_has_one_row_per_entry_the_worst_first():
