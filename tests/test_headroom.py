@@ -1,18 +1,19 @@
 """The headroom: a run with limit_dtype goes to its end and collects what would not fit in that
 dtype (`guard.headroom`), by module, with the first overflow's op; stop_at_limit stops instead;
-float8 limits; the views; bounded memory; the magics' --limit-dtype view and status."""
+float8 limits; the views; bounded memory; the notebook session's view and status (the magics
+that show it are driven in test_magics.py, whose shell is the one IPython test shell)."""
 
 import os
 import sys
 
 import pytest
 import torch
-from IPython.testing.globalipapp import start_ipython
-from IPython.utils.capture import capture_output
 from torch import nn
 
 from numguard_nb import Guard, NonFiniteError
+from numguard_nb.guard import GuardOptions
 from numguard_nb.guard.headroom import Headroom
+from numguard_nb.session import HEADROOM_NAME, GuardedRun, Session
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models as M  # noqa: E402
@@ -239,80 +240,33 @@ def test_memory_stays_bounded_over_many_batches_with_overflows_in_each():
     assert grown < 48 * 1024, grown  # what a run of any length holds anyway (the guard's caches)
 
 
-# ---- the magics ---------------------------------------------------------------------------------
-SETUP = """
-import torch
-from torch import nn
-torch.manual_seed(0)
-net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-with torch.no_grad():
-    net[0].weight.mul_(3)
-xs = [torch.randn(3, 4) for _ in range(6)]
-xs[4] = xs[4] * 3e4   # beyond float16 in the first Linear, finite in float32
-
-def step(model, x):
-    model(x).sum().backward()
-"""
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = start_ipython()
-    shell.run_cell("%load_ext numguard_nb")
-    formatter = shell.display_formatter
-    active = list(formatter.active_types)
-    formatter.active_types = list(formatter.format_types)  # as in a notebook
-    assert shell.run_cell(SETUP).success
-    yield shell
-    formatter.active_types = active
-    shell.run_cell("%numguard off")
-    shell.run_cell("%unload_ext numguard_nb")
-
-
-def run(ip, cell):
-    with capture_output() as captured:
-        result = ip.run_cell(cell)
-    return result, captured
-
-
-def headroom_views(captured):
-    return [out.data for out in captured.outputs if 'class="ng-headroom"' in out.data.get("text/html", "")]
-
-
-def test_the_cell_magic_runs_to_the_end_and_shows_the_headroom(ip):
-    result, captured = run(ip, "%%numguard net --limit-dtype float16\nfor x in xs:\n    step(net, x)")
-    assert result.success
-    (view,) = headroom_views(captured)
-    assert view["text/plain"].startswith("in float16, 2 values would overflow (beyond its largest value 65504)")
-    headroom = ip.user_ns["_numguard_headroom"]
-    assert [(e.module_name, e.phase, e.role, e.batch_number) for e in headroom] == [
-        ("2", "backward", "weight.grad", 4), ("0", "forward", "output", 4)]
-    result, captured = run(ip, "%%numguard net --limit-dtype bfloat16\nfor x in xs:\n    step(net, x)")
-    (view,) = headroom_views(captured)
-    assert "every value fits" in view["text/plain"]
-    result, captured = run(ip, "%%numguard net\nfor x in xs:\n    step(net, x)")
-    assert result.success and headroom_views(captured) == []  # no limit_dtype: no view
-
-
-def test_on_shows_the_headroom_after_each_cell_that_ran_and_status_counts(ip):
-    result, _ = run(ip, "%numguard on net --limit-dtype float16")
-    assert result.success
-    _, captured = run(ip, "for x in xs[:3]:\n    step(net, x)")
-    (view,) = headroom_views(captured)
-    assert "every value fits" in view["text/plain"]
-    _, captured = run(ip, "y = 1")  # no batch ran: nothing new to show
-    assert headroom_views(captured) == []
-    _, captured = run(ip, "for x in xs[3:]:\n    step(net, x)")
-    (view,) = headroom_views(captured)
-    assert "2 values would overflow" in view["text/plain"]
-    _, captured = run(ip, "%numguard status")
-    assert captured.stdout.strip().endswith(
+# ---- the notebook session (the magics' engine; the magics themselves: test_magics.py) -----------
+def test_each_cell_that_ran_shows_the_headroom_kept_in_the_namespace_and_status_counts():
+    model = widening_model()
+    namespace = {"model": model}
+    session = Session()
+    run = GuardedRun(namespace, {"model": model}, GuardOptions(limit_dtype=torch.float16))
+    session.start(run)
+    session.before_cell("for scale in SCALES: ...")
+    for scale in SCALES:
+        model(torch.full((2, 4), scale)).sum().backward()
+    shown = session.after_cell(True, None)
+    assert shown.views == [run.guard.headroom] and namespace[HEADROOM_NAME] is run.guard.headroom
+    session.before_cell("y = 1")
+    assert session.after_cell(True, None).views == []  # nothing ran: nothing new to show
+    assert session.status().endswith(
         "; in float16, 2 predicted overflow(s) and 0 underflow(s) in _numguard_headroom")
-    run(ip, "%numguard off")
+    session.stop()
 
 
-def test_the_magic_rejects_an_unknown_limit_name_and_documents_the_options(ip):
-    result, captured = run(ip, "%%numguard net --limit-dtype fp8\n1")
-    assert "invalid choice: 'fp8'" in captured.stderr and "float8_e4m3fn" in captured.stderr
-    doc = ip.find_cell_magic("numguard").__doc__
-    assert "--stop-at-limit" in doc and "float8_e5m2" in doc
+def test_a_quiet_run_keeps_the_headroom_without_showing_it_and_no_limit_shows_none():
+    model = widening_model()
+    namespace = {"model": model}
+    quiet = GuardedRun(namespace, {"model": model}, GuardOptions(limit_dtype="bf16"), quiet=True)
+    with quiet.guard:
+        model(torch.ones(2, 4)).sum().backward()
+    assert quiet.show_headroom().views == [] and namespace[HEADROOM_NAME] is quiet.guard.headroom
+    plain = GuardedRun({}, {"model": model}, GuardOptions())
+    with plain.guard:
+        model(torch.ones(2, 4)).sum().backward()
+    assert plain.show_headroom().views == [] and "; in " not in Session().status()
