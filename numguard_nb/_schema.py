@@ -51,6 +51,7 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+PROBLEM_UNDERFLOW = "underflow"  # non-zero, but below limit_dtype's smallest value: would be 0
 
 # ---- weights origins: how weights found non-finite got that way (Report.weights_origin) -------
 ORIGIN_OPTIMIZER_STEP = "optimizer step"  # a step the guard saw since the forward before wrote them

@@ -39,7 +39,7 @@ from .session import GuardedRun, Session, ToShow, choose_capture, find_models, l
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
-_LIMIT_DTYPES = ("float16", "bfloat16")
+_LIMIT_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 _COMMANDS = ("on", "off", "status", "compare", "history")
 
 # The shells the extension is loaded in, and their magics (for unload).
@@ -138,7 +138,10 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
     add("--ops", action="store_true",
         help="on a detection, name the first ATen op that turned non-finite and its source line")
     add("--limit-dtype", choices=_LIMIT_DTYPES, default=None,
-        help="count values beyond this dtype's range as overflow/underflow (predicted)")
+        help="collect the values beyond this dtype's range (predicted overflow/underflow) and "
+             "show them after the cell")
+    add("--stop-at-limit", action="store_true",
+        help="with --limit-dtype: stop at the first predicted overflow instead")
     add("--capture", dest="capture", action="store_const", const=True, default=None,
         help="keep the last inputs to replay a call on CPU after a CUDA error "
              "(default: on when a guarded model has a parameter on CUDA)")
@@ -229,8 +232,8 @@ def _guard_options(args, capture: bool) -> GuardOptions:
     return GuardOptions(
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
-        limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
-        history_every=args.history_every,
+        limit_dtype=args.limit_dtype, stop_at_limit=args.stop_at_limit, ops=args.ops,
+        capture=capture, history_every=args.history_every,
     )
 
 
@@ -356,6 +359,7 @@ class NumguardMagics(Magics):
         code = self._compile_cell(cell)  # a SyntaxError is raised before any hook
         outcome = self._run_cell(run, code)
         self._show(run.finish_cell(failed=outcome.error is not None))
+        self._show(run.show_headroom())
         if outcome.error is not None and run.guard.capture is not None \
                 and _is_device_error(outcome.error):
             self._replay_after_error(run, outcome.error)
@@ -601,6 +605,8 @@ class NumguardMagics(Magics):
 
             for report in shown.reports:
                 display_report(report)
+        for view in shown.views:
+            self._display(view)
 
     @staticmethod
     def _display(obj) -> None:

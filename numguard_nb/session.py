@@ -23,25 +23,28 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ._util import message_line, trainer_model
+from ._util import dtype_name, message_line, trainer_model
 from .errors import CaptureTooLarge, NonFiniteError
 from .guard import Guard, GuardOptions
 from .report import Report
 
-__all__ = ["REPORT_NAME", "TRACES_NAME", "HISTORY_NAME", "ToShow", "GuardedRun", "Session",
-           "lookup", "model_of", "find_models", "choose_capture"]
+__all__ = ["REPORT_NAME", "TRACES_NAME", "HISTORY_NAME", "HEADROOM_NAME", "ToShow", "GuardedRun",
+           "Session", "lookup", "model_of", "find_models", "choose_capture"]
 
 REPORT_NAME = "_numguard"  # the last report, in the user namespace
 TRACES_NAME = "_numguard_traces"  # {batch: trace report} of the last run that traced
 HISTORY_NAME = "_numguard_history"  # the numerics history of the last run that kept one
+HEADROOM_NAME = "_numguard_headroom"  # what would not fit in limit_dtype (guard.headroom)
 
 
 @dataclass
 class ToShow:
-    """What the notebook shows after a step of the session: lines to print, then reports."""
+    """What the notebook shows after a step of the session: lines to print, then reports, then
+    other views (the headroom)."""
 
     lines: List[str] = field(default_factory=list)
     reports: List[Report] = field(default_factory=list)
+    views: list = field(default_factory=list)
 
 
 # ---- the models the names of a namespace stand for -----------------------------------------
@@ -185,6 +188,7 @@ class GuardedRun:
         self._shorten = shorten
         self._detections: List[Report] = []
         self._traced: List[int] = []  # batch numbers whose trace grew since the last collect
+        self._headroom_passes = 0  # the headroom's passes when it was last shown
         target = next(iter(models.values())) if len(models) == 1 else dict(models)
         options = options.replace(on_trace=self._on_trace, on_detect=self._on_detect)
         self.guard = Guard(target, **options.as_kwargs())
@@ -300,6 +304,16 @@ class GuardedRun:
         reports = self.collect()
         return ToShow(reports=[] if self.quiet else reports)
 
+    def show_headroom(self) -> ToShow:
+        """With limit_dtype, the headroom (kept in the namespace) when passes ran since it was
+        last shown, full or empty: it answers "would this have fit?"."""
+        headroom = self.guard.headroom
+        if self.guard.limit_dtype is None or headroom.passes == self._headroom_passes:
+            return ToShow()
+        self._headroom_passes = headroom.passes
+        self.namespace[HEADROOM_NAME] = headroom
+        return ToShow(views=[] if self.quiet else [headroom])
+
     def finish_cell(self, failed: bool) -> ToShow:
         """The end of a `%%numguard` cell: its reports or, without any, the latest frames (kept,
         and summed up in a line when the cell did not fail)."""
@@ -316,6 +330,16 @@ class GuardedRun:
             missing = "; ".join(self.missing.values())
             return ToShow(lines=[f"numguard: no model was guarded at the end of this cell ({missing})"])
         return ToShow(lines=[f"numguard: {self.describe()} was not called in this cell"])
+
+
+def _headroom_status(guard: Guard) -> str:
+    """'; in float16, 2 predicted overflow(s) and 1 underflow(s) in _numguard_headroom' (with
+    limit_dtype; '' without)."""
+    if guard.limit_dtype is None:
+        return ""
+    headroom = guard.headroom
+    return (f"; in {dtype_name(guard.limit_dtype)}, {headroom.overflows} predicted overflow(s) "
+            f"and {headroom.underflows} underflow(s) in {HEADROOM_NAME}")
 
 
 # ---- %numguard on .. off --------------------------------------------------------------------
@@ -356,6 +380,7 @@ class Session:
         found = f"; a detection is in {REPORT_NAME}" if guard.detection is not None else ""
         kept = (f"; history of every {guard.history_every} batches ({len(guard.history)} samples)"
                 if guard.history_every is not None else "")
+        found += _headroom_status(guard)
         return (f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}"
                 f"{kept}{found}")
 
@@ -397,6 +422,7 @@ class Session:
             if getattr(sys, "last_value", None) is error:
                 sys.last_traceback = None
         shown = run.show_collected()
+        shown.views.extend(run.show_headroom().views)
         moved = run.follow()
         if moved and not run.quiet:
             # Only a %%numguard cell is followed statement by statement.

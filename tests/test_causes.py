@@ -342,7 +342,8 @@ def _predicted_overflow():
     model = linear()
     with torch.no_grad():
         model[0].weight.fill_(1e4)
-    return detection(model, lambda: model(batch() * 10), limit_dtype=torch.float16)
+    return detection(model, lambda: model(batch() * 10), limit_dtype=torch.float16,
+                     stop_at_limit=True)
 
 
 REAL = {

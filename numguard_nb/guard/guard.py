@@ -21,8 +21,9 @@ How it stays fast and harmless:
   made from outside it.
 
 The Guard records (`passes`) and keeps the pass lifecycle; what a pass means is decided in
-`detect` and shown through `frames`; op localisation (`ops.recorder`) and the CPU replay's
-capture (`replay.Capture`) are fed from its hooks.
+`detect` and shown through `frames`; what would not fit in `limit_dtype` is collected at each
+pass's end in `headroom`; op localisation (`ops.recorder`) and the CPU replay's capture
+(`replay.Capture`) are fed from its hooks.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
 from ..report import Report
 from . import detect, frames
+from .headroom import Headroom
 from .history import History
 from .hooks import (
     GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
@@ -160,6 +162,7 @@ class Guard:
     sync = _Option("sync")
     allow_inf = _Option("allow_inf")
     limit_dtype = _Option("limit_dtype")
+    stop_at_limit = _Option("stop_at_limit")
     on_trace = _Option("on_trace")
     on_detect = _Option("on_detect")
     ops = _Option("ops")
@@ -179,6 +182,7 @@ class Guard:
         sync: bool = False,
         allow_inf: Union[bool, str, Iterable[str]] = False,
         limit_dtype=None,
+        stop_at_limit: bool = False,
         on_trace=None,
         on_detect=None,
         ops: bool = False,
@@ -190,13 +194,15 @@ class Guard:
         self._use_options(GuardOptions(
             max_frames=max_frames, trace_batches=trace_batches,
             abort_after_batch=abort_after_batch, backward=backward, sync=sync,
-            allow_inf=allow_inf, limit_dtype=limit_dtype, on_trace=on_trace,
-            on_detect=on_detect, ops=ops, capture=capture, history_every=history_every,
+            allow_inf=allow_inf, limit_dtype=limit_dtype, stop_at_limit=stop_at_limit,
+            on_trace=on_trace, on_detect=on_detect, ops=ops, capture=capture,
+            history_every=history_every,
         ))
         self._capture = None  # replay.Capture, made on attach
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
         self.history = History()  # sampled batches' ranges, with history_every (`see`)
+        self.headroom = Headroom()  # what would not fit in limit_dtype, over the run
         self.batch_number = 0  # the batch being run (or last run, in any thread)
         self._batches = BatchCounter()
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
@@ -389,7 +395,7 @@ class Guard:
         pass_.calls.append(call)
         if self._sync and not raising and not state.tracing:
             pass_.read_back()
-            culprit = detect.forward_culprit(pass_, [call], self.options)
+            culprit = detect.forward_culprit(pass_, [call], self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         if not state.stack:
@@ -432,8 +438,8 @@ class Guard:
         if state.tracing:
             self._record_trace(pass_, state.batch_number)
             return
-        if not raising and detect.has_problem(pass_, self.options.limit_max):
-            culprit = detect.find_in_forward(pass_, self.options)
+        if not raising and self.headroom.collect_and_check(pass_, self.options, self._locate_op):
+            culprit = detect.find_in_forward(pass_, self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         self._recent.remember(pass_, self.options.max_frames)
@@ -507,7 +513,7 @@ class Guard:
             call.slots.append(slot)
             if self._sync and not self._tracing:
                 pass_.read_back()
-                culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options)
+                culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
                 if culprit is not None:
                     self._detect(pass_, BACKWARD, *culprit)
 
@@ -522,8 +528,8 @@ class Guard:
             if self._tracing:
                 self._record_trace(pass_, self.batch_number)
                 return
-            if detect.has_problem(pass_, self.options.limit_max):
-                culprit = detect.find_in_backward(pass_, self.options)
+            if self.headroom.collect_and_check(pass_, self.options, self._locate_op):
+                culprit = detect.find_in_backward(pass_, self.options.stop_rules)
                 if culprit is not None:
                     self._detect(pass_, BACKWARD, *culprit)
             self._recent.remember(pass_, self.options.max_frames)
@@ -537,15 +543,7 @@ class Guard:
         """Build the report for a detection and raise it."""
         options = self.options
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})
-        if self._op_recorder is not None and cause in CODE_CAUSES:
-            self._paused = True  # the re-run of the step must not reach the hooks
-            try:
-                where = self._op_recorder.localise(
-                    call.root_id, self._module_hooks.modules.get(call.module_id), call.module_id,
-                    call.call_index, cause, options.limit_max, options.inf_allowed(call.module_name))
-            finally:
-                self._paused = False
-            frames.add_op_location(culprit, where)
+        self._locate_op(culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
@@ -558,8 +556,19 @@ class Guard:
         error = options.on_detect(self.detection) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(self.detection)
 
+    def _locate_op(self, frame, call: CallRecord, cause, rules) -> None:
+        if self._op_recorder is not None and cause in CODE_CAUSES:  # ops=True: re-run the step
+            self._paused = True  # the re-run of the step must not reach the hooks
+            try:
+                frames.add_op_location(frame, self._op_recorder.localise(
+                    call.root_id, self._module_hooks.modules.get(call.module_id), call.module_id,
+                    call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
+            finally:
+                self._paused = False
+
     def _record_trace(self, pass_: PassRecord, batch: int) -> None:
         # A trace notes where a non-finite value would have been caught, without stopping.
+        self.headroom.collect(pass_, self.options, self._locate_op)
         culprit = detect.find_in_trace(pass_, self.options)
         report = self.traces[batch] = frames.add_to_trace(
             self.traces.get(batch), pass_, culprit, self.options, batch, self._steps)

@@ -7,7 +7,9 @@ and the magics build one to check what they were given before anything runs, the
 the Guard with `Guard(model, **options.as_kwargs())`.
 
 The options also carry the numbers the detection rules need (`limit_max`, `limit_tiny`,
-`inf_allowed`), so that `detect` and `frames` read them from here rather than from the Guard.
+`inf_allowed`), so that `detect` and `frames` read them from here rather than from the Guard,
+and the rules a detection stops on (`stop_rules`: without the limit where predicted values go to
+the headroom).
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ OPTION_DOCS = """
         sync: read statistics in every hook and raise there (slower; for when the process would
             crash before the pass ends).
         allow_inf: True, or module-name globs, for modules that legitimately produce +-inf.
-        limit_dtype: e.g. torch.float16: values beyond its largest finite value count as an
-            overflow (predicted) and non-zero values below its smallest are flagged as underflow.
+        limit_dtype: e.g. torch.float16, torch.bfloat16 or torch.float8_e4m3fn: the run goes on,
+            and every value beyond its largest finite value (a predicted overflow) and every
+            non-zero value below its smallest (a predicted underflow) is collected in
+            `guard.headroom`; real inf/nan still stop the run.
+        stop_at_limit: with limit_dtype, stop at the first predicted overflow instead, with
+            `NonFiniteError` as for a real inf.
         on_trace: called with each traced batch's report after each of its passes.
         on_detect: called with the report before `NonFiniteError` is raised; if it returns an
             exception, that exception is raised instead.
@@ -45,13 +51,20 @@ OPTION_DOCS = """
             dtype's limit; None (the default): no history.
 """
 
-# The names limit_dtype accepts (after dropping a "torch." prefix, in any case).
+# The names limit_dtype accepts (after dropping a "torch." prefix, in any case); the first name
+# of each dtype is its own. The float8 formats are those this torch has.
 LIMIT_DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
+_FLOAT8_NAMES = {
+    "float8_e4m3fn": ("fp8_e4m3fn", "fp8_e4m3", "e4m3"), "float8_e5m2": ("fp8_e5m2", "e5m2"),
+    "float8_e4m3fnuz": ("fp8_e4m3fnuz",), "float8_e5m2fnuz": ("fp8_e5m2fnuz",),
+}
+LIMIT_DTYPES.update({alias: getattr(torch, name) for name, aliases in _FLOAT8_NAMES.items()
+                     if hasattr(torch, name) for alias in (name,) + aliases})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +83,7 @@ class GuardOptions:
     sync: bool = False
     allow_inf: Union[bool, Tuple[str, ...]] = False
     limit_dtype: Optional[torch.dtype] = None
+    stop_at_limit: bool = False
     on_trace: Optional[Callable] = None
     on_detect: Optional[Callable] = None
     ops: bool = False
@@ -79,13 +93,17 @@ class GuardOptions:
     # value, below which a value flushes to 0. None without limit_dtype.
     limit_max: Optional[float] = dataclasses.field(init=False, default=None)
     limit_tiny: Optional[float] = dataclasses.field(init=False, default=None)
+    # What detection stops on: these options, or, where predicted values go to the headroom
+    # instead (limit_dtype without stop_at_limit), the same options without the limit.
+    stop_rules: "GuardOptions" = dataclasses.field(init=False, default=None, repr=False,
+                                                   compare=False)
 
     def __post_init__(self):
         set_field = object.__setattr__  # frozen: normalised values are written this once
         _check_max_frames(self.max_frames)
         set_field(self, "trace_batches", _parse_trace_batches(self.trace_batches))
         _check_abort_after_batch(self.abort_after_batch)
-        for name in ("backward", "sync", "ops", "capture"):
+        for name in ("backward", "sync", "ops", "capture", "stop_at_limit"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -97,6 +115,8 @@ class GuardOptions:
             info = torch.finfo(limit_dtype)
             set_field(self, "limit_max", float(info.max))
             set_field(self, "limit_tiny", float(info.smallest_normal) * float(info.eps))
+        set_field(self, "stop_rules", self if limit_dtype is None or self.stop_at_limit
+                  else dataclasses.replace(self, limit_dtype=None))
         for name in ("on_trace", "on_detect"):
             callback = getattr(self, name)
             if callback is not None and not callable(callback):
@@ -176,12 +196,25 @@ def _parse_limit_dtype(limit_dtype) -> Optional[torch.dtype]:
     if isinstance(limit_dtype, str):
         key = limit_dtype.replace("torch.", "").lower()
         if key not in LIMIT_DTYPES:
-            raise ValueError(
-                f"limit_dtype {limit_dtype!r} is not a float dtype: use float16, bfloat16, float32 or float64"
-            )
+            raise ValueError(f"limit_dtype {limit_dtype!r} is not a float dtype numguard knows: use "
+                             f"{_accepted_names()}")
         return LIMIT_DTYPES[key]
     if isinstance(limit_dtype, torch.dtype) and limit_dtype.is_floating_point:
+        try:
+            torch.finfo(limit_dtype).max
+        except (TypeError, RuntimeError):  # a packed format (pairs of float4): no range of its own
+            raise ValueError(f"limit_dtype {limit_dtype} has no range of its own: use "
+                             f"{_accepted_names()}") from None
         return limit_dtype
     raise ValueError(
         f"limit_dtype must be a floating torch dtype such as torch.float16, got {limit_dtype!r}"
     )
+
+
+def _accepted_names() -> str:
+    """'float16 (fp16, half), bfloat16 (bf16), ...': each dtype limit_dtype takes, its aliases."""
+    names: dict = {}
+    for name, dtype in LIMIT_DTYPES.items():
+        names.setdefault(dtype, []).append(name)
+    return ", ".join(f"{first} ({', '.join(rest)})" if rest else first
+                     for first, *rest in names.values())
