@@ -71,6 +71,35 @@ def install_tools(timeout: float = 900.0) -> tuple[int, str]:
     return done.returncode, done.stdout.decode(errors="replace")[-4000:]
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_tools(log=print) -> None:
+    """Skip the calling test without Chromium/JupyterLab/Playwright, except in CI: there (or with
+    NUMGUARD_INSTALL_BROWSER_DEPS=1) install them with scripts/install_browser_deps.sh, and
+    fail loudly if they are still missing."""
+    import pytest
+
+    missing = missing_tools()
+    if not missing:
+        return
+    in_ci = _flag("CI")
+    detail = ""
+    if in_ci or _flag("NUMGUARD_INSTALL_BROWSER_DEPS"):
+        log("missing " + "; ".join(missing) + ": running scripts/install_browser_deps.sh")
+        code, output = install_tools()
+        missing = missing_tools()
+        if not missing:
+            return
+        detail = f"\nscripts/install_browser_deps.sh exited {code}:\n{output}"
+    message = ("the browser test needs " + "; ".join(missing)
+               + " -- run scripts/install_browser_deps.sh" + detail)
+    if in_ci:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
