@@ -72,6 +72,9 @@ def test_tracing_notebook_compares_the_batch_that_worked_with_the_one_that_faile
     (error,) = outputs(split, "error")
     assert "(call 0 of batch 6)" in error.evalue  # batches counted across the cells
     assert len(reports(split)) == 1
+    # the report, then the error: under %numguard on as in a %%numguard cell
+    for cell in (failed, split):
+        assert [out.output_type for out in cell.outputs] == ["display_data", "error"]
     off = cell_with(notebook, "%numguard off")
     assert outputs(off, "stream")[0].text.startswith("numguard: off")
 
