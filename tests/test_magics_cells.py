@@ -3,6 +3,8 @@ report before its error in both guarded forms, a syntax error as any cell shows 
 named as IPython names them in replay locations.
 """
 
+import re
+
 import pytest
 from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
@@ -108,7 +110,9 @@ def test_a_syntax_error_shows_as_in_a_plain_cell(ip, body):
     guarded, guarded_shown = run(ip, "%%numguard net\n" + body)
     assert isinstance(guarded.error_before_exec, SyntaxError) and guarded.error_in_exec is None
     assert type(guarded.error_before_exec) is type(plain.error_before_exec)
-    assert guarded_shown.stdout == plain_shown.stdout
+    # IPython 7 names a cell's code by a hash of it: the two cells differ there only
+    unnamed = re.compile(r"<ipython-input-\d+-[0-9a-f]+>")
+    assert unnamed.sub("<cell>", guarded_shown.stdout) == unnamed.sub("<cell>", plain_shown.stdout)
     assert "line 3" in guarded_shown.stdout and "Traceback" not in guarded_shown.stdout
     assert "magics.py" not in guarded_shown.stdout
     # code that compiles is the magic's to run
@@ -119,18 +123,21 @@ def test_replay_locations_name_cells_as_ipython_does(ip):
     cell_number = ip.execution_count
     assert ip.run_cell("def fails():\n    pass\n    return 1 / 0\n", store_history=True).success
     filename = ip.user_ns["fails"].__code__.co_filename
-    assert cell_name(filename) == f"Cell In[{cell_number}]"
+    name = f"Cell In[{cell_number}]"
+    if not hasattr(ip.compile, "format_code_name"):  # IPython 7 shows the file name itself
+        name = None
+    assert cell_name(filename) == name
+    where = f"{name}, line 3" if name else f"{filename}:3"
     raised = Location.of(filename, 3, "fails", RAISED)
-    assert raised.where == f"Cell In[{cell_number}], line 3"
-    assert str(raised) == f"Cell In[{cell_number}], line 3 in fails: return 1 / 0"
+    assert raised.where == where and str(raised) == f"{where} in fails: return 1 / 0"
 
     class Result:  # what render.replay reads of a replay's result
         device, exception, module, output, replayed, notes = "cpu", ZeroDivisionError("x"), "", None, "", []
         location = Location.of(filename, 3, "<module>", CALL_SITE)
 
     text = replay_result_text(Result())
-    assert f"in the call made at Cell In[{cell_number}], line 3 in <module>" in text
-    assert filename not in text
+    assert f"in the call made at {where} in <module>" in text
+    assert (filename in text) == (name is None)
     # a file is named by its path; without the extension, cells are too
     assert Location.of(__file__, 1).where == f"{__file__}:1"
     ip.run_cell("%unload_ext numguard_nb")
