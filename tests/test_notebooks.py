@@ -3,12 +3,17 @@ and show what they promise: the detection, the report (static tree and text: a h
 no widget), the traces and their comparison, the pipeline doctor's verdicts.
 
 A cell that is meant to fail carries the `raises-exception` tag; any other error fails the run.
+The notebooks are committed executed: a fresh run must still say what their outputs say.
 """
 
+import copy
+import importlib.util
 import re
 
+import nbformat
+import pytest
 from notebook_support import (  # noqa: F401 (fixtures)
-    cell_with, code_cells, outputs, python3_kernel, reports, run_notebook,
+    NOTEBOOKS, REPO, WIDGET_MIME, cell_with, code_cells, outputs, python3_kernel, reports, run_notebook,
 )
 
 
@@ -97,3 +102,28 @@ def test_doctor_notebook_catches_the_course_bugs_at_their_steps(run_notebook):
     text = [out.data for out in outputs(fix, "display_data")][0]["text/plain"]
     assert "num_labels=3" in text
     assert "all steps passed: True" in outputs(cell_with(notebook, "trainer = trainer_for(bert(num_labels=3), tokenized_datasets, data_collator"), "stream")[0].text
+
+
+# ---- the committed outputs -------------------------------------------------------------------
+def _script():
+    """scripts/execute_notebooks.py, which writes the committed outputs and compares them."""
+    spec = importlib.util.spec_from_file_location("execute_notebooks", REPO / "scripts" / "execute_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in NOTEBOOKS.glob("*.ipynb")))
+def test_committed_outputs_are_those_of_a_fresh_run(run_notebook, name):
+    """Each notebook is committed executed, and what its outputs say still holds: the same culprits
+    and modules, the same figures within 5% (scripts/execute_notebooks.py rewrites them)."""
+    script = _script()
+    committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+    code = code_cells(committed)
+    assert all(cell.execution_count for cell in code), f"{name} is committed without its outputs"
+    # nothing that changes from run to run without meaning, and no widget state
+    assert script.clean(copy.deepcopy(committed)) == committed
+    assert not any(WIDGET_MIME in out.get("data", {}) for cell in code for out in cell.outputs)
+    found = script.differences(committed, script.clean(run_notebook(name)))
+    assert not found, (f"{name} is stale: run python scripts/execute_notebooks.py {name}\n  "
+                       + "\n  ".join(found))
