@@ -303,8 +303,8 @@ def _syntax_errors_as_in_a_plain_cell(shell):
             shell.compile.ast_parse(shell.transform_cell("".join(lines[1:])))
         except SyntaxError:
             return ["\n"] + lines[1:]
-        except Exception:  # noqa: BLE001 (anything else: the magic meets it and says so)
-            pass
+        except Exception:  # anything else: the magic meets it and says so
+            return lines
         return lines
 
     transform.has_side_effects = True  # not applied where IPython asks if the input is complete

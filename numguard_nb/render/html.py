@@ -361,8 +361,8 @@ def node_info_html(node: ModuleNode, limit_note: str = "") -> str:
     if shown and not node.nonfinite:
         parts.append(f'<span class="ng-badge">max {fmt_share(node.worst_share)} of dtype max</span>')
     own = len(node.frames)
-    inside = node.subtree_frames
-    info = f"{own} call{'s' if own != 1 else ''}" if own else f"{inside} call{'s' if inside != 1 else ''} inside"
+    count = own or node.subtree_frames
+    info = f"{count} call{'s' if count != 1 else ''}" + ("" if own else " inside")
     backward = sum(1 for _, frame in node.frames if frame.phase != FORWARD)
     if backward:
         info += f" ({backward} backward)"

@@ -66,10 +66,10 @@ def use_widgets() -> bool:
     """Whether to display the widget: ipywidgets is installed and a kernel runs the code for a
     frontend that a person uses.
 
-    The kernel tells them apart by `allow_stdin` of the request it runs: JupyterLab, Notebook,
-    VS Code and Colab can answer `input()` and say so; a headless run (nbclient, nbconvert
-    --execute, papermill, Voila) says it cannot. There the outputs become a document (an export,
-    a committed notebook), whose report is the static tree.
+    The kernel tells them apart by `allow_stdin` of the request it runs: a frontend that answers
+    `input()` (JupyterLab and Notebook send allow_stdin by default) has a person at it; a headless
+    run (nbclient, so nbconvert --execute and papermill) says it cannot. There the outputs become
+    a document (an export, a committed notebook), whose report is the static tree.
     """
     if not widgets_available():
         return False
