@@ -35,16 +35,21 @@ def python3_kernel():
         yield "python3"
 
 
+# name -> the executed notebook. Module-wide: each test module that imports the fixture gets a
+# fixture of its own, and the notebooks still run once per session.
+_executed: dict = {}
+
+
 @pytest.fixture(scope="session")
 def run_notebook(python3_kernel, tmp_path_factory):
     """`run_notebook(name)`: notebooks/<name> run top to bottom in a fresh kernel with nbclient's
     default settings (as `jupyter nbconvert --execute` runs it), in a temporary working directory
     (what the notebook writes lands there); once per session, a copy for each caller."""
-    executed = {}
-    workdir = tmp_path_factory.mktemp("notebooks")
+    executed = _executed
 
     def run(name: str) -> nbformat.NotebookNode:
         if name not in executed:
+            workdir = tmp_path_factory.mktemp("notebook")
             notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
             for cell in notebook.cells:
                 if cell.cell_type == "code":  # the committed outputs: "ran" must mean ran here
