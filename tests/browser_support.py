@@ -1,4 +1,5 @@
-"""Helpers for tests/test_browser.py: a throw-away JupyterLab server and headless Chromium.
+"""Helpers for tests/test_browser.py and tests/test_export.py: a throw-away JupyterLab server and
+headless Chromium.
 
 Nothing here touches the user's Jupyter setup: the server gets its own root dir, config,
 data, runtime, settings and workspaces dirs (all under one temp dir), listens on 127.0.0.1 on
