@@ -27,7 +27,7 @@ import sys
 from typing import Dict, List, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser, argument, magic_arguments
 from IPython.utils.process import arg_split
 
@@ -257,11 +257,18 @@ def short_traceback(error: BaseException, hint: str = "") -> List[str]:
     return lines
 
 
-def _make_short(error: BaseException, hint: str = "") -> BaseException:
-    """Give the exception `_render_traceback_`: IPython then prints those lines, not a traceback."""
+def _make_short(error: BaseException, hint: str = "", show_first=None) -> BaseException:
+    """Give the exception `_render_traceback_`: IPython then prints those lines, not a traceback,
+    after calling `show_first()` (what belongs above the error: under `%numguard on` the report,
+    as a `%%numguard` cell shows it before it raises)."""
+    def render() -> List[str]:
+        if show_first is not None:
+            show_first()
+        return short_traceback(error, hint)
+
     if "_render_traceback_" not in getattr(error, "__dict__", {}):
         try:
-            error._render_traceback_ = lambda: short_traceback(error, hint)
+            error._render_traceback_ = render
         except (AttributeError, TypeError):
             pass
     return error
@@ -294,45 +301,90 @@ class _CellOutcome:
         raise error
 
 
+# ---- what IPython shows of a cell ----------------------------------------------------------
+_CELL_MAGIC_LINE = re.compile(r"%%numguard(\s|$)")
+
+
+def _syntax_errors_as_in_a_plain_cell(shell):
+    """An input transformer (IPython's cleanup stage): a `%%numguard` cell whose code does not
+    compile reaches IPython as that code alone, its magic line left blank, so that IPython shows the
+    SyntaxError as for any cell (the cell's line and a caret, not a traceback through the magic)
+    and the cell fails before it runs."""
+    def transform(lines: List[str]) -> List[str]:
+        if not lines or not _CELL_MAGIC_LINE.match(lines[0]):
+            return lines
+        try:
+            shell.compile.ast_parse(shell.transform_cell("".join(lines[1:])))
+        except SyntaxError:
+            return ["\n"] + lines[1:]
+        except Exception:  # anything else: the magic meets it and says so
+            return lines
+        return lines
+
+    transform.has_side_effects = True  # not applied where IPython asks if the input is complete
+    return transform
+
+
 # ---- the magics ----------------------------------------------------------------------------
 @magics_class
 class NumguardMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self._session = Session()  # the state of %numguard on
+        self.syntax_check = _syntax_errors_as_in_a_plain_cell(shell)  # an input transformer
 
     # ---- %%numguard / %numguard ----------------------------------------------------------
-    @line_cell_magic
-    @_with_usage(_CELL, _COMPARE, _HISTORY)
-    def numguard(self, line="", cell=None):
-        """Guard a cell (`%%numguard`), or every following cell (`%numguard on`), with a
-        numguard Guard: find the first module that produces an inf or a nan, forward or backward.
+    @cell_magic("numguard")
+    @_with_usage(_CELL)
+    def numguard_cell(self, line="", cell=""):
+        """Guard this cell with a numguard Guard: find the first module that produces an inf or a
+        nan, forward or backward.
 
-            %%numguard [options] [MODEL ...]      guard this cell
-            %numguard on [options] [MODEL ...]    guard every following cell (a loop split across cells)
+            %%numguard [options] [MODEL ...]
+
+        MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
+        names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
+        submodule of another one is guarded, and each Trainer stands for its model. Before each
+        top-level statement of the cell the guard looks these names up again, so a model rebuilt (or a
+        submodule replaced) is guarded from the next statement on.
+
+        On a detection the report is displayed (the module tree, collapsible, with the path to the
+        culprit open), then the cell fails with a one-line error naming the culprit and the batch; the
+        report is kept as `_numguard` (and in -o NAME). With --trace, one report per traced batch is
+        displayed and `_numguard_traces` maps each traced batch to its report. Put MODEL names before
+        --allow-inf, which takes the globs that follow it.
+
+        To guard every following cell (a loop split across cells), or to compare two reports: the
+        line magic, %numguard on|off|status|compare|history (see %numguard?).
+        """
+        __tracebackhide__ = True  # noqa: F841 (IPython leaves this frame out of tracebacks)
+        return self._guard_cell(line, cell)
+
+    @line_magic("numguard")
+    @_with_usage(_ON, _COMPARE, _HISTORY)
+    def numguard(self, line=""):
+        """Guard every following cell, until off (a training loop split across cells), with a
+        numguard Guard; say what is guarded; compare two reports.
+
+            %numguard on [options] [MODEL ...]    guard every following cell
             %numguard off                         stop guarding
-            %numguard status                      what is guarded
+            %numguard status                      what is guarded, at which batch
             %numguard compare A B [--factor F]    first module whose abs max differs > F x (default 10)
             %numguard history [--worst N]         each module's range over the sampled batches
                                                   (after --history-every N)
 
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
-        submodule of another one is guarded, and each Trainer stands for its model. The guard follows
-        these names: before each cell under `%numguard on`, and before each top-level statement of a
-        `%%numguard` cell, it looks them up again, so a model rebuilt (or a submodule replaced) is
-        guarded from then on.
+        submodule of another one is guarded, and each Trainer stands for its model. Before each cell the
+        guard looks these names up again, so a model rebuilt (or a submodule replaced) is guarded from
+        that cell on. Batches count across cells.
 
-        On a detection the cell fails with a one-line error naming the culprit and the batch, the report
-        (the module tree, collapsible, with the path to the culprit open) is displayed, and kept as
-        `_numguard` (and in -o NAME). With --trace, one report per traced batch is displayed and
-        `_numguard_traces` maps each traced batch to its report. Put MODEL names before --allow-inf,
-        which takes the globs that follow it. `%numguard on` takes the options of `%%numguard`
-        below; off and status take none.
+        On a detection the report is displayed, then the cell fails with a one-line error naming the
+        culprit and the batch; the report is kept as `_numguard` (and in -o NAME). `on` takes the
+        options below (those of %%numguard); off and status take none. A and B of compare are reports:
+        names, or _numguard_traces[batch]. To guard one cell: %%numguard (see %%numguard?).
         """
         __tracebackhide__ = True  # noqa: F841 (IPython leaves this frame out of tracebacks)
-        if cell is not None:
-            return self._guard_cell(line, cell)
         command, rest = (line.split(maxsplit=1) + ["", ""])[:2]
         if not command:
             raise UsageError(
@@ -367,7 +419,7 @@ class NumguardMagics(Magics):
 
     def _on(self, rest: str) -> None:
         args = _parse(_ON, rest)
-        run = self._start_run(args, "%numguard on")
+        run = self._start_run(args, "%numguard on", show_first=self._show_session_reports)
         self._show(self._session.start(run))
         self._listen(True)
 
@@ -497,8 +549,9 @@ class NumguardMagics(Magics):
         except LookupError as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
-    def _start_run(self, args, magic: str) -> GuardedRun:
-        """The guard of the models named in `args` (all of the namespace's without names)."""
+    def _start_run(self, args, magic: str, show_first=None) -> GuardedRun:
+        """The guard of the models named in `args` (all of the namespace's without names); its
+        errors call `show_first()` before IPython prints them."""
         models = self._find_models(args.names, magic)
         capture, refused = choose_capture(args.capture, models)
         if refused and args.capture:
@@ -507,7 +560,8 @@ class NumguardMagics(Magics):
             print(f"numguard: no CPU replay after a CUDA error: {refused}")
         try:
             return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture),
-                              output=args.output, quiet=args.quiet, shorten=_make_short)
+                              output=args.output, quiet=args.quiet,
+                              shorten=lambda error, hint: _make_short(error, hint, show_first))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
@@ -587,9 +641,22 @@ class NumguardMagics(Magics):
     def _before_cell(self, info=None) -> None:
         self._show(self._session.before_cell(getattr(info, "raw_cell", "") or ""))
 
+    def _show_session_reports(self) -> None:
+        """The reports of `%numguard on` not shown yet: called as its error is printed, so that
+        they come first, as in a `%%numguard` cell (the rest follow after the cell)."""
+        if self._session.run is not None:
+            self._show(self._session.run.show_collected())
+
     def _after_cell(self, result=None) -> None:
         success = getattr(result, "success", True)
         self._show(self._session.after_cell(success, getattr(result, "error_in_exec", None)))
+
+    def name_cell(self, filename: str) -> Optional[str]:
+        """'Cell In[5]' for the file IPython compiled cell 5 under, as its tracebacks name it
+        (replay locations show it); None for any other file, and before IPython 8."""
+        format_code_name = getattr(self.shell.compile, "format_code_name", None)
+        found = format_code_name(filename) if format_code_name is not None else None
+        return " ".join(found) if found else None
 
     def close(self) -> None:
         """Turn `%numguard on` off and remove its event handlers (for %unload_ext)."""
@@ -622,6 +689,10 @@ def load(ipython) -> None:
         return
     magics = NumguardMagics(ipython)
     ipython.register_magics(magics)
+    ipython.input_transformers_cleanup.append(magics.syntax_check)
+    from .replay import location
+
+    location.add_cell_namer(magics.name_cell)
     _loaded[id(ipython)] = magics
 
 
@@ -631,6 +702,11 @@ def unload(ipython) -> None:
     if magics is None:
         return
     magics.close()
+    if magics.syntax_check in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(magics.syntax_check)
+    from .replay import location
+
+    location.remove_cell_namer(magics.name_cell)
     manager = ipython.magics_manager
     for kind, table in magics.magics.items():
         for name in table:

@@ -359,12 +359,17 @@ def node_info_html(node: ModuleNode, limit_note: str = "") -> str:
         parts.append(f'<span class="ng-class">{esc(node.module_class)}</span>')
     if node.is_culprit:
         parts.append('<span class="ng-badge ng-badge-bad ng-badge-culprit">first inf/nan</span>')
+    elif node.on_path:
+        parts.append('<span class="ng-badge ng-badge-bad ng-badge-path">culprit inside</span>')
     elif node.nonfinite:
         parts.append('<span class="ng-badge ng-badge-bad">inf/nan inside</span>')
-    if node.worst_share is not None and node.worst_share >= 0.001 and not node.nonfinite:
+    # A module that was not called itself (a container) says how close its calls came to the limit.
+    shown = node.worst_share is not None and (node.worst_share >= 0.001 or not node.frames)
+    if shown and not node.nonfinite:
         parts.append(f'<span class="ng-badge">max {fmt_share(node.worst_share)} of dtype max</span>')
     own = len(node.frames)
-    info = f"{own} call{'s' if own != 1 else ''}" if own else "no frames"
+    count = own or node.subtree_frames
+    info = f"{count} call{'s' if count != 1 else ''}" + ("" if own else " inside")
     backward = sum(1 for _, frame in node.frames if frame.phase != FORWARD)
     if backward:
         info += f" ({backward} backward)"
