@@ -54,6 +54,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
 )
+from .scaler import LossScaling
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
@@ -164,6 +165,7 @@ class Guard:
     # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
     # fitting in memory); `capture` is the latest captured call.
     capture_enabled = _Option("capture")
+    scaler, max_skipped_steps = _Option("scaler"), _Option("max_skipped_steps")
 
     def __init__(
         self,
@@ -180,18 +182,21 @@ class Guard:
         on_detect=None,
         ops: bool = False,
         capture: bool = False,
+        scaler=None, max_skipped_steps: int = 16,
     ):
         self.models = _normalise_models(model_or_models)
         self._op_recorder: Optional[OpRecorder] = None  # kept while ops=True
         self._use_options(GuardOptions(
-            max_frames=max_frames, trace_batches=trace_batches,
-            abort_after_batch=abort_after_batch, backward=backward, sync=sync,
-            allow_inf=allow_inf, limit_dtype=limit_dtype, on_trace=on_trace,
-            on_detect=on_detect, ops=ops, capture=capture,
+            max_frames=max_frames, trace_batches=trace_batches, abort_after_batch=abort_after_batch,
+            backward=backward, sync=sync, allow_inf=allow_inf, limit_dtype=limit_dtype,
+            on_trace=on_trace, on_detect=on_detect, ops=ops, capture=capture, scaler=scaler,
+            max_skipped_steps=max_skipped_steps,
         ))
         self._capture = None  # replay.Capture, made on attach
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
+        self._scaling = LossScaling()  # backward overflows a GradScaler skips: let through
+        self.skipped_steps = self._scaling.skipped_steps  # the steps it skipped (SkippedStep)
         self.batch_number = 0  # the batch being run (or last run, in any thread)
         self._batches = BatchCounter()
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
@@ -246,6 +251,7 @@ class Guard:
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
+            self._scaling.detach()  # the scaler's own update() back
             if self._op_recorder is not None:
                 self._op_recorder.clear()
             self._forget_passes()
@@ -299,8 +305,8 @@ class Guard:
         """The detection report if there was one, else a report of the last frames seen."""
         if self.detection is not None:
             return self.detection
-        return frames.make_report(self._recent.frames(self.options), None, LATEST, "", "",
-                                  self.batch_number, self.options)
+        return self._scaling.noted(frames.make_report(
+            self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options))
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -498,7 +504,7 @@ class Guard:
             if self._sync and not self._tracing:
                 pass_.read_back()
                 culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options)
-                if culprit is not None:
+                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
 
     def _end_backward(self, task) -> None:
@@ -513,7 +519,7 @@ class Guard:
                 return
             if detect.has_problem(pass_, self.options.limit_max):
                 culprit = detect.find_in_backward(pass_, self.options)
-                if culprit is not None:
+                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
             self._recent.remember(pass_, self.options.max_frames)
         finally:
@@ -541,6 +547,7 @@ class Guard:
             batch)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection.reason += _COMPILED_NOTE
+        self.detection.reason += self._scaling.refusal()
         pass_.release()
         self._forget_pass(self._threads.state)
         error = options.on_detect(self.detection) if options.on_detect is not None else None

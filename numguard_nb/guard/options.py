@@ -18,6 +18,8 @@ from typing import Callable, FrozenSet, Iterable, Optional, Tuple, Union
 
 import torch
 
+from .scaler import is_loss_scaler
+
 __all__ = ["GuardOptions", "LIMIT_DTYPES", "OPTION_DOCS"]
 
 # What each option means; appended to the Guard's docstring, so `help(Guard)` shows it.
@@ -40,6 +42,12 @@ OPTION_DOCS = """
             ATen op that turned non-finite and the source line that called it.
         capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
             to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
+        scaler: the torch.amp.GradScaler the loop scales the loss with: a non-finite gradient
+            made in backward while its scale is above 1 is let through (the scaler skips that
+            step) and recorded in `guard.skipped_steps`, until it has skipped
+            `max_skipped_steps` steps in a row. Forward values are never let through.
+        max_skipped_steps: steps in a row the scaler may skip before the next overflowing
+            gradient is raised (16: GradScaler's halvings from 65536 down to 1).
 """
 
 # The names limit_dtype accepts (after dropping a "torch." prefix, in any case).
@@ -71,6 +79,8 @@ class GuardOptions:
     on_detect: Optional[Callable] = None
     ops: bool = False
     capture: bool = False
+    scaler: Optional[object] = None  # a torch.amp.GradScaler, or an object that works like one
+    max_skipped_steps: int = 16
     # Derived from limit_dtype: its largest finite value, and its smallest positive (subnormal)
     # value, below which a value flushes to 0. None without limit_dtype.
     limit_max: Optional[float] = dataclasses.field(init=False, default=None)
@@ -96,6 +106,7 @@ class GuardOptions:
             callback = getattr(self, name)
             if callback is not None and not callable(callback):
                 raise TypeError(f"{name} must be a function taking a Report, got {callback!r}")
+        _check_scaler(self.scaler, self.max_skipped_steps)
 
     def inf_allowed(self, module_name: str) -> bool:
         """Whether `module_name` may produce +-inf (allow_inf True, or a glob matching it)."""
@@ -137,6 +148,20 @@ def _check_abort_after_batch(abort_after_batch) -> None:
     ):
         raise ValueError(
             f"abort_after_batch must be None or a batch number >= 0, got {abort_after_batch!r}"
+        )
+
+
+def _check_scaler(scaler, max_skipped_steps) -> None:
+    if scaler is not None and not is_loss_scaler(scaler):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler (or an object with get_scale(), is_enabled() "
+            f"and update()), got {type(scaler).__name__}: pass the scaler whose scale(loss) the "
+            "loop backpropagates"
+        )
+    if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) \
+            or max_skipped_steps < 0:
+        raise ValueError(
+            f"max_skipped_steps must be a number of steps >= 0, got {max_skipped_steps!r}"
         )
 
 
