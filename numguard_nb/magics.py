@@ -35,7 +35,9 @@ from ._util import message_line
 from .errors import BatchLimitReached, NonFiniteError
 from .guard import GuardOptions
 from .report import Report
-from .session import GuardedRun, Session, ToShow, choose_capture, find_models, lookup
+from .session import (
+    GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup,
+)
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
@@ -144,6 +146,9 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
              "(default: on when a guarded model has a parameter on CUDA)")
     add("--no-capture", dest="capture", action="store_const", const=False,
         help="do not capture inputs")
+    add("--scaler", default=None, metavar="NAME",
+        help="the GradScaler (or a Trainer with one) whose skipped steps are let through; "
+             "default: the one GradScaler of the namespace")
     add("-q", "--quiet", action="store_true", help="display nothing; only store the report")
     add("-o", "--output", type=_identifier, default=None, metavar="NAME",
         help="also store the report in the namespace as NAME")
@@ -212,14 +217,14 @@ def _unquote(text: str) -> str:
     return text
 
 
-def _guard_options(args, capture: bool) -> GuardOptions:
+def _guard_options(args, capture: bool, scaler=None) -> GuardOptions:
     """The Guard's options from the parsed options of a guarded run, checked by the engine: the
     one place that turns options into engine settings."""
     allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
     return GuardOptions(
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
-        limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
+        limit_dtype=args.limit_dtype, ops=args.ops, capture=capture, scaler=scaler,
     )
 
 
@@ -306,6 +311,10 @@ class NumguardMagics(Magics):
         these names: before each cell under `%numguard on`, and before each top-level statement of a
         `%%numguard` cell, it looks them up again, so a model rebuilt (or a submodule replaced) is
         guarded from then on.
+
+        A GradScaler in the namespace (a variable, or a Trainer's; --scaler NAME picks one) is
+        handed to the guard: a gradient overflow in a step it skips is recorded, not stopped, until
+        it has skipped 16 steps in a row; `%numguard status` says how many it skipped.
 
         On a detection the cell fails with a one-line error naming the culprit and the batch, the report
         (the module tree, collapsible, with the path to the culprit open) is displayed, and kept as
@@ -472,6 +481,18 @@ class NumguardMagics(Magics):
         except LookupError as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
+    def _find_scaler(self, args, magic: str):
+        """(name, GradScaler) the run lets skipped steps through with: --scaler's, else the one
+        of the namespace; (None, None) when there is none (or several: said in a line)."""
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        try:
+            name, scaler, note = find_scaler(self.shell.user_ns, args.scaler, hidden)
+        except LookupError as error:
+            raise UsageError(f"{magic}: --scaler: {message_line(error)}") from None
+        if note and not args.quiet:
+            print(note)
+        return name, scaler
+
     def _start_run(self, args, magic: str) -> GuardedRun:
         """The guard of the models named in `args` (all of the namespace's without names)."""
         models = self._find_models(args.names, magic)
@@ -480,9 +501,11 @@ class NumguardMagics(Magics):
             raise UsageError(f"{magic}: --capture refused: {refused}: drop --capture, or free host memory")
         if refused and not args.quiet:
             print(f"numguard: no CPU replay after a CUDA error: {refused}")
+        scaler_name, scaler = self._find_scaler(args, magic)
         try:
-            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture),
-                              output=args.output, quiet=args.quiet, shorten=_make_short)
+            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture, scaler),
+                              output=args.output, quiet=args.quiet, shorten=_make_short,
+                              scaler_name=scaler_name)
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
