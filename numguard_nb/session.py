@@ -296,6 +296,7 @@ class GuardedRun:
             scaler = None
         if scaler is self.guard.scaler:
             return []
+        self.guard.detach()  # options change between attaches: `step` attaches again
         self.guard.scaler = scaler
         if scaler is None:
             return [f"numguard: {name} stands for no GradScaler now: no skipped step is let through"]
