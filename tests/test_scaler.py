@@ -128,6 +128,16 @@ def test_float16_warm_up_is_let_through_and_its_skipped_steps_recorded():
     assert not watched(scaler) and hooks_left(model) == before
 
 
+def test_the_latest_report_leaves_out_the_backward_frames_of_skipped_steps():
+    model, scaler = mlp(), grad_scaler()
+    with Guard(model, scaler=scaler) as guard:
+        warm_up(model, scaler, steps=2)  # both skipped
+    report = guard.report
+    assert report.frames and all(frame.phase == "forward" for frame in report.frames)
+    assert report.summary().startswith("no inf/nan in the last")
+    assert "GradScaler skipped 2 steps (batches 0-1, scale 65536 down to 32768)" in report.summary()
+
+
 def test_bfloat16_run_never_overflows_and_its_scaler_is_never_touched():
     model, scaler = mlp(), grad_scaler()
     with Guard(model, scaler=scaler) as guard:
