@@ -245,6 +245,20 @@ def test_a_scaler_whose_update_is_never_called_lets_through_no_more_than_the_rul
     assert "GradScaler.update() has not been called since batch 0" in raised.value.report.reason
 
 
+def test_a_step_the_scaler_takes_is_not_recorded_as_skipped():
+    # the nan gradient reaches only a parameter the optimizer leaves alone: nothing to skip
+    model, scaler = nn.ModuleDict({"head": nn.Linear(4, 1), "siamese": Siamese()}), grad_scaler()
+    optimizer = torch.optim.SGD(model["head"].parameters(), lr=1e-3)
+    with Guard(model, scaler=scaler) as guard:
+        for _ in range(20):
+            x = torch.randn(3, 4)
+            scaler.scale(model["head"](x).sum() + model["siamese"](x)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            model.zero_grad(set_to_none=True)
+    assert scaler.get_scale() == 2.0 ** 16 and guard.skipped_steps == []
+
+
 def test_a_forward_nan_is_raised_at_once_whatever_the_scaler():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SqrtOfNegative(), nn.Linear(4, 1))
