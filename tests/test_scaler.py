@@ -461,9 +461,11 @@ scaler = torch.amp.GradScaler("cpu")
 
 @pytest.fixture(scope="module")
 def shell():
+    from IPython.terminal.interactiveshell import TerminalInteractiveShell
     from IPython.testing.globalipapp import start_ipython
 
-    ip = start_ipython()
+    start_ipython()  # once per process: tests/test_magics.py may have started it already
+    ip = TerminalInteractiveShell.instance()
     ip.run_cell("%load_ext numguard_nb")
     yield ip
     ip.run_cell("%unload_ext numguard_nb")
