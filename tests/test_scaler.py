@@ -188,6 +188,23 @@ def test_a_scaler_like_object_without_found_inf_flags_is_read_from_its_scale():
     assert [step.batch for step in guard.skipped_steps] == WARM_UP_SKIPS
 
 
+def test_a_wrapper_already_on_the_scalers_update_is_kept_and_put_back():
+    model, scaler = mlp(), grad_scaler()
+    calls = []
+    own_update = scaler.update
+
+    def counting_update(*args, **kwargs):
+        calls.append(1)
+        return own_update(*args, **kwargs)
+
+    scaler.update = counting_update
+    with Guard(model, scaler=scaler) as guard:
+        assert warm_up(model, scaler, steps=6) == WARM_UP_SKIPS
+        assert scaler.update is not counting_update
+    assert len(calls) == 6 and len(guard.skipped_steps) == 4
+    assert scaler.update is counting_update
+
+
 def test_copies_of_a_watched_scaler_come_out_unwatched():
     model, scaler = mlp(), grad_scaler()
     with Guard(model, scaler=scaler):
