@@ -5,8 +5,8 @@ and recorded; the ones skipping does not cure are raised.
 Lightning) multiplies the loss by its scale, 2**16 at first. Where the gradients then overflow,
 `scaler.step` skips the optimizer step and `scaler.update` lowers the scale: the first steps of a
 healthy float16 run overflow on purpose. The guard sees gradients before the scaler unscales
-them; what the scaler checks after unscaling (inf or nan in a parameter's gradient) stays inf or
-nan, so every non-finite gradient the guard sees makes the scaler skip the step.
+them; an inf or nan stays one when unscaled, so a non-finite gradient the guard sees makes the
+scaler skip the step once it reaches the gradient of a parameter the scaler's optimizer updates.
 
 The rule (`LossScaling.excuses`): a non-finite gradient made in backward is let through while
 the scaler is enabled, its scale is above 1 and it has skipped fewer than `max_skipped_steps`
@@ -14,14 +14,17 @@ steps in a row (16 by default: the halvings from GradScaler's 65536 down to 1). 
 raises as it would without a scaler, naming the module whose backward made it: an overflow
 that lowering the scale does not cure (a sqrt at 0 makes nan at every scale) would otherwise
 stall training silently. Values made in forward are never let through: the scaler does not
-touch the forward pass.
+touch the forward pass. Nor is an overflow let through once `max_skipped_steps` batches have
+passed without `scaler.update()` (a scaler the loop does not use).
 
 Whether the step was skipped: from the first let-through overflow until the guard detaches,
 the scaler's `update` is wrapped on the instance (`_UpdateWatch`). Before the real update runs
 it reads the scaler's own verdict, the found-inf flags `scaler.step` left per optimizer (one
 host read, only in steps that overflowed); for a GradScaler-like object without them, whether
-`update` lowered the scale. A healthy run's scaler is never touched, and copies of a watched
-scaler (pickle, deepcopy) come out unwatched.
+`update` lowered the scale. A step the scaler took all the same is not recorded. A healthy
+run's scaler is never touched, and copies of a watched scaler (pickle, deepcopy) come out
+unwatched. `guard.report` (with no detection) leaves out the backward frames of skipped steps
+and says how many the scaler skipped.
 """
 
 from __future__ import annotations
