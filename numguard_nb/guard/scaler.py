@@ -134,10 +134,12 @@ class _UpdateWatch:
     """Stands in for `scaler.update` on the instance: tells the LossScaling whether the step that
     just ended was skipped, then updates as the scaler's own method does."""
 
-    def __init__(self, watch: "LossScaling", scaler, original):
+    def __init__(self, watch: "LossScaling", scaler):
         self.watch = watch
         self.scaler = scaler
-        self.original = original  # what `scaler.update` was before: the class's method, bound
+        self.original = scaler.update  # the class's method, bound, or another wrapper
+        # another wrapper already on the instance, put back on detach (None: there was none)
+        self.replaced = vars(scaler).get("update")
 
     def __call__(self, *args, **kwargs):
         return self.watch.updating(self, args, kwargs)
@@ -173,7 +175,7 @@ class LossScaling:
             return False
         pending = self._pending
         if pending is not None and self._update_watch.scaler is scaler:
-            if call.batch_number - pending.batch < max(options.max_skipped_steps, 1):
+            if call.batch_number - pending.batch < options.max_skipped_steps:
                 self._pending_batches.add(call.batch_number)  # the same step: recorded already
                 return True
             self._refusal = (f"; {type(scaler).__name__}.update() has not been called since batch "
@@ -214,7 +216,7 @@ class LossScaling:
         if self._update_watch is not None and self._update_watch.scaler is scaler:
             return
         self.detach()
-        self._update_watch = _UpdateWatch(self, scaler, scaler.update)
+        self._update_watch = _UpdateWatch(self, scaler)
         scaler.update = self._update_watch
         self.scaler_name = type(scaler).__name__
 
@@ -246,7 +248,11 @@ class LossScaling:
         update_watch, self._update_watch = self._update_watch, None
         self._pending = None
         self._pending_batches = set()
-        if update_watch is not None and vars(update_watch.scaler).get("update") is update_watch:
+        if update_watch is None or vars(update_watch.scaler).get("update") is not update_watch:
+            return  # none, or wrapped again since: that wrapper's call passes through to update
+        if update_watch.replaced is not None:
+            update_watch.scaler.update = update_watch.replaced
+        else:
             del update_watch.scaler.update
 
     # ---- what a report says -----------------------------------------------------------------
