@@ -6,7 +6,7 @@ Every case of diagnosis_cases (public bug reports reproduced small on CPU, plus 
 nothing is wrong) is run from scratch once per detector:
 
 - numguard: `Guard(models, ops=True)` around the whole loop (a loss module is guarded alongside
-  the model). Its report's cause places the value outside the model where it says so ("data":
+  the model), given the case's GradScaler as `scaler=` where the loop scales its loss. Its report's cause places the value outside the model where it says so ("data":
   the data pipeline, "loss-gradient": the training loop's loss, "weights": the optimizer step);
   otherwise the culprit frame's module and phase count.
 - Hugging Face's `DebugUnderflowOverflow` on each module of the case (forward only): the module
@@ -106,7 +106,7 @@ def run_numguard(case: Case) -> Verdict:
 
     run = case.build()
     try:
-        with Guard(run.models, ops=True):
+        with Guard(run.models, ops=True, scaler=run.scaler):
             run_steps(run)
     except NonFiniteError as err:
         report = err.report

@@ -17,6 +17,14 @@ a new ``on_train_begin`` also drops hooks a crashed run left behind.
 ``NumguardLightningCallback`` is a Lightning ``Callback`` doing the same with
 ``on_fit_start`` / ``on_fit_end`` / ``on_exception``.
 
+Mixed precision: the run's GradScaler is found and handed to the guard as its ``scaler``, so
+the gradient overflows of the steps it skips (its first steps, at scale 65536) are recorded in
+``callback.skipped_steps`` and in ``callback.report``'s summary rather than stopping training.
+The Trainer's is the one accelerate keeps (``trainer.accelerator.scaler``, which the
+AcceleratedOptimizer handed to callbacks carries); Lightning's is
+``trainer.precision_plugin.scaler``. ``scaler=`` given to the callback takes precedence (an
+older Trainer's ``trainer.scaler``).
+
 Both classes are built on first access, so importing this module needs neither
 transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
 ``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``,
@@ -37,6 +45,7 @@ from typing import Callable
 from torch import nn
 
 from .guard import Guard, GuardOptions
+from .guard.scaler import SkippedStep, loss_scaler_of
 from .report import Report
 
 
@@ -67,9 +76,18 @@ class _GuardedRun:
         """The last run's report: the detection if there was one, else the last frames seen."""
         return self.guard.report if self.guard is not None else None
 
-    def start(self, model: nn.Module) -> None:
+    @property
+    def skipped_steps(self) -> list[SkippedStep]:
+        """The steps the run's GradScaler skipped, their gradients' overflow let through."""
+        return list(self.guard.skipped_steps) if self.guard is not None else []
+
+    def start(self, model: nn.Module, scaler=None) -> None:
+        """Guard `model`, letting through the overflows `scaler` (the run's GradScaler, found by
+        the callback; the one given as an option takes precedence) skips the step for."""
         self.detach()  # a run that crashed outside `with` may have left its hooks
-        options = self.options.replace(on_detect=self._on_detect)
+        given = self.options.scaler
+        options = self.options.replace(on_detect=self._on_detect,
+                                       scaler=given if given is not None else scaler)
         self.guard = Guard(model, **options.as_kwargs()).attach()
         self._figures_taken = 0
 
@@ -100,8 +118,9 @@ def _build_trainer_callback() -> type:
     class NumguardCallback(_GuardedRun, TrainerCallback):
         """Guard the Trainer's model through training, forward and backward; see the module docstring."""
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.start(model)
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            # accelerate's optimizer carries the Accelerator's GradScaler (fp16 runs)
+            self.start(model, loss_scaler_of(optimizer))
 
         def on_step_end(self, args, state, control, **kwargs):
             figures = self.new_figures()
@@ -127,7 +146,7 @@ def _build_lightning_callback() -> type:
         """Guard the LightningModule through ``fit``, forward and backward; see the module docstring."""
 
         def on_fit_start(self, trainer, pl_module):
-            self.start(pl_module)
+            self.start(pl_module, loss_scaler_of(trainer))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             # training_step usually calls submodules, not the LightningModule itself: the guard

@@ -35,7 +35,9 @@ from ._util import message_line
 from .errors import BatchLimitReached, NonFiniteError
 from .guard import GuardOptions
 from .report import Report
-from .session import GuardedRun, Session, ToShow, choose_capture, find_models, lookup
+from .session import (
+    GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup,
+)
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
@@ -149,6 +151,9 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
         help="do not capture inputs")
     add("--history-every", type=_positive_int, default=None, metavar="N",
         help="keep every Nth batch's ranges per module (%%numguard history shows them)")
+    add("--scaler", default=None, metavar="NAME",
+        help="the GradScaler (or a Trainer with one) whose skipped steps are let through; "
+             "default: the one GradScaler of the namespace")
     add("-q", "--quiet", action="store_true", help="display nothing; only store the report")
     add("-o", "--output", type=_identifier, default=None, metavar="NAME",
         help="also store the report in the namespace as NAME")
@@ -225,7 +230,7 @@ def _unquote(text: str) -> str:
     return text
 
 
-def _guard_options(args, capture: bool) -> GuardOptions:
+def _guard_options(args, capture: bool, scaler=None) -> GuardOptions:
     """The Guard's options from the parsed options of a guarded run, checked by the engine: the
     one place that turns options into engine settings."""
     allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
@@ -233,7 +238,7 @@ def _guard_options(args, capture: bool) -> GuardOptions:
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
         limit_dtype=args.limit_dtype, stop_at_limit=args.stop_at_limit, ops=args.ops,
-        capture=capture, history_every=args.history_every,
+        capture=capture, history_every=args.history_every, scaler=scaler,
     )
 
 
@@ -347,6 +352,10 @@ class NumguardMagics(Magics):
         submodule of another one is guarded, and each Trainer stands for its model. Before each
         top-level statement of the cell the guard looks these names up again, so a model rebuilt (or a
         submodule replaced) is guarded from the next statement on.
+
+        A GradScaler in the namespace (a variable, or a Trainer's; --scaler NAME picks one) is
+        handed to the guard: a gradient overflow in a step it skips is recorded, not stopped, until
+        it has skipped 16 steps in a row; `%numguard status` says how many it skipped.
 
         On a detection the report is displayed (the module tree, collapsible, with the path to the
         culprit open), then the cell fails with a one-line error naming the culprit and the batch; the
@@ -549,6 +558,18 @@ class NumguardMagics(Magics):
         except LookupError as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
+    def _find_scaler(self, args, magic: str):
+        """(name, GradScaler) the run lets skipped steps through with: --scaler's, else the one
+        of the namespace; (None, None) when there is none (or several: said in a line)."""
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        try:
+            name, scaler, note = find_scaler(self.shell.user_ns, args.scaler, hidden)
+        except LookupError as error:
+            raise UsageError(f"{magic}: --scaler: {message_line(error)}") from None
+        if note and not args.quiet:
+            print(note)
+        return name, scaler
+
     def _start_run(self, args, magic: str, show_first=None) -> GuardedRun:
         """The guard of the models named in `args` (all of the namespace's without names); its
         errors call `show_first()` before IPython prints them."""
@@ -558,10 +579,12 @@ class NumguardMagics(Magics):
             raise UsageError(f"{magic}: --capture refused: {refused}: drop --capture, or free host memory")
         if refused and not args.quiet:
             print(f"numguard: no CPU replay after a CUDA error: {refused}")
+        scaler_name, scaler = self._find_scaler(args, magic)
         try:
-            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture),
+            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture, scaler),
                               output=args.output, quiet=args.quiet,
-                              shorten=lambda error, hint: _make_short(error, hint, show_first))
+                              shorten=lambda error, hint: _make_short(error, hint, show_first),
+                              scaler_name=scaler_name)
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 

@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 import torch
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
 from numguard_nb import BatchLimitReached, Frame, NonFiniteError, Report
@@ -40,8 +39,8 @@ CULPRIT = "0 (Linear) produced a non-finite value in forward (call 0 of batch 4)
 
 
 @pytest.fixture(scope="module")
-def shell():
-    ip = start_ipython()
+def shell(ipython):
+    ip = ipython
     ip.run_cell("%load_ext numguard_nb")
     yield ip
     ip.run_cell("%unload_ext numguard_nb")

@@ -6,8 +6,6 @@ named as IPython names them in replay locations.
 import re
 
 import pytest
-from IPython import get_ipython
-from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
 from numguard_nb import NonFiniteError
@@ -28,8 +26,8 @@ STEP = "net(x).float().sum().backward()"
 
 
 @pytest.fixture
-def ip():
-    shell = start_ipython() or get_ipython()  # one shell per process: started once
+def ip(ipython):
+    shell = ipython
     formatter = shell.display_formatter
     active = list(formatter.active_types)
     formatter.active_types = list(formatter.format_types)  # as in a notebook: HTML too

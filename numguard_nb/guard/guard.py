@@ -52,12 +52,13 @@ from .hooks import (
     GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
     is_dynamo_compiling, running_calls,
 )
-from .options import OPTION_DOCS, GuardOptions
+from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
 )
 from .steps import StepWatch
+from .scaler import LossScaling
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 
@@ -170,39 +171,19 @@ class Guard:
     # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
     # fitting in memory); `capture` is the latest captured call.
     capture_enabled = _Option("capture")
+    scaler, max_skipped_steps = _Option("scaler"), _Option("max_skipped_steps")
 
-    def __init__(
-        self,
-        model_or_models,
-        *,
-        max_frames: int = 21,
-        trace_batches: Iterable[int] = (),
-        abort_after_batch: Optional[int] = None,
-        backward: bool = True,
-        sync: bool = False,
-        allow_inf: Union[bool, str, Iterable[str]] = False,
-        limit_dtype=None,
-        stop_at_limit: bool = False,
-        on_trace=None,
-        on_detect=None,
-        ops: bool = False,
-        capture: bool = False,
-        history_every: Optional[int] = None,
-    ):
+    def __init__(self, model_or_models, **options):
         self.models = _normalise_models(model_or_models)
         self._op_recorder: Optional[OpRecorder] = None  # kept while ops=True
-        self._use_options(GuardOptions(
-            max_frames=max_frames, trace_batches=trace_batches,
-            abort_after_batch=abort_after_batch, backward=backward, sync=sync,
-            allow_inf=allow_inf, limit_dtype=limit_dtype, stop_at_limit=stop_at_limit,
-            on_trace=on_trace, on_detect=on_detect, ops=ops, capture=capture,
-            history_every=history_every,
-        ))
+        self._use_options(GuardOptions.from_keywords(options))
         self._capture = None  # replay.Capture, made on attach
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
         self.history = History()  # sampled batches' ranges, with history_every (`see`)
         self.headroom = Headroom()  # what would not fit in limit_dtype, over the run
+        self._scaling = LossScaling()  # backward overflows a GradScaler skips: let through
+        self.skipped_steps = self._scaling.skipped_steps  # the steps it skipped (SkippedStep)
         self.batch_number = 0  # the batch being run (or last run, in any thread)
         self._batches = BatchCounter()
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
@@ -260,6 +241,7 @@ class Guard:
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
+            self._scaling.detach()  # the scaler's own update() back
             if self._op_recorder is not None:
                 self._op_recorder.clear()
             self._forget_passes()
@@ -313,8 +295,8 @@ class Guard:
         """The detection report if there was one, else a report of the last frames seen."""
         if self.detection is not None:
             return self.detection
-        return frames.make_report(self._recent.frames(self.options), None, LATEST, "", "",
-                                  self.batch_number, self.options)
+        return self._scaling.noted(frames.make_report(
+            self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options))
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -514,7 +496,7 @@ class Guard:
             if self._sync and not self._tracing:
                 pass_.read_back()
                 culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
-                if culprit is not None:
+                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
 
     def _end_backward(self, task) -> None:
@@ -530,7 +512,7 @@ class Guard:
                 return
             if self.headroom.collect_and_check(pass_, self.options, self._locate_op):
                 culprit = detect.find_in_backward(pass_, self.options.stop_rules)
-                if culprit is not None:
+                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
             self._recent.remember(pass_, self.options.max_frames)
         finally:
@@ -551,6 +533,7 @@ class Guard:
         self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection.reason += _COMPILED_NOTE
+        self.detection.reason += self._scaling.refusal()
         pass_.release()
         self._forget_pass(self._threads.state)
         error = options.on_detect(self.detection) if options.on_detect is not None else None
@@ -582,3 +565,4 @@ class Guard:
 
 
 Guard.__doc__ += OPTION_DOCS  # documented where they are checked: help(Guard) shows them
+Guard.__init__.__signature__ = keyword_signature("self", "model_or_models")  # help(), Shift-Tab

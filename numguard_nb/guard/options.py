@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 from typing import Callable, FrozenSet, Iterable, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["GuardOptions", "LIMIT_DTYPES", "OPTION_DOCS"]
+from .scaler import is_loss_scaler
+
+__all__ = ["GuardOptions", "LIMIT_DTYPES", "OPTION_DOCS", "keyword_signature"]
 
 # What each option means; appended to the Guard's docstring, so `help(Guard)` shows it.
 OPTION_DOCS = """
@@ -49,6 +52,12 @@ OPTION_DOCS = """
         history_every: N to keep every Nth batch's ranges (abs min/max of each module call's
             outputs, gradients and weights) in `guard.history`, to watch a drift toward the
             dtype's limit; None (the default): no history.
+        scaler: the torch.amp.GradScaler the loop scales the loss with: a non-finite gradient
+            made in backward while its scale is above 1 is let through (the scaler skips that
+            step) and recorded in `guard.skipped_steps`, until it has skipped
+            `max_skipped_steps` steps in a row. Forward values are never let through.
+        max_skipped_steps: steps in a row the scaler may skip before the next overflowing
+            gradient is raised (16: GradScaler's halvings from 65536 down to 1).
 """
 
 # The names limit_dtype accepts (after dropping a "torch." prefix, in any case); the first name
@@ -89,6 +98,8 @@ class GuardOptions:
     ops: bool = False
     capture: bool = False
     history_every: Optional[int] = None
+    scaler: Optional[object] = None  # a torch.amp.GradScaler, or an object that works like one
+    max_skipped_steps: int = 16
     # Derived from limit_dtype: its largest finite value, and its smallest positive (subnormal)
     # value, below which a value flushes to 0. None without limit_dtype.
     limit_max: Optional[float] = dataclasses.field(init=False, default=None)
@@ -121,6 +132,7 @@ class GuardOptions:
             callback = getattr(self, name)
             if callback is not None and not callable(callback):
                 raise TypeError(f"{name} must be a function taking a Report, got {callback!r}")
+        _check_scaler(self.scaler, self.max_skipped_steps)
 
     def inf_allowed(self, module_name: str) -> bool:
         """Whether `module_name` may produce +-inf (allow_inf True, or a glob matching it)."""
@@ -129,6 +141,15 @@ class GuardOptions:
             return allow_inf
         return any(fnmatch.fnmatchcase(module_name, glob) for glob in allow_inf)
 
+    @classmethod
+    def from_keywords(cls, keywords: dict) -> "GuardOptions":
+        """Options from `Guard(...)`'s keywords; a misspelt one is a one-line TypeError."""
+        unknown = sorted(set(keywords) - set(_option_names()))
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r}: the options are "
+                            f"{', '.join(_option_names())}")
+        return cls(**keywords)
+
     def replace(self, **changes) -> "GuardOptions":
         """A copy with `changes` applied, checked like the original."""
         return dataclasses.replace(self, **changes)
@@ -136,6 +157,19 @@ class GuardOptions:
     def as_kwargs(self) -> dict:
         """The keyword arguments of `Guard` that build a guard with these options."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+def _option_names() -> list:
+    return [field.name for field in dataclasses.fields(GuardOptions) if field.init]
+
+
+def keyword_signature(*leading: str) -> inspect.Signature:
+    """`leading` positional parameters, then every option as a keyword with its default: the
+    signature `Guard` shows (its `__init__` takes `**options`, checked here)."""
+    positional = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in leading]
+    return inspect.Signature(positional + [
+        inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default)
+        for field in dataclasses.fields(GuardOptions) if field.init])
 
 
 def _check_max_frames(max_frames) -> None:
@@ -171,6 +205,20 @@ def _check_history_every(history_every) -> None:
     ):
         raise ValueError(
             f"history_every must be None or a positive number of batches, got {history_every!r}"
+        )
+
+
+def _check_scaler(scaler, max_skipped_steps) -> None:
+    if scaler is not None and not is_loss_scaler(scaler):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler (or an object with get_scale(), is_enabled() "
+            f"and update()), got {type(scaler).__name__}: pass the scaler whose scale(loss) the "
+            "loop backpropagates"
+        )
+    if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) \
+            or max_skipped_steps < 0:
+        raise ValueError(
+            f"max_skipped_steps must be a number of steps >= 0, got {max_skipped_steps!r}"
         )
 
 
