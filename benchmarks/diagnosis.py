@@ -115,8 +115,12 @@ def run_numguard(case: Case) -> Verdict:
         node, op = None, frame.op
         if op and ": " in op:  # backward: "SqrtBackward0: aten.div.Tensor"
             node, op = op.split(": ", 1)
+        # Weights an optimizer step wrote: the step named, after the batch it followed.
+        step = report.optimizer_step
+        batch = step.after_batch if step is not None and step.after_batch is not None \
+            else report.batch_number
         return Verdict(alarm=True, module=module or frame.module_name, phase=phase or frame.phase,
-                       op=op, node=node, batch=report.batch_number,
+                       op=op, node=node, batch=batch,
                        said=_shorten(f"[{report.cause}] {report.summary()}"))
     except Exception as exc:
         return Verdict(alarm=False, crash=_crash(exc), said="run crashed")
