@@ -6,7 +6,7 @@ Every case of diagnosis_cases (public bug reports reproduced small on CPU, plus 
 nothing is wrong) is run from scratch once per detector:
 
 - numguard: `Guard(models, ops=True)` around the whole loop (a loss module is guarded alongside
-  the model). Its report's cause places the value outside the model where it says so ("data":
+  the model), given the case's GradScaler as `scaler=` where the loop scales its loss. Its report's cause places the value outside the model where it says so ("data":
   the data pipeline, "loss-gradient": the training loop's loss, "weights": the optimizer step);
   otherwise the culprit frame's module and phase count.
 - Hugging Face's `DebugUnderflowOverflow` on each module of the case (forward only): the module
@@ -106,7 +106,7 @@ def run_numguard(case: Case) -> Verdict:
 
     run = case.build()
     try:
-        with Guard(run.models, ops=True):
+        with Guard(run.models, ops=True, scaler=run.scaler):
             run_steps(run)
     except NonFiniteError as err:
         report = err.report
@@ -115,8 +115,12 @@ def run_numguard(case: Case) -> Verdict:
         node, op = None, frame.op
         if op and ": " in op:  # backward: "SqrtBackward0: aten.div.Tensor"
             node, op = op.split(": ", 1)
+        # Weights an optimizer step wrote: the step named, after the batch it followed.
+        step = report.optimizer_step
+        batch = step.after_batch if step is not None and step.after_batch is not None \
+            else report.batch_number
         return Verdict(alarm=True, module=module or frame.module_name, phase=phase or frame.phase,
-                       op=op, node=node, batch=report.batch_number,
+                       op=op, node=node, batch=batch,
                        said=_shorten(f"[{report.cause}] {report.summary()}"))
     except Exception as exc:
         return Verdict(alarm=False, crash=_crash(exc), said="run crashed")

@@ -51,6 +51,18 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+PROBLEM_UNDERFLOW = "underflow"  # non-zero, but below limit_dtype's smallest value: would be 0
+
+# ---- weights origins: how weights found non-finite got that way (Report.weights_origin) -------
+ORIGIN_OPTIMIZER_STEP = "optimizer step"  # a step the guard saw since the forward before wrote them
+ORIGIN_OUTSIDE_FORWARD = "outside the forward"  # no step since a forward that found them finite
+ORIGIN_BEFORE_ATTACH = "before attach"  # non-finite in the guard's first forward of the model
+
+# ---- history cells: what a module's cell of the numerics history holds (codes in int8 arrays) --
+CELL_VALUE = 0  # a finite abs max (zero included)
+CELL_MISSING = 1  # nothing of the module was recorded in that sampled batch
+CELL_NAN = 2
+CELL_INF = 3
 
 # ---- causes a sentinel's re-run adds (mode="sentinel") ----------------------------------------
 CAUSE_TRANSIENT = "transient"  # non-finite once, finite when the same call was run again

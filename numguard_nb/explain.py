@@ -20,7 +20,8 @@ from typing import Optional
 
 from ._schema import (
     BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CODE_CAUSES,
-    FORWARD, GRAD_OUTPUT, INPUT, PARAM, VALUE_TENSOR,
+    FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
+    ORIGIN_OUTSIDE_FORWARD, PARAM, VALUE_TENSOR,
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
@@ -308,25 +309,48 @@ def _weights_hint(facts: Facts) -> str:
                 f"{limit_text(facts.dtype)}: cast to {facts.dtype} (by `.half()` or autocast) "
                 f"{pronoun} would be inf. Keep {where} in float32 or train in {BFLOAT16}, and "
                 "check what let the weights grow this large (the learning rate, no weight decay).")
+    subject = f"{_subject(rows, where)} {facts.found} in batch {batch}"
+    origin, step = facts.report.weights_origin, facts.report.optimizer_step
     if all(row.category == BUFFER for row in rows):
         reset = (f"reset them with `{_module_path(frame.module_name)}.reset_running_stats()` or "
                  "reload a checkpoint" if "Norm" in frame.module_class
                  else "reload them from a checkpoint")
-        return (f"{_subject(rows, where)} {facts.found} in batch {batch}: an earlier batch "
-                "holding inf/nan went through it in training mode, and its running statistics "
-                f"kept it. Find that batch, then {reset}.")
-    if any(row.dtype == "float16" for row in rows):
-        return (f"{_subject(rows, where, 'float16 ')} {facts.found} in batch {batch}, written "
-                "by an optimizer step: Adam's default eps=1e-8 rounds to 0 in float16 (its "
-                f"smallest value is {format_number(FLOAT16_SMALLEST)}), so a weight with a zero "
-                "gradient gets 0/0. Keep the weights in float32 and train under `torch.autocast` "
-                "with `torch.amp.GradScaler`, or pass `eps=1e-4`; with another optimizer, lower "
-                "the learning rate.")
-    return (f"{_subject(rows, where)} {facts.found} in batch {batch}, written by an earlier "
-            "optimizer step whose update was not finite, typically from a learning rate that "
-            f"makes training diverge. Lower the learning rate and clip gradients with `{CLIP}` "
-            "before `optimizer.step()` (under float16 autocast, step through "
-            "`torch.amp.GradScaler`, which skips steps whose gradients hold inf).")
+        attached = (", the guard's first forward of the model: they were already non-finite when "
+                    "it attached, e.g. because" if origin == ORIGIN_BEFORE_ATTACH else ":")
+        return (f"{subject}{attached} an earlier batch holding inf/nan went through it in "
+                f"training mode, and its running statistics kept it. Find that batch, then "
+                f"{reset}.")
+    if origin == ORIGIN_BEFORE_ATTACH:
+        since = f" (or {step.words} wrote them)" if step is not None else ""
+        return (f"{subject}, the guard's first forward of the model: they were already non-finite "
+                f"when it attached{since}. Check where they came from: the checkpoint "
+                "(`all(t.isfinite().all() for t in state_dict.values())` before "
+                "`load_state_dict`) or a custom initialisation (a division by a zero fan-in or "
+                "std). If the model trained before, guard it from its first step to have the "
+                "step that wrote them named.")
+    if origin == ORIGIN_OUTSIDE_FORWARD:
+        return (f"{subject}, and no optimizer step ran since the model's previous forward, which "
+                "found them finite: code outside the model's forward wrote them, e.g. an in-place "
+                "update under `torch.no_grad()` (a hand-written optimizer, weight clipping, an "
+                "EMA) or `load_state_dict` from a checkpoint holding inf/nan. Check the code that "
+                "runs between those two forwards.")
+    if origin != ORIGIN_OPTIMIZER_STEP or step is None:
+        return (f"{subject}: an optimizer step whose update was not finite (a learning rate that "
+                "makes training diverge; in float16, Adam's eps=1e-8, which rounds to 0) or code "
+                "outside the model's forward (an in-place update under `torch.no_grad()`, a "
+                "checkpoint load) wrote them. Attach the guard before the first step to have the "
+                "step named.")
+    if any(row.dtype == "float16" for row in rows) and "Adam" in step.optimizer:
+        return (f"{_subject(rows, where, 'float16 ')} {facts.found} in batch {batch}: the "
+                f"optimizer step that wrote them was {step.words}. Adam's default eps=1e-8 rounds "
+                f"to 0 in float16 (its smallest value is {format_number(FLOAT16_SMALLEST)}), so a "
+                "weight with a zero gradient gets 0/0. Keep the weights in float32 and train under "
+                "`torch.autocast` with `torch.amp.GradScaler`, or pass `eps=1e-4`.")
+    return (f"{subject}: the optimizer step that wrote them, {step.words}, made a non-finite "
+            "update, typically from a learning rate that makes training diverge. Lower the "
+            f"learning rate and clip gradients with `{CLIP}` before `optimizer.step()` (under "
+            "float16 autocast, step through `torch.amp.GradScaler`, which skips steps whose "
+            "gradients hold inf).")
 
 
 def _shape(shape) -> str:
@@ -336,15 +360,22 @@ def _shape(shape) -> str:
 def _data_hint(facts: Facts) -> str:
     row = facts.flagged[0] if facts.flagged else TensorRow("x", INPUT)
     test = "torch.isnan(x)" if facts.nan and not facts.inf else "~torch.isfinite(x)"
+    if row.shape is None or len(row.shape) > 1:
+        search = (f"`{test}.flatten(1).any(1).nonzero()` (x: {row.role}, shape "
+                  f"{_shape(row.shape)})")
+        which = "samples"
+    else:
+        search, which = f"`{test}.nonzero()` (x: {row.role})", "entries"
     if row.shape and row.shape[0] == 1:
         find = (f"It is in the batch's only sample ({row.role} has shape {_shape(row.shape)}): "
                 "fix or drop it")
-    elif row.shape is None or len(row.shape) > 1:
-        find = (f"Find the samples with `{test}.flatten(1).any(1).nonzero()` "
-                f"(x: {row.role}, shape {_shape(row.shape)}) and fix or drop them")
+    elif row.samples_words:
+        one = row.nonfinite_sample_count == 1
+        find = (f"In {row.role}, {row.samples_words} {'holds' if one else 'hold'} it: fix or "
+                f"drop {'it' if one else 'them'}, and find such {which} in other batches with "
+                f"{search}")
     else:
-        find = (f"Find the entries with `{test}.nonzero()` (x: {row.role}) and fix or "
-                "drop them")
+        find = f"Find the {which} with {search} and fix or drop them"
     if facts.inf and not facts.nan:
         made = ("e.g. log(0) of a zero-width box or a zero count, a division by zero, or a value "
                 "too large for the data's dtype")

@@ -17,9 +17,26 @@ a new ``on_train_begin`` also drops hooks a crashed run left behind.
 ``NumguardLightningCallback`` is a Lightning ``Callback`` doing the same with
 ``on_fit_start`` / ``on_fit_end`` / ``on_exception``.
 
+Mixed precision: the run's GradScaler is found and handed to the guard as its ``scaler``, so
+the gradient overflows of the steps it skips (its first steps, at scale 65536) are recorded in
+``callback.skipped_steps`` and in ``callback.report``'s summary rather than stopping training.
+The Trainer's is the one accelerate keeps (``trainer.accelerator.scaler``, which the
+AcceleratedOptimizer handed to callbacks carries); Lightning's is
+``trainer.precision_plugin.scaler``. ``scaler=`` given to the callback takes precedence (an
+older Trainer's ``trainer.scaler``).
+
 Both classes are built on first access, so importing this module needs neither
 transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
-``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``...).
+``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``,
+``history_every``...).
+
+With ``history_every=N`` the callbacks also log a few figures of each sampled batch through the
+trainer's own logging (``History.scalars``: ``numguard/max_log10_share``, the log10 of abs max
+over the dtype's largest value for the value nearest its limit, ``numguard/worst_abs_max``,
+``numguard/nonfinite_values``, ``numguard/batch``): the Trainer's ``state.log_history`` (an
+entry like ``trainer.log`` makes, with its ``step``), and Lightning's loggers
+(``logger.log_metrics`` at the global step). ``callback.history`` is the whole history.
+
 For a whole training run their ``mode`` is ``"sentinel"`` by default: the model's outputs and
 the gradients are checked every step at almost no cost, and the step that breaks is re-run with
 the full guard; ``mode="full"`` hooks every module throughout.
@@ -33,6 +50,7 @@ from torch import nn
 
 from ._schema import MODE_SENTINEL
 from .guard import Guard, GuardOptions
+from .guard.scaler import SkippedStep, loss_scaler_of
 from .report import Report
 
 
@@ -43,16 +61,40 @@ class _GuardedRun:
         # Fail at construction on a misspelt option or a bad value, not when training starts.
         self.options = GuardOptions(mode=mode, **guard_options)
         self.guard: Guard | None = None
+        self._figures_taken = 0  # history samples whose figures were logged
+
+    @property
+    def history(self):
+        """The last run's numerics history (`history_every`), or None before a run."""
+        return self.guard.history if self.guard is not None else None
+
+    def new_figures(self) -> dict:
+        """The history's figures of its latest sample if it is new since the last call, else {}."""
+        history = self.history
+        if history is None or history.samples_taken == self._figures_taken:
+            return {}
+        self._figures_taken = history.samples_taken
+        return history.scalars()
 
     @property
     def report(self) -> Report | None:
         """The last run's report: the detection if there was one, else the last frames seen."""
         return self.guard.report if self.guard is not None else None
 
-    def start(self, model: nn.Module) -> None:
+    @property
+    def skipped_steps(self) -> list[SkippedStep]:
+        """The steps the run's GradScaler skipped, their gradients' overflow let through."""
+        return list(self.guard.skipped_steps) if self.guard is not None else []
+
+    def start(self, model: nn.Module, scaler=None) -> None:
+        """Guard `model`, letting through the overflows `scaler` (the run's GradScaler, found by
+        the callback; the one given as an option takes precedence) skips the step for."""
         self.detach()  # a run that crashed outside `with` may have left its hooks
-        options = self.options.replace(on_detect=self._on_detect)
+        given = self.options.scaler
+        options = self.options.replace(on_detect=self._on_detect,
+                                       scaler=given if given is not None else scaler)
         self.guard = Guard(model, **options.as_kwargs()).attach()
+        self._figures_taken = 0
 
     def detach(self) -> None:
         """Remove the guard's hooks (idempotent); the report stays available."""
@@ -81,8 +123,14 @@ def _build_trainer_callback() -> type:
     class NumguardCallback(_GuardedRun, TrainerCallback):
         """Guard the Trainer's model through training, forward and backward; see the module docstring."""
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.start(model)
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            # accelerate's optimizer carries the Accelerator's GradScaler (fp16 runs)
+            self.start(model, loss_scaler_of(optimizer))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            figures = self.new_figures()
+            if figures:
+                state.log_history.append({**figures, "step": state.global_step})
 
         def on_train_end(self, args, state, control, **kwargs):
             self.detach()
@@ -103,13 +151,18 @@ def _build_lightning_callback() -> type:
         """Guard the LightningModule through ``fit``, forward and backward; see the module docstring."""
 
         def on_fit_start(self, trainer, pl_module):
-            self.start(pl_module)
+            self.start(pl_module, loss_scaler_of(trainer))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             # training_step usually calls submodules, not the LightningModule itself: the guard
             # cannot see batches begin, so say when they do.
             if self.guard is not None:
                 self.guard.begin_batch()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            figures = self.new_figures()
+            for logger in trainer.loggers if figures else ():
+                logger.log_metrics(figures, step=trainer.global_step)
 
         def on_fit_end(self, trainer, pl_module):
             self.detach()

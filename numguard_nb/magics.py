@@ -1,4 +1,4 @@
-"""IPython magics: `%%numguard`, `%numguard on|off|status|compare`, `%numguard_dist`,
+"""IPython magics: `%%numguard`, `%numguard on|off|status|compare|history`, `%numguard_dist`,
 `%numguard_check`, `%numguard_replay`.
 
 A thin layer: each magic parses its line, looks its objects up in the namespace, runs the engine
@@ -27,7 +27,7 @@ import sys
 from typing import Dict, List, Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser, argument, magic_arguments
 from IPython.utils.process import arg_split
 
@@ -36,12 +36,14 @@ from ._util import message_line
 from .errors import BatchLimitReached, NonFiniteError
 from .guard import GuardOptions
 from .report import Report
-from .session import GuardedRun, Session, ToShow, choose_capture, find_models, lookup
+from .session import (
+    GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup,
+)
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
-_LIMIT_DTYPES = ("float16", "bfloat16")
-_COMMANDS = ("on", "off", "status", "compare")
+_LIMIT_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+_COMMANDS = ("on", "off", "status", "compare", "history")
 
 # The shells the extension is loaded in, and their magics (for unload).
 _loaded: Dict[int, "NumguardMagics"] = {}
@@ -142,12 +144,20 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
         help="check only the models' outputs and the gradients, at almost no cost (compiled models "
              "stay compiled); re-run a failing call with the full hooks")
     add("--limit-dtype", choices=_LIMIT_DTYPES, default=None,
-        help="count values beyond this dtype's range as overflow/underflow (predicted)")
+        help="collect the values beyond this dtype's range (predicted overflow/underflow) and "
+             "show them after the cell")
+    add("--stop-at-limit", action="store_true",
+        help="with --limit-dtype: stop at the first predicted overflow instead")
     add("--capture", dest="capture", action="store_const", const=True, default=None,
         help="keep the last inputs to replay a call on CPU after a CUDA error "
              "(default: on when a guarded model has a parameter on CUDA)")
     add("--no-capture", dest="capture", action="store_const", const=False,
         help="do not capture inputs")
+    add("--history-every", type=_positive_int, default=None, metavar="N",
+        help="keep every Nth batch's ranges per module (%%numguard history shows them)")
+    add("--scaler", default=None, metavar="NAME",
+        help="the GradScaler (or a Trainer with one) whose skipped steps are let through; "
+             "default: the one GradScaler of the namespace")
     add("-q", "--quiet", action="store_true", help="display nothing; only store the report")
     add("-o", "--output", type=_identifier, default=None, metavar="NAME",
         help="also store the report in the namespace as NAME")
@@ -170,11 +180,19 @@ def _compare_parser() -> MagicArgumentParser:
     return parser
 
 
+def _history_parser() -> MagicArgumentParser:
+    parser = MagicArgumentParser(prog="numguard history")
+    parser.add_argument("--worst", type=_positive_int, default=3, metavar="N",
+                        help="modules nearest their dtype's limit to number and follow (default 3)")
+    return parser
+
+
 _CELL = _guard_parser("%numguard")
 _ON = _guard_parser("numguard on")
 _OFF = _bare_parser("numguard off")
 _STATUS = _bare_parser("numguard status")
 _COMPARE = _compare_parser()
+_HISTORY = _history_parser()
 
 
 def _magic(parser: MagicArgumentParser) -> str:
@@ -216,14 +234,15 @@ def _unquote(text: str) -> str:
     return text
 
 
-def _guard_options(args, capture: bool) -> GuardOptions:
+def _guard_options(args, capture: bool, scaler=None) -> GuardOptions:
     """The Guard's options from the parsed options of a guarded run, checked by the engine: the
     one place that turns options into engine settings."""
     allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
     return GuardOptions(
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
-        limit_dtype=args.limit_dtype, ops=args.ops, capture=capture,
+        limit_dtype=args.limit_dtype, stop_at_limit=args.stop_at_limit, ops=args.ops,
+        capture=capture, history_every=args.history_every, scaler=scaler,
         mode=MODE_SENTINEL if args.sentinel else MODE_FULL,
     )
 
@@ -248,11 +267,18 @@ def short_traceback(error: BaseException, hint: str = "") -> List[str]:
     return lines
 
 
-def _make_short(error: BaseException, hint: str = "") -> BaseException:
-    """Give the exception `_render_traceback_`: IPython then prints those lines, not a traceback."""
+def _make_short(error: BaseException, hint: str = "", show_first=None) -> BaseException:
+    """Give the exception `_render_traceback_`: IPython then prints those lines, not a traceback,
+    after calling `show_first()` (what belongs above the error: under `%numguard on` the report,
+    as a `%%numguard` cell shows it before it raises)."""
+    def render() -> List[str]:
+        if show_first is not None:
+            show_first()
+        return short_traceback(error, hint)
+
     if "_render_traceback_" not in getattr(error, "__dict__", {}):
         try:
-            error._render_traceback_ = lambda: short_traceback(error, hint)
+            error._render_traceback_ = render
         except (AttributeError, TypeError):
             pass
     return error
@@ -285,56 +311,107 @@ class _CellOutcome:
         raise error
 
 
+# ---- what IPython shows of a cell ----------------------------------------------------------
+_CELL_MAGIC_LINE = re.compile(r"%%numguard(\s|$)")
+
+
+def _syntax_errors_as_in_a_plain_cell(shell):
+    """An input transformer (IPython's cleanup stage): a `%%numguard` cell whose code does not
+    compile reaches IPython as that code alone, its magic line left blank, so that IPython shows the
+    SyntaxError as for any cell (the cell's line and a caret, not a traceback through the magic)
+    and the cell fails before it runs."""
+    def transform(lines: List[str]) -> List[str]:
+        if not lines or not _CELL_MAGIC_LINE.match(lines[0]):
+            return lines
+        try:
+            shell.compile.ast_parse(shell.transform_cell("".join(lines[1:])))
+        except SyntaxError:
+            return ["\n"] + lines[1:]
+        except Exception:  # anything else: the magic meets it and says so
+            return lines
+        return lines
+
+    transform.has_side_effects = True  # not applied where IPython asks if the input is complete
+    return transform
+
+
 # ---- the magics ----------------------------------------------------------------------------
 @magics_class
 class NumguardMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self._session = Session()  # the state of %numguard on
+        self.syntax_check = _syntax_errors_as_in_a_plain_cell(shell)  # an input transformer
 
     # ---- %%numguard / %numguard ----------------------------------------------------------
-    @line_cell_magic
-    @_with_usage(_CELL, _COMPARE)
-    def numguard(self, line="", cell=None):
-        """Guard a cell (`%%numguard`), or every following cell (`%numguard on`), with a
-        numguard Guard: find the first module that produces an inf or a nan, forward or backward.
+    @cell_magic("numguard")
+    @_with_usage(_CELL)
+    def numguard_cell(self, line="", cell=""):
+        """Guard this cell with a numguard Guard: find the first module that produces an inf or a
+        nan, forward or backward.
 
-            %%numguard [options] [MODEL ...]      guard this cell
-            %numguard on [options] [MODEL ...]    guard every following cell (a loop split across cells)
-            %numguard off                         stop guarding
-            %numguard status                      what is guarded
-            %numguard compare A B [--factor F]    first module whose abs max differs > F x (default 10)
+            %%numguard [options] [MODEL ...]
 
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
-        submodule of another one is guarded, and each Trainer stands for its model. The guard follows
-        these names: before each cell under `%numguard on`, and before each top-level statement of a
-        `%%numguard` cell, it looks them up again, so a model rebuilt (or a submodule replaced) is
-        guarded from then on.
+        submodule of another one is guarded, and each Trainer stands for its model. Before each
+        top-level statement of the cell the guard looks these names up again, so a model rebuilt (or a
+        submodule replaced) is guarded from the next statement on.
 
-        On a detection the cell fails with a one-line error naming the culprit and the batch, the report
-        (the module tree, collapsible, with the path to the culprit open) is displayed, and kept as
-        `_numguard` (and in -o NAME). With --trace, one report per traced batch is displayed and
-        `_numguard_traces` maps each traced batch to its report. Put MODEL names before --allow-inf,
-        which takes the globs that follow it. `%numguard on` takes the options of `%%numguard`
-        below; off and status take none.
+        A GradScaler in the namespace (a variable, or a Trainer's; --scaler NAME picks one) is
+        handed to the guard: a gradient overflow in a step it skips is recorded, not stopped, until
+        it has skipped 16 steps in a row; `%numguard status` says how many it skipped.
+
+        On a detection the report is displayed (the module tree, collapsible, with the path to the
+        culprit open), then the cell fails with a one-line error naming the culprit and the batch; the
+        report is kept as `_numguard` (and in -o NAME). With --trace, one report per traced batch is
+        displayed and `_numguard_traces` maps each traced batch to its report. Put MODEL names before
+        --allow-inf, which takes the globs that follow it.
+
+        To guard every following cell (a loop split across cells), or to compare two reports: the
+        line magic, %numguard on|off|status|compare|history (see %numguard?).
         """
         __tracebackhide__ = True  # noqa: F841 (IPython leaves this frame out of tracebacks)
-        if cell is not None:
-            return self._guard_cell(line, cell)
+        return self._guard_cell(line, cell)
+
+    @line_magic("numguard")
+    @_with_usage(_ON, _COMPARE, _HISTORY)
+    def numguard(self, line=""):
+        """Guard every following cell, until off (a training loop split across cells), with a
+        numguard Guard; say what is guarded; compare two reports.
+
+            %numguard on [options] [MODEL ...]    guard every following cell
+            %numguard off                         stop guarding
+            %numguard status                      what is guarded, at which batch
+            %numguard compare A B [--factor F]    first module whose abs max differs > F x (default 10)
+            %numguard history [--worst N]         each module's range over the sampled batches
+                                                  (after --history-every N)
+
+        MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
+        names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
+        submodule of another one is guarded, and each Trainer stands for its model. Before each cell the
+        guard looks these names up again, so a model rebuilt (or a submodule replaced) is guarded from
+        that cell on. Batches count across cells.
+
+        On a detection the report is displayed, then the cell fails with a one-line error naming the
+        culprit and the batch; the report is kept as `_numguard` (and in -o NAME). `on` takes the
+        options below (those of %%numguard); off and status take none. A and B of compare are reports:
+        names, or _numguard_traces[batch]. To guard one cell: %%numguard (see %%numguard?).
+        """
+        __tracebackhide__ = True  # noqa: F841 (IPython leaves this frame out of tracebacks)
         command, rest = (line.split(maxsplit=1) + ["", ""])[:2]
         if not command:
             raise UsageError(
-                "%numguard needs on, off, status or compare; to guard one cell use %%numguard "
-                "(two %) on the cell's first line"
+                "%numguard needs on, off, status or compare (or history); to guard one cell use "
+                "%%numguard (two %) on the cell's first line"
             )
         if command not in _COMMANDS:
             raise UsageError(
-                f"%numguard: unknown command {command!r}: use on, off, status or compare "
+                f"%numguard: unknown command {command!r}: use on, off, status, compare or history "
                 "(to guard one cell, write %%numguard on its first line)"
             )
         run_command = {"on": self._on, "off": self._off, "status": self._status,
-                       "compare": self._compare}[command]
+                       "compare": self._compare, "history": self._history}[command]
         return run_command(rest)
 
     def _guard_cell(self, line: str, cell: str):
@@ -348,6 +425,7 @@ class NumguardMagics(Magics):
         code = self._compile_cell(cell)  # a SyntaxError is raised before any hook
         outcome = self._run_cell(run, code)
         self._show(run.finish_cell(failed=outcome.error is not None))
+        self._show(run.show_headroom())
         if outcome.error is not None and run.guard.capture is not None \
                 and _is_device_error(outcome.error):
             self._replay_after_error(run, outcome.error)
@@ -355,7 +433,7 @@ class NumguardMagics(Magics):
 
     def _on(self, rest: str) -> None:
         args = _parse(_ON, rest)
-        run = self._start_run(args, "%numguard on")
+        run = self._start_run(args, "%numguard on", show_first=self._show_session_reports)
         self._show(self._session.start(run))
         self._listen(True)
 
@@ -377,6 +455,14 @@ class NumguardMagics(Magics):
             )
         good, bad = (self._report_named(text) for text in args.reports)
         return good.compare(bad, factor=args.factor)
+
+    def _history(self, rest: str):
+        args = _parse(_HISTORY, rest)
+        try:
+            history = self._session.history(self.shell.user_ns)
+        except LookupError as error:
+            raise UsageError(f"%numguard history: {message_line(error)}") from None
+        return history.view(worst=args.worst)
 
     # ---- %numguard_dist ------------------------------------------------------------------
     @magic_arguments()
@@ -477,17 +563,33 @@ class NumguardMagics(Magics):
         except LookupError as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
-    def _start_run(self, args, magic: str) -> GuardedRun:
-        """The guard of the models named in `args` (all of the namespace's without names)."""
+    def _find_scaler(self, args, magic: str):
+        """(name, GradScaler) the run lets skipped steps through with: --scaler's, else the one
+        of the namespace; (None, None) when there is none (or several: said in a line)."""
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        try:
+            name, scaler, note = find_scaler(self.shell.user_ns, args.scaler, hidden)
+        except LookupError as error:
+            raise UsageError(f"{magic}: --scaler: {message_line(error)}") from None
+        if note and not args.quiet:
+            print(note)
+        return name, scaler
+
+    def _start_run(self, args, magic: str, show_first=None) -> GuardedRun:
+        """The guard of the models named in `args` (all of the namespace's without names); its
+        errors call `show_first()` before IPython prints them."""
         models = self._find_models(args.names, magic)
         capture, refused = choose_capture(args.capture, models)
         if refused and args.capture:
             raise UsageError(f"{magic}: --capture refused: {refused}: drop --capture, or free host memory")
         if refused and not args.quiet:
             print(f"numguard: no CPU replay after a CUDA error: {refused}")
+        scaler_name, scaler = self._find_scaler(args, magic)
         try:
-            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture),
-                              output=args.output, quiet=args.quiet, shorten=_make_short)
+            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture, scaler),
+                              output=args.output, quiet=args.quiet,
+                              shorten=lambda error, hint: _make_short(error, hint, show_first),
+                              scaler_name=scaler_name)
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
@@ -567,9 +669,22 @@ class NumguardMagics(Magics):
     def _before_cell(self, info=None) -> None:
         self._show(self._session.before_cell(getattr(info, "raw_cell", "") or ""))
 
+    def _show_session_reports(self) -> None:
+        """The reports of `%numguard on` not shown yet: called as its error is printed, so that
+        they come first, as in a `%%numguard` cell (the rest follow after the cell)."""
+        if self._session.run is not None:
+            self._show(self._session.run.show_collected())
+
     def _after_cell(self, result=None) -> None:
         success = getattr(result, "success", True)
         self._show(self._session.after_cell(success, getattr(result, "error_in_exec", None)))
+
+    def name_cell(self, filename: str) -> Optional[str]:
+        """'Cell In[5]' for the file IPython compiled cell 5 under, as its tracebacks name it
+        (replay locations show it); None for any other file, and before IPython 8."""
+        format_code_name = getattr(self.shell.compile, "format_code_name", None)
+        found = format_code_name(filename) if format_code_name is not None else None
+        return " ".join(found) if found else None
 
     def close(self) -> None:
         """Turn `%numguard on` off and remove its event handlers (for %unload_ext)."""
@@ -585,6 +700,8 @@ class NumguardMagics(Magics):
 
             for report in shown.reports:
                 display_report(report)
+        for view in shown.views:
+            self._display(view)
 
     @staticmethod
     def _display(obj) -> None:
@@ -600,6 +717,10 @@ def load(ipython) -> None:
         return
     magics = NumguardMagics(ipython)
     ipython.register_magics(magics)
+    ipython.input_transformers_cleanup.append(magics.syntax_check)
+    from .replay import location
+
+    location.add_cell_namer(magics.name_cell)
     _loaded[id(ipython)] = magics
 
 
@@ -609,6 +730,11 @@ def unload(ipython) -> None:
     if magics is None:
         return
     magics.close()
+    if magics.syntax_check in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(magics.syntax_check)
+    from .replay import location
+
+    location.remove_cell_namer(magics.name_cell)
     manager = ipython.magics_manager
     for kind, table in magics.magics.items():
         for name in table:

@@ -81,6 +81,10 @@ class TensorRow:
     predicted_underflow: bool = False  # non-zero values that would flush to zero in limit_dtype
     limit_share: Optional[float] = None  # abs max as a share of limit_dtype's largest value
     flagged: bool = False  # this row is where the first non-finite value was produced
+    # Data that holds inf/nan (cause "data"): the indices along dim 0 of the samples holding
+    # them, the first MAX_SAMPLES_NAMED only, and how many samples hold them; None when unknown.
+    nonfinite_samples: Optional[Tuple[int, ...]] = None
+    nonfinite_sample_count: Optional[int] = None
 
     @property
     def inf(self) -> bool:
@@ -126,11 +130,80 @@ class TensorRow:
             words.append("underflow predicted")
         return ", ".join(words)
 
+    @property
+    def sample_list(self) -> str:
+        """'1, 3 (2 of 32)': the samples holding inf/nan, as a view lists them ('' unknown)."""
+        if self.nonfinite_samples is None:
+            return ""
+        more = ", \u2026" if self.nonfinite_sample_count > len(self.nonfinite_samples) else ""
+        return (f"{', '.join(map(str, self.nonfinite_samples))}{more} "
+                f"({self.nonfinite_sample_count}{self._of_batch})")
+
+    @property
+    def samples_words(self) -> str:
+        """'samples 1 and 3 of 32', 'sample 0 of 1', '20 of 32 samples, starting with 0, 1, ...
+        and 7': the samples holding inf/nan, in a sentence ('' unknown)."""
+        shown, count = self.nonfinite_samples, self.nonfinite_sample_count
+        if shown is None:
+            return ""
+        names = [str(index) for index in shown]
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        if count > len(shown):
+            return f"{count}{self._of_batch} samples, starting with {listed}"
+        return f"sample{'s' if count != 1 else ''} {listed}{self._of_batch}"
+
+    @property
+    def _of_batch(self) -> str:
+        return f" of {self.shape[0]}" if self.shape else ""
+
     def hf_line(self) -> str:
         """This row in Hugging Face's DebugUnderflowOverflow format (`render.text`)."""
         from .render.text import row_line
 
         return row_line(self)
+
+
+# Data rows name at most this many of the samples that hold inf/nan (TensorRow.nonfinite_samples).
+MAX_SAMPLES_NAMED = 8
+
+
+@dataclass
+class OptimizerStep:
+    """An optimizer step the guard saw (`Report.optimizer_step`): the one that wrote weights a
+    detection found non-finite, or that ran before the guard's first forward of the model."""
+
+    optimizer: str  # its class name: "Adam"
+    number: int  # its step number: the optimizer's own count where it keeps one (Adam's "step")
+    counted: bool = False  # `number` counts only the steps the guard saw since it attached
+    after_batch: Optional[int] = None  # the batch whose forward ran last before it (None: none)
+    position: int = 1  # among the optimizers the guard saw step, by their first step (from 1)
+    optimizers: int = 1  # how many optimizers the guard saw step
+    param_group: Optional[int] = None  # the index of the group holding the weights, if known
+    lr: Optional[float] = None  # that group's learning rate at the step
+
+    @property
+    def words(self) -> str:
+        """'Adam step 41, after batch 40 (param group 0, lr 0.001)'."""
+        if self.counted:
+            name = f"the {_ordinal(self.number)} {self.optimizer} step since the guard attached"
+        else:
+            name = f"{self.optimizer} step {self.number}"
+        when = (f"after batch {self.after_batch}" if self.after_batch is not None
+                else "before the first batch the guard saw")
+        details = []
+        if self.optimizers > 1:
+            details.append(f"optimizer {self.position} of {self.optimizers}")
+        if self.param_group is not None:
+            details.append(f"param group {self.param_group}")
+        if self.lr is not None:
+            details.append(f"lr {self.lr:g}")
+        return f"{name}, {when}" + (f" ({', '.join(details)})" if details else "")
+
+
+def _ordinal(number: int) -> str:
+    """'1st', '2nd', '3rd', '11th', '42nd'."""
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
 
 
 @dataclass
@@ -189,6 +262,12 @@ class Report:
     # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
     # set by the engine on a detection, empty when nothing is wrong.
     hint: str = ""
+    # Weights found non-finite (cause "weights"): how they got that way, one of _schema's
+    # ORIGIN_* ("" when the guard cannot tell), and the optimizer step it names, if any.
+    weights_origin: str = ""
+    optimizer_step: Optional[OptimizerStep] = None
+    # How the culprit's value moved over the sampled batches before (the guard's history_every).
+    history_note: str = ""
     # Who found it: FOUND_BY_HOOKS ("") as the values were made, or FOUND_BY_RERUN ("re-run")
     # when a sentinel (mode="sentinel") re-ran the failing call with the full guard.
     found_by: str = ""

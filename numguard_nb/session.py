@@ -7,6 +7,10 @@ statement) it looks them up again and moves the hooks where a model was rebuilt,
 a parameter replaced, or a parameter frozen or unfrozen. It checks between steps only, never in
 the hooks: a model rebuilt inside a loop is followed at the next step.
 
+A GradScaler of the namespace (a variable, or a Trainer's) is handed to the guard as its
+`scaler` (`find_scaler`): the steps it skips are let through and recorded, and the status line
+says so. The run follows its name too.
+
 No IPython here. `numguard_nb.magics` parses the magics' arguments, hands over the user namespace
 (a plain dict) and wires `Session.before_cell` / `Session.after_cell` to IPython's pre_run_cell /
 post_run_cell events; it prints and displays what these return (a `ToShow`). The tests drive the
@@ -23,24 +27,29 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ._util import message_line, trainer_model
+from ._util import dtype_name, message_line, trainer_model
 from .errors import CaptureTooLarge, NonFiniteError
 from .guard import Guard, GuardOptions
+from .guard.scaler import is_loss_scaler, loss_scaler_of, skipped_summary
 from .report import Report
 
-__all__ = ["REPORT_NAME", "TRACES_NAME", "ToShow", "GuardedRun", "Session", "lookup", "model_of",
-           "find_models", "choose_capture"]
+__all__ = ["REPORT_NAME", "TRACES_NAME", "HISTORY_NAME", "HEADROOM_NAME", "ToShow", "GuardedRun",
+           "Session", "lookup", "model_of", "find_models", "find_scaler", "choose_capture"]
 
 REPORT_NAME = "_numguard"  # the last report, in the user namespace
 TRACES_NAME = "_numguard_traces"  # {batch: trace report} of the last run that traced
+HISTORY_NAME = "_numguard_history"  # the numerics history of the last run that kept one
+HEADROOM_NAME = "_numguard_headroom"  # what would not fit in limit_dtype (guard.headroom)
 
 
 @dataclass
 class ToShow:
-    """What the notebook shows after a step of the session: lines to print, then reports."""
+    """What the notebook shows after a step of the session: lines to print, then reports, then
+    other views (the headroom)."""
 
     lines: List[str] = field(default_factory=list)
     reports: List[Report] = field(default_factory=list)
+    views: list = field(default_factory=list)
 
 
 # ---- the models the names of a namespace stand for -----------------------------------------
@@ -111,6 +120,40 @@ def _top_level(found: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
     return {name: module for name, module in unique.items() if id(module) not in inner}
 
 
+def find_scaler(namespace: Mapping, name: Optional[str] = None, hidden: Optional[Mapping] = None
+                ) -> Tuple[Optional[str], object, str]:
+    """(name, scaler, note): the enabled GradScaler a guarded run lets skipped steps through
+    with. `name` names it (a GradScaler, or a Trainer that has one); without a name, the one
+    enabled GradScaler of the namespace, a variable or a Trainer's (public names; `hidden`
+    holds the shell's own variables). (None, None, note) when there is none, or several: the
+    note then says which, and how to name one (else ''). Raises LookupError for a `name` that
+    stands for no scaler."""
+    if name is not None:
+        obj = lookup(namespace, name)
+        scaler = loss_scaler_of(obj)
+        if scaler is None:
+            what = "a disabled scaler" if is_loss_scaler(obj) else f"a {type(obj).__name__}"
+            raise LookupError(f"{name} is {what}, not an enabled torch.amp.GradScaler or a Trainer "
+                              "with one: name the scaler the loop scales its loss with")
+        return name, scaler, ""
+    hidden = hidden or {}
+    found: Dict[int, Tuple[str, object]] = {}
+    for key, obj in list(namespace.items()):
+        if key.startswith("_") or (key in hidden and hidden[key] is obj):
+            continue
+        if is_loss_scaler(obj) or trainer_model(obj) is not None:
+            scaler = loss_scaler_of(obj)
+            if scaler is not None:
+                found.setdefault(id(scaler), (key, scaler))
+    if len(found) == 1:
+        return (*next(iter(found.values())), "")
+    if not found:
+        return None, None, ""
+    names = ", ".join(key for key, _ in found.values())
+    return None, None, (f"numguard: several GradScalers ({names}): none is used; name the one the "
+                        "loop scales its loss with, --scaler NAME, to let the steps it skips through")
+
+
 def choose_capture(requested: Optional[bool], models: Dict[str, nn.Module]) -> Tuple[bool, str]:
     """Whether the guard captures inputs for a CPU replay after a CUDA error, and why not where
     the weights' host copy would not fit in memory ('' otherwise). `requested` None: capture
@@ -166,14 +209,18 @@ class GuardedRun:
         quiet: show nothing; only keep the reports.
         shorten: (error, hint) -> the exception to raise on a detection (the magics give it a
             one-line display).
+        scaler_name: the name `options.scaler` was found under (`find_scaler`), followed like
+            the models' names.
     """
 
     def __init__(self, namespace: dict, models: Dict[str, nn.Module],
                  options: GuardOptions = GuardOptions(), *,
                  output: Optional[str] = None, quiet: bool = False,
-                 shorten: Callable[[BaseException, str], BaseException] = _as_is):
+                 shorten: Callable[[BaseException, str], BaseException] = _as_is,
+                 scaler_name: Optional[str] = None):
         self.namespace = namespace
         self.names = tuple(models)  # the names followed from step to step
+        self.scaler_name = scaler_name
         self.models = dict(models)  # what they stand for now
         self.missing: Dict[str, str] = {}  # name -> why it stands for no model now
         self._layouts = {name: _HeldLayout(_layout(model)) for name, model in models.items()}
@@ -184,6 +231,7 @@ class GuardedRun:
         self._shorten = shorten
         self._detections: List[Report] = []
         self._traced: List[int] = []  # batch numbers whose trace grew since the last collect
+        self._headroom_passes = 0  # the headroom's passes when it was last shown
         target = next(iter(models.values())) if len(models) == 1 else dict(models)
         options = options.replace(on_trace=self._on_trace, on_detect=self._on_detect)
         self.guard = Guard(target, **options.as_kwargs())
@@ -202,6 +250,23 @@ class GuardedRun:
         guarded = ", ".join(f"{name} ({type(model).__name__})" for name, model in self.models.items())
         missing = "; ".join(self.missing.values())
         return f"{guarded or 'nothing'}{f' ({missing})' if missing else ''}"
+
+    def scaling(self) -> str:
+        """The status lines' clause on loss scaling: '; the steps scaler (GradScaler) skips are
+        let through', then what it skipped; '' without a scaler."""
+        scaler = self.guard.scaler
+        if scaler is None:
+            return ""
+        kind = type(scaler).__name__
+        label = kind
+        if self.scaler_name is not None:
+            try:
+                direct = lookup(self.namespace, self.scaler_name) is scaler
+            except LookupError:
+                direct = True
+            label = f"{self.scaler_name} ({kind})" if direct else f"the {kind} of {self.scaler_name}"
+        skipped = skipped_summary(self.guard.skipped_steps, label)
+        return f"; {skipped}" if skipped else f"; the steps {label} skips are let through"
 
     # ---- following the names ----------------------------------------------------------------
     def step(self) -> ToShow:
@@ -222,7 +287,25 @@ class GuardedRun:
             self.models = models
             self._layouts = {name: _HeldLayout(layout) for name, layout in layouts.items()}
             self.guard.retarget(next(iter(models.values())) if len(models) == 1 else dict(models))
-        return moved
+        return moved + self._follow_scaler()
+
+    def _follow_scaler(self) -> List[str]:
+        """Look the scaler's name up again: a scaler made anew is the one let through from now
+        on. A line where it changed."""
+        name = self.scaler_name
+        if name is None:
+            return []
+        try:
+            scaler = loss_scaler_of(lookup(self.namespace, name))
+        except LookupError:
+            scaler = None
+        if scaler is self.guard.scaler:
+            return []
+        self.guard.detach()  # options change between attaches: `step` attaches again
+        self.guard.scaler = scaler
+        if scaler is None:
+            return [f"numguard: {name} stands for no GradScaler now: no skipped step is let through"]
+        return [f"numguard: {name} is a new {type(scaler).__name__}: the steps it skips are let through"]
 
     def _look_up(self) -> Tuple[Dict[str, nn.Module], Dict[str, str]]:
         found: Dict[str, nn.Module] = {}
@@ -291,11 +374,23 @@ class GuardedRun:
             self.namespace[self.output] = report
         if self.guard.traces:
             self.namespace[TRACES_NAME] = dict(sorted(self.guard.traces.items()))
+        if self.guard.history_every is not None:
+            self.namespace[HISTORY_NAME] = self.guard.history
 
     def show_collected(self) -> ToShow:
         """The reports made since they were last shown (none when quiet: they are only kept)."""
         reports = self.collect()
         return ToShow(reports=[] if self.quiet else reports)
+
+    def show_headroom(self) -> ToShow:
+        """With limit_dtype, the headroom (kept in the namespace) when passes ran since it was
+        last shown, full or empty: it answers "would this have fit?"."""
+        headroom = self.guard.headroom
+        if self.guard.limit_dtype is None or headroom.passes == self._headroom_passes:
+            return ToShow()
+        self._headroom_passes = headroom.passes
+        self.namespace[HEADROOM_NAME] = headroom
+        return ToShow(views=[] if self.quiet else [headroom])
 
     def finish_cell(self, failed: bool) -> ToShow:
         """The end of a `%%numguard` cell: its reports or, without any, the latest frames (kept,
@@ -315,6 +410,16 @@ class GuardedRun:
         return ToShow(lines=[f"numguard: {self.describe()} was not called in this cell"])
 
 
+def _headroom_status(guard: Guard) -> str:
+    """'; in float16, 2 predicted overflow(s) and 1 underflow(s) in _numguard_headroom' (with
+    limit_dtype; '' without)."""
+    if guard.limit_dtype is None:
+        return ""
+    headroom = guard.headroom
+    return (f"; in {dtype_name(guard.limit_dtype)}, {headroom.overflows} predicted overflow(s) "
+            f"and {headroom.underflows} underflow(s) in {HEADROOM_NAME}")
+
+
 # ---- %numguard on .. off --------------------------------------------------------------------
 class Session:
     """`%numguard on` .. `%numguard off`: one GuardedRun over every cell in between. A
@@ -331,7 +436,8 @@ class Session:
         self._stepped_aside = False
         if run.quiet:
             return ToShow()
-        return ToShow(lines=[f"numguard: on, guarding {run.describe()} in every cell until %numguard off"])
+        return ToShow(lines=[f"numguard: on, guarding {run.describe()} in every cell until %numguard "
+                             f"off{run.scaling()}"])
 
     def stop(self) -> str:
         """Unhook the models; the line that says what was guarded."""
@@ -339,6 +445,8 @@ class Session:
         if run is None:
             return "numguard: already off"
         run.guard.detach()
+        if run.guard.history_every is not None:  # %numguard history still shows it
+            run.namespace[HISTORY_NAME] = run.guard.history
         return f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})"
 
     def status(self) -> str:
@@ -349,7 +457,22 @@ class Session:
         guard = run.guard
         traced = f"; tracing batches {sorted(guard.trace_batches)}" if guard.trace_batches else ""
         found = f"; a detection is in {REPORT_NAME}" if guard.detection is not None else ""
-        return f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}{found}"
+        kept = (f"; history of every {guard.history_every} batches ({len(guard.history)} samples)"
+                if guard.history_every is not None else "")
+        found += _headroom_status(guard)
+        return (f"numguard: on, guarding {run.describe()}, at batch {guard.batch_number}{traced}"
+                f"{run.scaling()}{kept}{found}")
+
+    def history(self, namespace: Mapping):
+        """The numerics history `%numguard history` shows: the session guard's, else the last
+        one a run kept in the namespace. LookupError, saying how to keep one, without either."""
+        run = self.run
+        if run is not None and run.guard.history_every is not None:
+            return run.guard.history
+        if namespace.get(HISTORY_NAME) is not None:
+            return namespace[HISTORY_NAME]
+        raise LookupError("no numerics history: %numguard on --history-every N (or %%numguard "
+                          "--history-every N) keeps every Nth batch's ranges")
 
     def before_cell(self, source: str) -> ToShow:
         """Before a cell runs (pre_run_cell): follow the names and hook what they stand for."""
@@ -378,6 +501,7 @@ class Session:
             if getattr(sys, "last_value", None) is error:
                 sys.last_traceback = None
         shown = run.show_collected()
+        shown.views.extend(run.show_headroom().views)
         moved = run.follow()
         if moved and not run.quiet:
             # Only a %%numguard cell is followed statement by statement.

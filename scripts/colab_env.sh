@@ -28,7 +28,10 @@ TESTS=(
     tests/test_magics.py
     tests/test_session.py
     tests/test_render.py
+    tests/test_magics_cells.py
+    tests/test_headroom.py
     tests/test_notebooks.py::test_tracing_notebook_compares_the_batch_that_worked_with_the_one_that_failed
+    tests/test_export.py::test_a_person_s_frontend_gets_the_widget_a_headless_run_the_static_tree
 )
 
 SPEC="$("$BASE_PYTHON" -c 'import sys; print(sys.version)')

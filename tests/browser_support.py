@@ -1,4 +1,5 @@
-"""Helpers for tests/test_browser.py: a throw-away JupyterLab server and headless Chromium.
+"""Helpers for tests/test_browser.py and tests/test_export.py: a throw-away JupyterLab server and
+headless Chromium.
 
 Nothing here touches the user's Jupyter setup: the server gets its own root dir, config,
 data, runtime, settings and workspaces dirs (all under one temp dir), listens on 127.0.0.1 on
@@ -69,6 +70,35 @@ def install_tools(timeout: float = 900.0) -> tuple[int, str]:
         return 124, (exc.stdout or b"").decode(errors="replace")[-4000:]
     importlib.invalidate_caches()
     return done.returncode, done.stdout.decode(errors="replace")[-4000:]
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_tools(log=print) -> None:
+    """Skip the calling test without Chromium/JupyterLab/Playwright, except in CI: there (or with
+    NUMGUARD_INSTALL_BROWSER_DEPS=1) install them with scripts/install_browser_deps.sh, and
+    fail loudly if they are still missing."""
+    import pytest
+
+    missing = missing_tools()
+    if not missing:
+        return
+    in_ci = _flag("CI")
+    detail = ""
+    if in_ci or _flag("NUMGUARD_INSTALL_BROWSER_DEPS"):
+        log("missing " + "; ".join(missing) + ": running scripts/install_browser_deps.sh")
+        code, output = install_tools()
+        missing = missing_tools()
+        if not missing:
+            return
+        detail = f"\nscripts/install_browser_deps.sh exited {code}:\n{output}"
+    message = ("the browser test needs " + "; ".join(missing)
+               + " -- run scripts/install_browser_deps.sh" + detail)
+    if in_ci:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 def free_port() -> int:

@@ -44,3 +44,13 @@ def check_golden(name: str, text: str) -> None:
 def golden():
     """`golden(name, text)`: fail unless `text` is exactly tests/golden/<name>."""
     return check_golden
+
+
+@pytest.fixture(scope="session")
+def ipython():
+    """The in-process IPython shell (IPython starts one per process: every test file shares it)."""
+    from IPython.terminal.interactiveshell import TerminalInteractiveShell
+    from IPython.testing.globalipapp import start_ipython
+
+    start_ipython()  # returns None when a shell was started already
+    return TerminalInteractiveShell.instance()

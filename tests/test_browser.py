@@ -39,9 +39,8 @@ from browser_support import (
     REPO,
     JupyterLabServer,
     element_screenshot,
-    install_tools,
     launch_browser,
-    missing_tools,
+    require_tools,
     run_all_cells,
     save_notebook,
     wait_kernel_idle,
@@ -59,33 +58,6 @@ WIDGET_FAILURE_TEXTS = ("Loading widget", "Error displaying widget", "model not 
                         "Failed to load model class", "A Jupyter widget could not be displayed")
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-
-
-def _require_tools() -> None:
-    """Skip without Chromium/JupyterLab/Playwright, except in CI: there (or with
-    NUMGUARD_INSTALL_BROWSER_DEPS=1) install them with scripts/install_browser_deps.sh, and
-    fail loudly if they are still missing."""
-    missing = missing_tools()
-    if not missing:
-        return
-    in_ci = _flag("CI")
-    detail = ""
-    if in_ci or _flag("NUMGUARD_INSTALL_BROWSER_DEPS"):
-        _log("missing " + "; ".join(missing) + ": running scripts/install_browser_deps.sh")
-        code, output = install_tools()
-        missing = missing_tools()
-        if not missing:
-            return
-        detail = f"\nscripts/install_browser_deps.sh exited {code}:\n{output}"
-    message = ("the browser test needs " + "; ".join(missing)
-               + " -- run scripts/install_browser_deps.sh" + detail)
-    if in_ci:
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
 def _log(message: str) -> None:
     print(f"[browser {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -94,7 +66,7 @@ def _log(message: str) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """The server's root and home and Chromium's profile; only artifacts/ is kept afterwards."""
-    _require_tools()
+    require_tools(_log)
     path = tmp_path_factory.mktemp("browser")
     try:
         yield path

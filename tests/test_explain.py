@@ -161,7 +161,8 @@ def test_fp16_overflow_in_a_sequential_layer_names_its_path():
 
 def test_predicted_overflow_says_what_float16_would_do():
     model = FeedForward()  # float32, run with float16's limits
-    report = detect(model, lambda: model(torch.full((2, 4), 3.0)), limit_dtype=torch.float16)
+    report = detect(model, lambda: model(torch.full((2, 4), 3.0)), limit_dtype=torch.float16,
+                    stop_at_limit=True)
     hint = hint_for(report)
     assert "reached 96000, beyond float16's largest value 65504" in hint
     assert "would overflow to inf" in hint and "h = self.wo(h.float())" in hint

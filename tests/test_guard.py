@@ -857,7 +857,8 @@ def test_limit_dtype_fp16_predicts_the_overflow_of_an_fp32_activation():
     x = torch.ones(2, 4)
     with Guard(model):  # fine in fp32
         model(x).sum().backward()
-    with pytest.raises(NonFiniteError) as caught, Guard(model, limit_dtype=torch.float16):
+    with pytest.raises(NonFiniteError) as caught, \
+            Guard(model, limit_dtype=torch.float16, stop_at_limit=True):
         model(x)
     report = caught.value.report
     culprit = report.first_nonfinite

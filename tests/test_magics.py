@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 import torch
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
 from numguard_nb import BatchLimitReached, Frame, NonFiniteError, Report
@@ -40,8 +39,8 @@ CULPRIT = "0 (Linear) produced a non-finite value in forward (call 0 of batch 4)
 
 
 @pytest.fixture(scope="module")
-def shell():
-    ip = start_ipython()
+def shell(ipython):
+    ip = ipython
     ip.run_cell("%load_ext numguard_nb")
     yield ip
     ip.run_cell("%unload_ext numguard_nb")
@@ -337,15 +336,61 @@ def test_options_reach_the_guard(ip, monkeypatch):
     assert list(seen["models"]) == ["net", "loss"]
 
 
-def test_limit_dtype_predicts_an_overflow_in_a_float32_run(ip):
+def test_stop_at_limit_stops_at_a_predicted_overflow_in_a_float32_run(ip):
     ip.run_cell("net.float()\nxs32 = [x.float() for x in xs]")
     result, _ = run(ip, "%%numguard net\nfor x in xs32:\n    step(net, x)")
     assert result.success
-    result, _ = run(ip, "%%numguard net --limit-dtype float16\nfor x in xs32:\n    step(net, x)")
+    result, _ = run(ip, "%%numguard net --limit-dtype float16 --stop-at-limit\n"
+                        "for x in xs32:\n    step(net, x)")
     assert isinstance(result.error_in_exec, NonFiniteError)
     report = ip.user_ns["_numguard"]
     assert report.limit_dtype == "float16" and report.batch_number == 4
     assert any(row.predicted_overflow for row in report.first_nonfinite.flagged_rows)
+
+
+def headroom_views(captured):
+    return [out.data for out in captured.outputs if 'class="ng-headroom"' in out.data.get("text/html", "")]
+
+
+def test_limit_dtype_runs_the_cell_to_the_end_and_shows_the_headroom(ip):
+    ip.run_cell("net.float()\nxs32 = [x.float() for x in xs]")
+    result, captured = run(ip, "%%numguard net --limit-dtype float16\nfor x in xs32:\n    step(net, x)")
+    assert result.success and reports_displayed(captured) == []
+    (view,) = headroom_views(captured)
+    assert view["text/plain"].startswith("in float16, 2 values would overflow (beyond its largest value 65504)")
+    assert "first overflow: 0 (Linear) forward output in batch 4" in view["text/plain"]
+    assert [(e.module_name, e.phase, e.role, e.batch_number) for e in ip.user_ns["_numguard_headroom"]] == [
+        ("2", "backward", "weight.grad", 4), ("0", "forward", "output", 4)]
+    _, captured = run(ip, "%%numguard net --limit-dtype bfloat16\nfor x in xs32:\n    step(net, x)")
+    (view,) = headroom_views(captured)
+    assert "every value fits" in view["text/plain"]
+    _, captured = run(ip, "%%numguard net\nfor x in xs32:\n    step(net, x)")
+    assert headroom_views(captured) == []  # no limit_dtype: no headroom
+
+
+def test_on_with_limit_dtype_shows_the_headroom_after_each_cell_that_ran_and_status_counts(ip):
+    ip.run_cell("net.float()\nxs32 = [x.float() for x in xs]")
+    run(ip, "%numguard on net --limit-dtype float16")
+    _, captured = run(ip, "for x in xs32[:3]:\n    step(net, x)")
+    (view,) = headroom_views(captured)
+    assert "every value fits" in view["text/plain"]
+    _, captured = run(ip, "y = 1")  # no batch ran: nothing new to show
+    assert headroom_views(captured) == []
+    _, captured = run(ip, "for x in xs32[3:]:\n    step(net, x)")
+    (view,) = headroom_views(captured)
+    assert "2 values would overflow" in view["text/plain"]
+    _, captured = run(ip, "%numguard status")
+    assert captured.stdout.strip().endswith(
+        "; in float16, 2 predicted overflow(s) and 0 underflow(s) in _numguard_headroom")
+
+
+def test_limit_dtype_takes_float8_names_and_rejects_others(ip):
+    ip.run_cell("net.float()")
+    result, captured = run(ip, "%%numguard net --limit-dtype float8_e4m3fn\nstep(net, xs[0].float())")
+    assert result.success and "in float8_e4m3fn" in headroom_views(captured)[0]["text/plain"]
+    result, captured = run(ip, "%%numguard net --limit-dtype fp8\n1")
+    assert "invalid choice: 'fp8'" in usage_error_line(captured)
+    assert "--stop-at-limit" in ip.find_cell_magic("numguard").__doc__
 
 
 # ---- %numguard on / off / status -----------------------------------------------------------

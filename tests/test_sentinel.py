@@ -514,6 +514,16 @@ def test_nothing_is_left_behind_on_any_exit_path():
 
 
 # ---- running chosen batches with the full hooks ------------------------------------------------
+def test_sampled_batches_keep_the_history_with_the_full_hooks():
+    model = exp_net()
+    with Guard(model, mode="sentinel", history_every=2) as guard:
+        for _ in range(5):
+            model(x4()).sum().backward()
+    history = guard.history
+    assert history.samples_taken == 3 and history.every == 2  # batches 0, 2 and 4
+    assert hooks_left(model) == [] and guard.detection is None
+
+
 def test_traced_batches_run_with_the_full_hooks():
     model = exp_net()
     traced = []
@@ -528,35 +538,90 @@ def test_traced_batches_run_with_the_full_hooks():
     assert hooks_left(model) == []
 
 
-# ---- the magics ----------------------------------------------------------------------------
-def test_the_magics_take_sentinel():
-    from numguard_nb import magics
-    from numguard_nb.session import GuardedRun
-
-    # %%numguard and %numguard on parse --sentinel into the Guard's mode (no IPython shell here:
-    # tests/test_magics.py owns the process's one test shell).
-    for parser in (magics._CELL, magics._ON):
-        args = magics._parse(parser, "net --sentinel")
-        assert args.names == ["net"] and magics._guard_options(args, False).mode == "sentinel"
-        assert magics._guard_options(magics._parse(parser, "net"), False).mode == "full"
-    assert "--sentinel" in magics.NumguardMagics.numguard.__doc__
-    # The run such a magic starts, on the notebook's names.
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    namespace = {"net": net}
-    options = magics._guard_options(magics._parse(magics._CELL, "--sentinel"), False)
-    run = GuardedRun(namespace, {"net": net}, options)
+# ---- loss scaling ------------------------------------------------------------------------
+def _scaled_run(mode: str, case_name: str = "trap_grad_scaler_warmup", **options):
+    run = CASES_BY_NAME[case_name].build()
+    guard = Guard(run.models[""], mode=mode, scaler=run.scaler, **options)
     try:
-        run.step()
-        for scale in (1.0, 1.0, float("inf")):
-            net(x4(scale=scale)).sum().backward()
+        with guard:
+            run_steps(run)
     except NonFiniteError:
         pass
-    finally:
-        run.guard.detach()
-    run.finish_cell(failed=True)
-    report = namespace["_numguard"]
-    assert report.found_by == "re-run" and report.cause == "data" and report.batch_number == 2
+    return guard
+
+
+def test_the_overflows_a_grad_scaler_skips_are_let_through_and_recorded_as_in_full_mode():
+    full, sentinel = _scaled_run("full"), _scaled_run("sentinel")
+    assert full.detection is None and sentinel.detection is None
+    assert [step.batch for step in sentinel.skipped_steps] == [s.batch for s in full.skipped_steps]
+    assert [step.scale for step in sentinel.skipped_steps] == [s.scale for s in full.skipped_steps]
+    assert sentinel.skipped_steps and "GradScaler skipped" in sentinel.report.summary()
+
+
+class ScaledSqrt(nn.Module):
+    """A nan gradient at every loss scale: sqrt at 0 in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.sqrt = SqrtOfZeroPlusInput()
+
+    def forward(self, x):
+        return self.sqrt(self.linear(x)).sum()
+
+
+def test_an_overflow_lowering_the_scale_does_not_cure_is_raised_as_in_full_mode():
+    def run(mode):
+        torch.manual_seed(0)
+        model = ScaledSqrt()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        with Guard(model, mode=mode, scaler=scaler, max_skipped_steps=2, ops=True) as guard:
+            for _ in range(5):
+                scaler.scale(model(x4())).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+        return guard
+
+    full = caught(lambda: run("full")).report
+    sentinel = caught(lambda: run("sentinel")).report
+    assert culprit(sentinel)[:8] == culprit(full)[:8] and sentinel.batch_number == 2
+    assert "does not cure this" in sentinel.reason and sentinel.found_by == "re-run"
+
+
+# ---- the magics ----------------------------------------------------------------------------
+@pytest.fixture
+def shell(ipython):
+    ipython.run_cell("%load_ext numguard_nb")
+    ipython.reset(new_session=False)
+    assert ipython.run_cell(
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "xs = [torch.randn(3, 4) for _ in range(4)]\nxs[3] = xs[3] * float('inf')\n").success
+    yield ipython
+    ipython.run_cell("%numguard off")
+    ipython.run_cell("%unload_ext numguard_nb")
+
+
+def test_the_magics_take_sentinel(shell):
+    from IPython.utils.capture import capture_output
+
+    loop = "for x in xs:\n    net(x).sum().backward()"
+    with capture_output():
+        result = shell.run_cell("%%numguard --sentinel\n" + loop)
+    report = shell.user_ns["_numguard"]
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert report.found_by == "re-run" and report.cause == "data" and report.batch_number == 3
+    with capture_output():
+        assert shell.run_cell("%numguard on --sentinel net").success
+        shell.run_cell(loop)
+    assert shell.user_ns["_numguard"].found_by == "re-run"
+    net = shell.user_ns["net"]  # hooked: net and the modules it calls, not their parameters
+    assert [len(m._forward_hooks) for m in net.modules()] == [1, 1, 1, 1]
+    assert not any(p._backward_hooks for p in net.parameters())
+    with capture_output():
+        shell.run_cell("%numguard off")
     assert hooks_left(net) == []
 
 

@@ -16,20 +16,21 @@ from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
     CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, INPUT,
-    PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
+    ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, PARAM, PROBLEM_NEGINF,
+    TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..explain import hint_for
-from ..report import Frame, Report, TensorRow
+from ..report import MAX_SAMPLES_NAMED, Frame, Report, TensorRow
 from . import detect
 from .passes import (
-    SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_KIND, SLOT_ROLE, SLOT_SEQ, SLOT_SHAPE, CallRecord,
-    PassRecord,
+    ENTRY_INDEX, ENTRY_REF, ENTRY_VERSION, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_KIND,
+    SLOT_ROLE, SLOT_SEQ, SLOT_SHAPE, CallRecord, PassRecord,
 )
 
 __all__ = [
-    "build_frame", "mask_source", "reason_sentence", "unwatched_note", "make_report",
-    "detection_report",
+    "build_frame", "mask_source", "reason_sentence", "value_of", "name_samples", "weights_origin",
+    "unwatched_note", "make_report", "detection_report",
     "add_to_trace", "add_op_location", "RecentPasses",
 ]
 
@@ -72,11 +73,14 @@ def _mark_limits(row: TensorRow, slot: tuple, options) -> None:
         row.limit_share = row.abs_max / limit_max
 
 
-def _holds(rows, of: str = "") -> str:
+def _holds(rows, of: str = "", beyond: str = "") -> str:
     """'output holds +inf; output[1] reaches 8e+04' (a predicted overflow: finite, beyond the
-    limit); `of` follows each role ('grad_output of emb holds nan')."""
-    return "; ".join(f"{row.role}{of} holds {row.nonfinite_words}" if row.nonfinite
-                     else f"{row.role}{of} reaches {row.abs_max:.3g}" for row in rows)
+    limit, which `beyond` may say); `of` follows each role ('grad_output of emb holds nan'); a
+    row of data says which samples hold it ('input[0] holds nan in samples 1 and 3 of 32')."""
+    return "; ".join(
+        f"{row.role}{of} holds {row.nonfinite_words}"
+        f"{' in ' + row.samples_words if row.samples_words else ''}" if row.nonfinite
+        else f"{row.role}{of} reaches {row.abs_max:.3g}{beyond}" for row in rows)
 
 
 def _data_words(rows) -> str:
@@ -115,29 +119,27 @@ def _holds_neginf(pass_: PassRecord, call: CallRecord, limit_max) -> bool:
 
 
 def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame] = None,
-                    mask_from: str = "") -> str:
+                    mask_from: str = "", origin=None) -> str:
     """The one sentence a report gives for its culprit `frame`. `evidence`: for a gradient made
     in a module's own code, the frame of the submodule that received it. `mask_from`: where the
-    -inf a forward culprit received came from (`mask_source`)."""
+    -inf a forward culprit received came from (`mask_source`). `origin`: for non-finite weights,
+    how they got that way (`steps.Origin`), or None."""
     inline = cause == CAUSE_BACKWARD_INLINE and evidence is not None
     rows = evidence.flagged_rows if inline else frame.flagged_rows
-    what = _holds(rows, f" of {evidence.label}" if inline else "")
     where = f"{frame.label} ({frame.module_class})"
     call = f"call {frame.call_index} of batch {frame.batch_number}"
     # Finite values beyond limit_dtype's largest value, and nothing non-finite.
     predicted = any(row.predicted_overflow for row in rows) and not any(r.nonfinite for r in rows)
     limit = (f"{dtype_name(options.limit_dtype)}'s largest value {options.limit_max:.5g}"
              if options.limit_dtype is not None else "")
+    what = _holds(rows, f" of {evidence.label}" if inline else "",
+                  f", beyond {limit}" if limit and not predicted else "")
     gradient = f"a gradient beyond {limit}" if predicted else "a non-finite gradient"
     below = "stayed below it (predicted overflow)"
     if cause == CAUSE_WEIGHTS and predicted:
         return f"the weights of {where} in batch {frame.batch_number} exceed {limit} ({what})"
-    if cause == CAUSE_WEIGHTS and all(row.category == BUFFER for row in rows):
-        return (f"the buffers of {where} are non-finite in batch {frame.batch_number} ({what}): "
-                "running statistics went bad in an earlier batch")
     if cause == CAUSE_WEIGHTS:
-        return (f"the weights of {where} are non-finite in batch {frame.batch_number} ({what}): "
-                "an earlier optimizer step wrote them")
+        return _weights_sentence(where, frame.batch_number, rows, what, origin)
     if cause == CAUSE_DATA:
         return (f"the data fed to {where} in batch {frame.batch_number} holds "
                 f"{_data_words(rows)} ({what})")
@@ -170,6 +172,78 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
             "and weights did not hold")
 
 
+def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
+    """Weights (or buffers) found non-finite, and what the guard saw write them (`origin`)."""
+    buffers = all(row.category == BUFFER for row in rows)
+    head = (f"the {'buffers' if buffers else 'weights'} of {where} are non-finite in batch "
+            f"{batch} ({what})")
+    kind, step = (origin.kind, origin.step) if origin is not None else ("", None)
+    if kind == ORIGIN_OPTIMIZER_STEP:
+        return f"{head}, and an optimizer step wrote them: {step.words}"
+    if kind == ORIGIN_OUTSIDE_FORWARD:
+        return (f"{head}, and they changed outside the model's forward: the guard saw no "
+                f"optimizer step since the model's previous forward (batch {origin.finite_batch}"
+                "), which found no non-finite weight")
+    if kind == ORIGIN_BEFORE_ATTACH:
+        first = f"{head}, in the guard's first forward of the model: they were already non-finite"
+        if step is not None:
+            return f"{first} when it attached, or an optimizer step wrote them since: {step.words}"
+        return f"{first} when it attached"
+    if buffers:
+        return f"{head}: running statistics went bad in an earlier batch"
+    return f"{head}: an optimizer step or code outside the model's forward wrote them"
+
+
+def value_of(pass_: PassRecord, slot: tuple):
+    """The tensor a slot of the pass summarised, or None: a value the pass held weakly and that
+    is gone, or that changed in place since (weights and buffers it holds). Before release."""
+    index = slot[SLOT_INDEX]
+    if index is None:
+        return None
+    for entry in pass_.cache.values():
+        if entry[ENTRY_INDEX] == index:
+            ref = entry[ENTRY_REF]
+            value = ref if isinstance(ref, torch.Tensor) else ref()
+            return value if value is not None and value._version == entry[ENTRY_VERSION] else None
+    return None
+
+
+def name_samples(pass_: PassRecord, call: CallRecord, flagged_ids, frame: Frame) -> None:
+    """On the flagged data rows of `frame` (the frame of `call`), which samples (indices along
+    dim 0) hold the inf/nan: read from the inputs themselves, once per detection (a read-back
+    from the device). A row whose value is gone keeps None."""
+    for slot, row in zip(call.slots, frame.rows):
+        if id(slot) not in flagged_ids or slot[SLOT_CATEGORY] != INPUT:
+            continue
+        value = value_of(pass_, slot)
+        if value is None or value.dim() == 0 or value.numel() == 0 or not (
+                value.is_floating_point() or value.is_complex()):
+            continue
+        try:
+            with torch.no_grad():
+                bad = ~torch.isfinite(value)
+                held = (bad.flatten(1).any(1) if bad.dim() > 1 else bad).nonzero().flatten()
+                row.nonfinite_samples = tuple(held[:MAX_SAMPLES_NAMED].tolist())
+                row.nonfinite_sample_count = held.numel()
+        except Exception:  # a tensor subclass that cannot be read this way: samples unknown
+            row.nonfinite_samples = row.nonfinite_sample_count = None
+
+
+def weights_origin(pass_: PassRecord, call: CallRecord, bad_slots, steps):
+    """How the non-finite weights of `call` (`bad_slots`) got that way (`steps.Origin`), from
+    the optimizer steps the guard saw (`steps`, a `StepWatch`; None: unknown)."""
+    if steps is None:
+        return None
+    params = [value for value in (value_of(pass_, slot) for slot in bad_slots
+                                  if slot[SLOT_CATEGORY] == PARAM) if value is not None]
+    return steps.weights_origin(call.root_id, params)
+
+
+def _note_origin(report: Report, origin) -> None:
+    if origin is not None:
+        report.weights_origin, report.optimizer_step = origin.kind, origin.step
+
+
 def unwatched_note(frames) -> str:
     """What a report with no culprit must say instead of an all-clear when some of its values had
     no numbers to read ('' when every value was read)."""
@@ -198,10 +272,15 @@ def make_report(frames, culprit, kind, reason, cause, batch_number, options) -> 
 
 
 def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots, culprit: Frame,
-                     cause: str, context: list, options, batch_number: int) -> Report:
+                     cause: str, context: list, options, batch_number: int,
+                     steps=None) -> Report:
     """The report of a detection: the culprit's frame (`culprit`, built already), after the
-    frames of the pass that led up to it and, before those, `context` (earlier passes' frames)."""
+    frames of the pass that led up to it and, before those, `context` (earlier passes' frames).
+    `steps`: the guard's `StepWatch`, which says what wrote non-finite weights."""
     flagged = {id(s) for s in bad_slots}
+    if cause == CAUSE_DATA:
+        name_samples(pass_, call, flagged, culprit)
+    origin = weights_origin(pass_, call, bad_slots, steps) if cause == CAUSE_WEIGHTS else None
     if phase == FORWARD:
         led_up = [c for c in pass_.calls if c.seq < call.seq]
     else:
@@ -213,16 +292,18 @@ def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots,
     # A gradient made in a module's own code shows in the submodule that received it.
     evidence = next((f for f in led_up_frames if f.flagged_rows), None)
     reason = reason_sentence(cause, culprit, options, evidence,
-                             mask_source(pass_, call, cause, options))
+                             mask_source(pass_, call, cause, options), origin)
     report = make_report(frames, culprit, DETECTION, reason, cause, batch_number, options)
+    _note_origin(report, origin)
     report.hint = hint_for(report)  # after op localisation: the hint may name the op and line
     return report
 
 
 def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
-                 batch_number: int) -> Report:
+                 batch_number: int, steps=None) -> Report:
     """`report` (a new one when None) with every frame of the pass added; the first culprit
-    found in the batch (`(call, bad slots, cause)` or None) is noted, without stopping."""
+    found in the batch (`(call, bad slots, cause)` or None) is noted, without stopping.
+    `steps`: as for `detection_report`."""
     flagged = {id(s) for s in culprit[1]} if culprit is not None else set()
     calls = sorted(pass_.calls, key=lambda c: c.seq)
     frames = [build_frame(pass_, c, options, flagged) for c in calls]
@@ -232,13 +313,17 @@ def add_to_trace(report: Optional[Report], pass_: PassRecord, culprit, options,
     if report.first_nonfinite is None:
         report.reason = unwatched_note(report.frames)
     if culprit is not None and report.first_nonfinite is None:
-        call, _, cause = culprit
+        call, bad_slots, cause = culprit
         frame = frames[calls.index(call)]
         evidence = next((f for f in frames if f.flagged_rows and f is not frame), None)
+        if cause == CAUSE_DATA:
+            name_samples(pass_, call, flagged, frame)
+        origin = weights_origin(pass_, call, bad_slots, steps) if cause == CAUSE_WEIGHTS else None
         report.first_nonfinite = frame
         report.cause = cause
         report.reason = reason_sentence(cause, frame, options, evidence,
-                                        mask_source(pass_, call, cause, options))
+                                        mask_source(pass_, call, cause, options), origin)
+        _note_origin(report, origin)
         report.hint = hint_for(report)
     return report
 

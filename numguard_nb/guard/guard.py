@@ -21,8 +21,9 @@ How it stays fast and harmless:
   made from outside it.
 
 The Guard records (`passes`) and keeps the pass lifecycle; what a pass means is decided in
-`detect` and shown through `frames`; op localisation (`ops.recorder`) and the CPU replay's
-capture (`replay.Capture`) are fed from its hooks.
+`detect` and shown through `frames`; what would not fit in `limit_dtype` is collected at each
+pass's end in `headroom`; op localisation (`ops.recorder`) and the CPU replay's capture
+(`replay.Capture`) are fed from its hooks.
 """
 
 from __future__ import annotations
@@ -45,15 +46,19 @@ from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
 from ..report import Report
 from . import detect, frames
+from .headroom import Headroom
+from .history import History
 from .hooks import (
     GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
     is_dynamo_compiling, running_calls,
 )
-from .options import OPTION_DOCS, GuardOptions
+from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
 )
+from .steps import StepWatch
+from .scaler import LossScaling
 from .sentinel import Sentinel
 
 __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
@@ -162,42 +167,28 @@ class Guard:
     sync = _Option("sync")
     allow_inf = _Option("allow_inf")
     limit_dtype = _Option("limit_dtype")
+    stop_at_limit = _Option("stop_at_limit")
     on_trace = _Option("on_trace")
     on_detect = _Option("on_detect")
     ops = _Option("ops")
+    history_every = _Option("history_every")
     mode = _Option("mode")
     # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
     # fitting in memory); `capture` is the latest captured call.
     capture_enabled = _Option("capture")
+    scaler, max_skipped_steps = _Option("scaler"), _Option("max_skipped_steps")
 
-    def __init__(
-        self,
-        model_or_models,
-        *,
-        max_frames: int = 21,
-        trace_batches: Iterable[int] = (),
-        abort_after_batch: Optional[int] = None,
-        backward: bool = True,
-        sync: bool = False,
-        allow_inf: Union[bool, str, Iterable[str]] = False,
-        limit_dtype=None,
-        on_trace=None,
-        on_detect=None,
-        ops: bool = False,
-        capture: bool = False,
-        mode: str = "full",
-    ):
+    def __init__(self, model_or_models, **options):
         self.models = _normalise_models(model_or_models)
         self._op_recorder: Optional[OpRecorder] = None  # kept while ops=True
-        self._use_options(GuardOptions(
-            max_frames=max_frames, trace_batches=trace_batches,
-            abort_after_batch=abort_after_batch, backward=backward, sync=sync,
-            allow_inf=allow_inf, limit_dtype=limit_dtype, on_trace=on_trace,
-            on_detect=on_detect, ops=ops, capture=capture, mode=mode,
-        ))
+        self._use_options(GuardOptions.from_keywords(options))
         self._capture = None  # replay.Capture, made on attach
         self.detection: Optional[Report] = None  # set when a non-finite value was found
         self.traces: Dict[int, Report] = {}
+        self.history = History()  # sampled batches' ranges, with history_every (`see`)
+        self.headroom = Headroom()  # what would not fit in limit_dtype, over the run
+        self._scaling = LossScaling()  # backward overflows a GradScaler skips: let through
+        self.skipped_steps = self._scaling.skipped_steps  # the steps it skipped (SkippedStep)
         self.batch_number = 0  # the batch being run (or last run, in any thread)
         self._batches = BatchCounter()
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
@@ -213,6 +204,7 @@ class Guard:
         self._recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> its first call in the batch
         self._tracing = False  # the latest batch is traced (read in backward, in any thread)
+        self._steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
     def _use_options(self, options: GuardOptions) -> None:
@@ -234,6 +226,7 @@ class Guard:
                 self._attached = self._sentinel.attach()
                 return self
             try:
+                self._steps.start()
                 self._module_hooks.add(self, self.models, self._watch_backward)
                 if self.options.capture:
                     from ..replay import Capture
@@ -254,9 +247,11 @@ class Guard:
             self._sentinel.detach()
             self._module_hooks.remove()
             self._grad_hooks.remove()
+            self._steps.stop()
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
+            self._scaling.detach()  # the scaler's own update() back
             if self._op_recorder is not None:
                 self._op_recorder.clear()
             self._forget_passes()
@@ -310,8 +305,8 @@ class Guard:
         """The detection report if there was one, else a report of the last frames seen."""
         if self.detection is not None or self.options.mode == MODE_SENTINEL:
             return self.detection or self._sentinel.report()
-        return frames.make_report(self._recent.frames(self.options), None, LATEST, "", "",
-                                  self.batch_number, self.options)
+        return self._scaling.noted(frames.make_report(
+            self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options))
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -392,7 +387,7 @@ class Guard:
         pass_.calls.append(call)
         if self._sync and not raising and not state.tracing:
             pass_.read_back()
-            culprit = detect.forward_culprit(pass_, [call], self.options)
+            culprit = detect.forward_culprit(pass_, [call], self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         if not state.stack:
@@ -420,6 +415,7 @@ class Guard:
                 self._backward_passes.forget_open()
             if module_id == self._module_hooks.primary_root_id and not self._batches_counted_by_caller:
                 self._start_batch(state)
+            self._steps.forward_began(module_id, state.batch_number)
             if self._watch_backward and torch.is_grad_enabled():
                 self._module_hooks.rehook_swapped()
         state.forward = PassRecord()
@@ -430,11 +426,12 @@ class Guard:
         pass_ = state.forward
         state.forward = None
         pass_.read_back()
+        self.history.see(pass_, state.batch_number, self.options)
         if state.tracing:
             self._record_trace(pass_, state.batch_number)
             return
-        if not raising and detect.has_problem(pass_, self.options.limit_max):
-            culprit = detect.find_in_forward(pass_, self.options)
+        if not raising and self.headroom.collect_and_check(pass_, self.options, self._locate_op):
+            culprit = detect.find_in_forward(pass_, self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         self._recent.remember(pass_, self.options.max_frames)
@@ -508,8 +505,8 @@ class Guard:
             call.slots.append(slot)
             if self._sync and not self._tracing:
                 pass_.read_back()
-                culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options)
-                if culprit is not None:
+                culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
+                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
 
     def _end_backward(self, task) -> None:
@@ -519,12 +516,13 @@ class Guard:
         try:
             self._grad_hooks.drop_dead(force=True)  # the graph this pass ran on has been consumed
             pass_.read_back()
+            self.history.see(pass_, self.batch_number, self.options)
             if self._tracing:
                 self._record_trace(pass_, self.batch_number)
                 return
-            if detect.has_problem(pass_, self.options.limit_max):
-                culprit = detect.find_in_backward(pass_, self.options)
-                if culprit is not None:
+            if self.headroom.collect_and_check(pass_, self.options, self._locate_op):
+                culprit = detect.find_in_backward(pass_, self.options.stop_rules)
+                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
             self._recent.remember(pass_, self.options.max_frames)
         finally:
@@ -537,31 +535,36 @@ class Guard:
         """Build the report for a detection and raise it."""
         options = self.options
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})
-        if self._op_recorder is not None and cause in CODE_CAUSES:
-            self._paused = True  # the re-run of the step must not reach the hooks
-            try:
-                where = self._op_recorder.localise(
-                    call.root_id, self._module_hooks.modules.get(call.module_id), call.module_id,
-                    call.call_index, cause, options.limit_max, options.inf_allowed(call.module_name))
-            finally:
-                self._paused = False
-            frames.add_op_location(culprit, where)
+        self._locate_op(culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
-            batch)
+            batch, self._steps)
+        self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection.reason += _COMPILED_NOTE
+        self.detection.reason += self._scaling.refusal()
         pass_.release()
         self._forget_pass(self._threads.state)
         error = options.on_detect(self.detection) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(self.detection)
 
+    def _locate_op(self, frame, call: CallRecord, cause, rules) -> None:
+        if self._op_recorder is not None and cause in CODE_CAUSES:  # ops=True: re-run the step
+            self._paused = True  # the re-run of the step must not reach the hooks
+            try:
+                frames.add_op_location(frame, self._op_recorder.localise(
+                    call.root_id, self._module_hooks.modules.get(call.module_id), call.module_id,
+                    call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
+            finally:
+                self._paused = False
+
     def _record_trace(self, pass_: PassRecord, batch: int) -> None:
         # A trace notes where a non-finite value would have been caught, without stopping.
+        self.headroom.collect(pass_, self.options, self._locate_op)
         culprit = detect.find_in_trace(pass_, self.options)
         report = self.traces[batch] = frames.add_to_trace(
-            self.traces.get(batch), pass_, culprit, self.options, batch)
+            self.traces.get(batch), pass_, culprit, self.options, batch, self._steps)
         if self.options.on_trace is not None:
             self.options.on_trace(report)
 
@@ -572,3 +575,4 @@ class Guard:
 
 
 Guard.__doc__ += OPTION_DOCS  # documented where they are checked: help(Guard) shows them
+Guard.__init__.__signature__ = keyword_signature("self", "model_or_models")  # help(), Shift-Tab

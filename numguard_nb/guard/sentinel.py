@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree
-from .._schema import FORWARD, LATEST, OUTPUT
+from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Report
@@ -52,6 +52,7 @@ from .hooks import inert_context, is_dynamo_compiling
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
 from .sentinel_rerun import (
     compiled_original, full_guard, gradient_frame, original_name, rerun_backward, rerun_forward,
+    run_alone,
 )
 
 __all__ = ["Sentinel"]
@@ -93,13 +94,14 @@ def _entry_modules(prefix: str, root: nn.Module):
 class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
-    __slots__ = ("module", "name", "cls", "primary", "hook_ids", "copy_inputs", "plans")
+    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans")
 
     def __init__(self, module: nn.Module, name: str, primary: bool):
         self.module = module
         self.name = name
         self.cls = type(compiled_original(module) or module).__name__
         self.primary = primary  # the first model: its calls start batches
+        self.run_id = id(run_alone(module))  # the module a re-run calls, as a full guard sees it
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
@@ -271,6 +273,7 @@ class Sentinel:
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, position == 0 and module is root)
+            self.guard._steps.start()  # optimizer steps: what wrote weights found non-finite
             # The parameters are looked up again only after one is set or a submodule replaced.
             self._registration_handles = [
                 module_hooks.register_module_parameter_registration_hook(self._new_parameters),
@@ -316,12 +319,13 @@ class Sentinel:
         self._batch = -1
 
     def report(self) -> Report:
-        """The outputs of the last top-level calls checked, all finite."""
+        """The outputs of the last top-level calls checked, all finite (and the steps a loss
+        scaler skipped, if any)."""
         options = self.guard.options
         note = (f'mode="sentinel": {self.passes_checked} passes checked (the outputs of the '
                 "model's calls, and the gradients after each backward)")
-        return frames.make_report(self._recent.frames(options), None, LATEST, note, "",
-                                  self.guard.batch_number, options)
+        return self.guard._scaling.noted(frames.make_report(
+            self._recent.frames(options), None, LATEST, note, "", self.guard.batch_number, options))
 
     # ---- forward ---------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -380,29 +384,34 @@ class Sentinel:
         pass_.calls.append(record)
         pass_.read_back()  # the forward's one synchronisation
         self.passes_checked += 1
-        if detect.has_problem(pass_, options.limit_max):
-            self._forward_problem(call, pass_, record)
+        rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
+                 and self._forward_problem(call, pass_, record))
+        if not rerun:  # (a re-run counted it in the full guard)
+            self.guard._steps.forward_began(entry.run_id, call.batch_number)
         self._recent.remember(pass_, options.max_frames)
         if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._keep_for_backward(call, tensors)
 
-    def _forward_problem(self, call: _Call, pass_: PassRecord, record: CallRecord) -> None:
-        """Re-run the call if its outputs hold what the full guard's rules may flag; raise."""
+    def _forward_problem(self, call: _Call, pass_: PassRecord, record: CallRecord) -> bool:
+        """Re-run the call if its outputs hold what the full guard's rules may stop on, and raise
+        what it finds. Returns whether it re-ran the call (and found nothing to raise)."""
         options, module_id = self.guard.options, record.module_id
-        allowed = detect.INF_KINDS if options.inf_allowed(call.entry.name) else frozenset()
+        rules = options.stop_rules  # without limit_dtype's predictions, unless stop_at_limit
+        allowed = detect.INF_KINDS if rules.inf_allowed(call.entry.name) else frozenset()
         bad = {}
         for slot in record.slots:
-            kinds = detect.value_kinds(pass_, slot, options.limit_max) - allowed
+            kinds = detect.value_kinds(pass_, slot, rules.limit_max) - allowed
             if kinds and (module_id, slot[SLOT_ROLE], kinds) not in self._accepted:
                 bad[id(slot)] = (slot[SLOT_ROLE], kinds)
         if not bad:
-            return
+            return False
         seen = frames.build_frame(pass_, record, options, set(bad))
         report = self._rerun(rerun_forward, self.guard, call, seen)
-        if report is None:  # the same values again, which the full guard's rules accept
-            self._accepted.update((module_id, role, kinds) for role, kinds in bad.values())
-            return
-        self._raise(report)
+        if report is not None:
+            self._raise(report)
+        # The same values again, which the full guard's rules accept.
+        self._accepted.update((module_id, role, kinds) for role, kinds in bad.values())
+        return True
 
     # ---- backward --------------------------------------------------------------------------
     def _keep_for_backward(self, call: _Call, tensors: list) -> None:
@@ -464,17 +473,31 @@ class Sentinel:
             self.passes_checked += 1
             parameters = self._parameters()
             grads = [p.grad for p in parameters if p.grad is not None]
-            if grads and not _all_finite(grads) and self._gradient_problems_are_errors():
+            if grads and not _all_finite(grads):
                 self._backward_problem(done, parameters)
         finally:
             for call in done:
                 call.grads = [None] * len(call.grads)
 
-    def _gradient_problems_are_errors(self) -> bool:
-        """The one place loss scaling plugs in. With a GradScaler (the `scaler` option, see
-        guard/scaler.py) inf/nan gradients are how the scaler learns its scale is too high: it
-        skips that optimizer step, which is no error. Without one, every inf/nan gradient is."""
-        return getattr(self.guard.options, "scaler", None) is None
+    def _loss_scaling_excuses(self, call: _Call, bad: list) -> bool:
+        """The one place loss scaling plugs in. With a GradScaler (the `scaler` option) inf/nan
+        gradients are how the scaler learns its scale is too high: it skips that optimizer step,
+        and the guard's rule (`scaler.LossScaling.excuses`, the guard's own, which keeps the
+        skipped steps and counts them) lets it through, recorded in `guard.skipped_steps`.
+        `bad`: the [(parameter name, gradient)] found non-finite."""
+        options = self.guard.options
+        if options.scaler is None:
+            return False
+        pass_ = PassRecord()
+        record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
+                            call.batch_number, call.call_index, True)
+        for name, grad in bad:
+            summary = pass_.summarise(grad, None, False, self._sign_hints)
+            record.slots.append((f"{name}.grad", GRAD_PARAM, summary[ENTRY_KIND], grad.dtype,
+                                 summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
+        pass_.calls.append(record)
+        pass_.read_back()
+        return self.guard._scaling.excuses(options, pass_, record, record.slots, CAUSE_BACKWARD)
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
         """Re-run the calls of a backward pass whose gradients hold inf/nan; raise."""
@@ -484,12 +507,15 @@ class Sentinel:
         if not bad:
             return  # a norm overflowed on huge finite values
         first = calls[0]  # one at least: its output's gradient hook queued this check
+        if self._loss_scaling_excuses(first, bad):
+            return
         seen = gradient_frame(first.entry.name, first.entry.cls, first.batch_number,
                               first.call_index, bad)
         for call in calls:
             call.inputs_changed = call.inputs_changed or call.inputs_now_changed()
         report = self._rerun(rerun_backward, self.guard, calls, seen, parameters)
         if report is not None:
+            report.reason += self.guard._scaling.refusal()  # why the scaler did not excuse it
             self._raise(report)
 
     def _parameters(self) -> list:
@@ -529,27 +555,37 @@ class Sentinel:
 
     # ---- batches ---------------------------------------------------------------------------
     def _start_batch(self, batch: int, module, args, kwargs) -> None:
-        """A batch starts. One in `trace_batches` runs with the full hooks: a full guard is
-        attached for it (its hooks join from the call that starts it). When a batch that is not
-        traced starts, it is paused, and detached at the next backward's end or on detach: never
-        inside a module call, whose hooks torch has already listed."""
+        """A batch starts. One in `trace_batches`, or sampled for the history (`history_every`),
+        runs with the full hooks: a full guard is attached for it (its hooks join from the call
+        that starts it), which keeps its traces, history, headroom and skipped steps in this
+        guard's. When another batch starts, it is paused, and detached at the next backward's
+        end or on detach: never inside a module call, whose hooks torch has already listed."""
         self._batch = batch
         self._call_counts.clear()
         guard, tracer = self.guard, self._tracer
-        if batch not in guard.options.trace_batches:
+        every = guard.options.history_every
+        if batch not in guard.options.trace_batches and not (every and batch % every == 0):
             if tracer is not None:
                 tracer._paused = True
             return
         joining = tracer is None
         if joining:
-            tracer = self._tracer = full_guard(guard, guard.models, batch)
-            tracer.traces = guard.traces
+            tracer = self._tracer = full_guard(guard, guard.models, batch,
+                                               on_detect=self._full_hooks_detected)
+            tracer.traces, tracer.history, tracer.headroom = guard.traces, guard.history, guard.headroom
+            tracer._scaling, tracer.skipped_steps = guard._scaling, guard.skipped_steps
             tracer.attach()
         tracer._paused = False
         tracer._batches.started = batch
         tracer.begin_batch()
         if joining:  # attached inside this call: its pre-hook missed it
             tracer._pre_hook(module, args, kwargs)
+
+    def _full_hooks_detected(self, report: Report):
+        """A batch run with the full hooks stopped at a detection: it is this guard's."""
+        self.guard.detection = report
+        on_detect = self.guard.options.on_detect
+        return on_detect(report) if on_detect is not None else None
 
     def _stop_tracer(self, paused_only: bool = False) -> None:
         tracer = self._tracer

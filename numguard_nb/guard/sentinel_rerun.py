@@ -40,8 +40,8 @@ from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
 from . import frames
 
-__all__ = ["compiled_original", "original_name", "full_guard", "rerun_forward", "rerun_backward",
-           "gradient_frame"]
+__all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
+           "rerun_backward", "gradient_frame"]
 
 _INF = float("inf")
 _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
@@ -63,12 +63,12 @@ def _eager(module: nn.Module) -> nn.Module:
     return module if original is None else _eager(original)
 
 
-def _run_alone(module: nn.Module) -> nn.Module:
+def run_alone(module: nn.Module) -> nn.Module:
     """What a re-run calls for `module`: eager, and inside a (Distributed)DataParallel wrapper,
     whose forward would start collectives on this rank alone (the names stay the wrapper's)."""
     module = _eager(module)
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return _run_alone(module.module)
+        return run_alone(module.module)
     return module
 
 
@@ -111,20 +111,41 @@ def _eager_stance():
 
 
 # ---- the full guard --------------------------------------------------------------------------
+class _LentSteps:
+    """The sentinel's `StepWatch` (the optimizer steps it saw), lent to a full guard: the full
+    guard's forwards are counted in it and its weights' origins read from it; starting and
+    stopping it (which forgets what it saw) stay the sentinel's."""
+
+    def __init__(self, watch):
+        self.watch = watch
+
+    def start(self) -> None:
+        """Already watching, for the sentinel."""
+
+    def stop(self) -> None:
+        """The sentinel stops it, on its own detach."""
+
+    def __getattr__(self, name):
+        return getattr(self.watch, name)
+
+
 def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
     """A full-mode guard of the sentinel's class and options on `models`, whose batches are
-    counted by its caller, starting at `batch`."""
+    counted by its caller, starting at `batch`, and which knows the optimizer steps the sentinel
+    saw (its weights' origins are the sentinel's)."""
     options = guard.options.replace(mode=MODE_FULL, capture=False, abort_after_batch=None,
                                     **changes)
     full = type(guard)(models, **options.as_kwargs())
+    full._steps = _LentSteps(guard._steps)
     full._batches.started = batch  # numbered as the sentinel numbers its batches
     full.begin_batch()
     return full
 
 
 def _rerun_guard(guard, models, batch: int):
+    # No scaler: the sentinel asked the loss scaling rule before re-running (see Sentinel).
     return full_guard(guard, models, batch, ops=True, sync=False, trace_batches=(), on_trace=None,
-                      on_detect=None)
+                      on_detect=None, history_every=None, scaler=None)
 
 
 # ---- what a re-run changes, put back -----------------------------------------------------------
@@ -280,24 +301,24 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
             full = _rerun_guard(guard, _eager_models(models), call.batch_number)
             try:
                 with full:
-                    output = _call_again(_run_alone(call.entry.module), call, call.args,
+                    output = _call_again(run_alone(call.entry.module), call, call.args,
                                          call.kwargs, call.state.grad_enabled)
             except NonFiniteError as error:
                 return _found(error.report)
-            if _has_problem(_tree.tensors(output), allow_inf, options.limit_max):
+            if _has_problem(_tree.tensors(output), allow_inf, options.stop_rules.limit_max):
                 return None  # the same values again, and the full guard's rules accept them
             output = None
         if not _involves_compiled(call.entry.module):
             return _transient(seen, call, options, "the re-run's outputs were finite")
-        if _run_alone(call.entry.module) is not _eager(call.entry.module):
+        if run_alone(call.entry.module) is not _eager(call.entry.module):
             return _transient(seen, call, options, _NOT_COMPILED_AGAIN)
         again = _call_again(call.entry.module, call, call.args, call.kwargs, False)
-        if not _has_problem(_tree.tensors(again), allow_inf, options.limit_max):
+        if not _has_problem(_tree.tensors(again), allow_inf, options.stop_rules.limit_max):
             return _transient(seen, call, options, "run again, eagerly and compiled, its outputs "
                               "were finite")
         with _swapped(parts, _aot_eager):
             aot = _call_again(_aot_eager(call.entry.module), call, call.args, call.kwargs, False)
-        captured = _has_problem(_tree.tensors(aot), allow_inf, options.limit_max)
+        captured = _has_problem(_tree.tensors(aot), allow_inf, options.stop_rules.limit_max)
         return _compiled(seen, call, options, captured)
 
 
@@ -312,7 +333,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             full = _rerun_guard(guard, _eager_models(models), batch)
             try:
                 with full:
-                    outputs, leaves = _in_fresh_thread(lambda: _forwards(calls, _run_alone, True))
+                    outputs, leaves = _in_fresh_thread(lambda: _forwards(calls, run_alone, True))
                     grads = _backward(calls, outputs, parameters + leaves)
             except NonFiniteError as error:
                 return _found(error.report)
@@ -326,7 +347,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
                   "inf/nan came from code outside them that uses the weights directly)")
         if not any(_involves_compiled(call.entry.module) for call in calls):
             return _transient(seen, calls[0], options, finite)
-        if any(_run_alone(call.entry.module) is not _eager(call.entry.module) for call in calls):
+        if any(run_alone(call.entry.module) is not _eager(call.entry.module) for call in calls):
             return _transient(seen, calls[0], options, f"{finite}; {_NOT_COMPILED_AGAIN}")
         outputs, _ = _in_fresh_thread(lambda: _forwards(calls, lambda m: m, True))
         if not _has_problem(_backward(calls, outputs, list(parameters)), False, None):

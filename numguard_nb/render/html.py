@@ -285,10 +285,17 @@ def tensor_table_html(rows: List[TensorRow]) -> str:
         parts.append(
             f'<tr class="{" ".join(classes)}"><td class="ng-role">{esc(row.role)}</td>'
             f'<td class="ng-dtype">{esc(row.dtype or "")}</td><td class="ng-shape">{fmt_shape(row.shape)}</td>'
-            f'{stats}<td class="ng-role ng-problem">{esc(row.problems)}</td></tr>'
+            f'{stats}<td class="ng-role ng-problem">{esc(row.problems)}{_samples_html(row)}</td></tr>'
         )
     parts.append("</table>")
     return "".join(parts)
+
+
+def _samples_html(row: TensorRow) -> str:
+    """' in samples 1, 3 (2 of 32)' after a data row's problem ('' when not known)."""
+    if not row.sample_list:
+        return ""
+    return f' <span class="ng-samples">in samples {esc(row.sample_list)}</span>'
 
 
 def frame_head_text(frame: Frame) -> str:
@@ -352,12 +359,17 @@ def node_info_html(node: ModuleNode, limit_note: str = "") -> str:
         parts.append(f'<span class="ng-class">{esc(node.module_class)}</span>')
     if node.is_culprit:
         parts.append('<span class="ng-badge ng-badge-bad ng-badge-culprit">first inf/nan</span>')
+    elif node.on_path:
+        parts.append('<span class="ng-badge ng-badge-bad ng-badge-path">culprit inside</span>')
     elif node.nonfinite:
         parts.append('<span class="ng-badge ng-badge-bad">inf/nan inside</span>')
-    if node.worst_share is not None and node.worst_share >= 0.001 and not node.nonfinite:
+    # A module that was not called itself (a container) says how close its calls came to the limit.
+    shown = node.worst_share is not None and (node.worst_share >= 0.001 or not node.frames)
+    if shown and not node.nonfinite:
         parts.append(f'<span class="ng-badge">max {fmt_share(node.worst_share)} of dtype max</span>')
     own = len(node.frames)
-    info = f"{own} call{'s' if own != 1 else ''}" if own else "no frames"
+    count = own or node.subtree_frames
+    info = f"{count} call{'s' if count != 1 else ''}" + ("" if own else " inside")
     backward = sum(1 for _, frame in node.frames if frame.phase != FORWARD)
     if backward:
         info += f" ({backward} backward)"

@@ -40,10 +40,9 @@ def _result_body(result) -> Lines:
         if location is not None:
             fn = f" in {location.function}" if location.function else ""
             if location.kind == "raised":
-                lines.append(("info", f"at {location.filename}:{location.lineno}{fn}"))
+                lines.append(("info", f"at {location.where}{fn}"))
             else:
-                lines.append(("info", f"raised inside torch, in the call made at "
-                                      f"{location.filename}:{location.lineno}{fn}"))
+                lines.append(("info", f"raised inside torch, in the call made at {location.where}{fn}"))
             if location.line:
                 lines.append(("code", location.line))
         if result.module:

@@ -2,8 +2,9 @@
 
 One point per frame (the largest abs max among what the call produced: its outputs forward,
 its input and parameter gradients backward), the dtype's largest finite value drawn as a dashed
-line, non-finite frames as red marks at the top. No plotting dependency, no JavaScript: point
-tooltips are SVG <title> elements.
+line, non-finite frames as red marks at the top. The culprit and the steepest rise (the largest
+step up from one frame to the next) are labelled with their module. No plotting dependency, no
+JavaScript: point tooltips are SVG <title> elements.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .._schema import BACKWARD, GRAD_INPUT, GRAD_PARAM, OUTPUT, VALUE_TENSOR
 from ..report import Frame, Report, dtype_max
 from ._format import esc
 
-__all__ = ["chart_svg", "chart_points"]
+__all__ = ["chart_svg", "chart_points", "steepest_rise"]
 
 WIDTH = 560
 HEIGHT = 150
@@ -82,6 +83,30 @@ def _num(x: float) -> str:
     return f"{x:.1f}"
 
 
+def steepest_rise(points) -> Optional[Tuple[int, float]]:
+    """(position, factor) of the point with the largest rise of abs max from the point before it
+    (both finite and above zero), or None where nothing rises."""
+    best = None
+    for i in range(1, len(points)):
+        before, value = points[i - 1][1], points[i][1]
+        if before and value and before > 0 and value > before and (best is None or value / before > best[1]):
+            best = (i, value / before)
+    return best
+
+
+def _text_width(text: str) -> float:
+    return 5.0 * len(text)  # about, at font-size 9
+
+
+def _label(text: str, x: float, y: float, css: str, colour: str) -> str:
+    """`text` ending at x (left of what it names), or starting there where it would cross the axis."""
+    anchor = "end"
+    if x - _text_width(text) < _LEFT:
+        x, anchor = x + 12, "start"
+    return (f'<text class="ng-label {css}" x="{_num(x)}" y="{_num(y)}" font-size="9" '
+            f'text-anchor="{anchor}" fill="{colour}">{esc(text)}</text>')
+
+
 def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
     """The chart as an <svg class="ng-chart"> element ('' when there is nothing to draw)."""
     points, culprit_at = chart_points(report)
@@ -133,7 +158,7 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
         out.append(
             f'<line class="ng-limit" x1="{_LEFT}" y1="{_num(y)}" x2="{_LEFT + plot_w}" y2="{_num(y)}"'
             f' stroke="#c00" stroke-dasharray="4 3"/>'
-            f'<text x="{_LEFT + plot_w - 2}" y="{_num(y - 3)}" font-size="9" text-anchor="end" fill="#c00">'
+            f'<text x="{_LEFT + 3}" y="{_num(y - 3)}" font-size="9" fill="#c00">'
             f"{esc(dtype)} max {limit:.5g}</text>"
         )
     # the line through the finite points
@@ -173,6 +198,7 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
                 f'<circle class="ng-point{" ng-point-culprit" if is_culprit else ""}" cx="{x}" cy="{y}"'
                 f' r="{radius}" fill="{colour}"><title>{esc(text)}</title></circle>'
             )
+    out.extend(_labels(points, culprit_at, x_of, y_of, y_of(limit_log) if limit_log is not None else None))
     out.append(
         f'<text x="{_LEFT}" y="{height - 6}" font-size="9" fill="#666">frame 0</text>'
         f'<text x="{_LEFT + plot_w}" y="{height - 6}" font-size="9" text-anchor="end" fill="#666">'
@@ -180,3 +206,35 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
     )
     out.append("</svg>")
     return "".join(out)
+
+
+def _free_y(y: float, taken: List[float], limit_y: Optional[float]) -> float:
+    """A baseline at or below `y` whose text clears the limit line and the labels placed so far."""
+    for _ in range(len(taken) + 2):
+        if limit_y is not None and y - 8 <= limit_y <= y + 3:
+            y = limit_y + 11
+        elif any(abs(y - other) < 11 for other in taken):
+            y = max(other for other in taken if abs(y - other) < 11) + 11
+        else:
+            break
+    return y
+
+
+def _labels(points, culprit_at: Optional[int], x_of, y_of, limit_y: Optional[float]) -> List[str]:
+    """The culprit's module, left of its mark; the steepest rise's with its factor, above the
+    rise's end, left of the middle of the rising segment; both clear of the limit line."""
+    labels, taken = [], []
+    if culprit_at is not None:
+        frame, value, bad = points[culprit_at]
+        y = _TOP + 10 if bad or not value or value <= 0 else y_of(math.log10(value)) + 3
+        taken.append(_free_y(y, taken, limit_y))
+        labels.append(_label(frame.label, x_of(culprit_at) - 8, taken[-1], "ng-label-culprit", "#c00"))
+    rise = steepest_rise(points)
+    if rise is not None:
+        at, factor = rise
+        frame, value, _ = points[at]
+        taken.append(_free_y(y_of(math.log10(value)) - 4, taken, limit_y))
+        name = "" if at == culprit_at else f"{frame.label} "  # named once
+        labels.append(_label(f"{name}\u00d7{factor:.3g}", (x_of(at - 1) + x_of(at)) / 2 - 2, taken[-1],
+                             "ng-label-rise", "#3a6ea5"))
+    return labels

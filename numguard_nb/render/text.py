@@ -66,14 +66,18 @@ def dump_lines(report: Report) -> list:
 
 
 def verdict_lines(report: Report) -> list:
-    """The verdict on the culprit: the reason, the hint (why, and what to try), the op and the
-    line that produced it; [] when nothing is wrong."""
+    """The verdict on the culprit: the reason, the hint (why, and what to try), the samples of
+    the data that hold inf/nan, the op and the line that produced it; [] when nothing is
+    wrong."""
     frame = report.first_nonfinite
     if frame is None:
         return []
     lines = [report.reason]
     if report.hint:
         lines.append(f"hint: {report.hint}")
+    lines.extend(f"samples holding inf/nan in {row.role}: {row.sample_list}"
+                 for row in frame.flagged_rows if row.sample_list)
+    lines += [f"history: {report.history_note}"] if report.history_note else []
     if frame.op:
         lines.append(f"first non-finite op: {frame.op}")
     if frame.source:

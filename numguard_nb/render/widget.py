@@ -6,8 +6,14 @@ node builds its frames and children the first time its toggle is clicked, so a t
 
 The widget is displayed with a mimebundle that also carries the static HTML of the same tree
 (`render.html.report_html`) and Hugging Face's text format: a frontend without the widget
-manager (GitHub, nbviewer, exported HTML, Colab without custom widgets) shows the HTML, a
-terminal shows the text. Works with ipywidgets 7.x and 8.x.
+manager (GitHub, nbviewer, Colab without custom widgets) shows the HTML, a terminal shows the
+text. Works with ipywidgets 7.x and 8.x.
+
+Only a person's frontend gets the widget (see `use_widgets`). A notebook executed headless
+(nbclient, `jupyter nbconvert --execute`, papermill) is becoming a document: its outputs hold the
+static HTML and text only. nbconvert's HTML export prefers a widget view over the HTML whenever
+the notebook holds the widget's state (nbclient saves it by default), and that view needs the
+widget manager's script from a CDN: offline, the report area would be empty.
 
 DOM (stable CSS classes; the same names as the static HTML where they mean the same thing):
 
@@ -57,15 +63,23 @@ def widgets_available() -> bool:
 
 
 def use_widgets() -> bool:
-    """Whether to display the widget: ipywidgets is installed and a kernel can talk to a frontend."""
+    """Whether to display the widget: ipywidgets is installed and a kernel runs the code for a
+    frontend that a person uses.
+
+    The kernel tells them apart by `allow_stdin` of the request it runs: a frontend that answers
+    `input()` (JupyterLab and Notebook send allow_stdin by default) has a person at it; a headless
+    run (nbclient, so nbconvert --execute and papermill) says it cannot. There the outputs become
+    a document (an export, a committed notebook), whose report is the static tree.
+    """
     if not widgets_available():
         return False
     try:
         from IPython import get_ipython
     except ImportError:
         return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    kernel = getattr(get_ipython(), "kernel", None)
+    # ipykernel sets _allow_stdin from each execute request; a kernel without it: as before.
+    return kernel is not None and bool(getattr(kernel, "_allow_stdin", True))
 
 
 class _NodeView:

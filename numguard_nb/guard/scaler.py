@@ -1,0 +1,271 @@
+"""Loss scaling: the backward overflows a GradScaler handles by skipping the step are let through
+and recorded; the ones skipping does not cure are raised.
+
+`torch.amp.GradScaler` (and the scalers inside accelerate, the Hugging Face Trainer and
+Lightning) multiplies the loss by its scale, 2**16 at first. Where the gradients then overflow,
+`scaler.step` skips the optimizer step and `scaler.update` lowers the scale: the first steps of a
+healthy float16 run overflow on purpose. The guard sees gradients before the scaler unscales
+them; an inf or nan stays one when unscaled, so a non-finite gradient the guard sees makes the
+scaler skip the step once it reaches the gradient of a parameter the scaler's optimizer updates.
+
+The rule (`LossScaling.excuses`): a non-finite gradient made in backward is let through while
+the scaler is enabled, its scale is above 1 and it has skipped fewer than `max_skipped_steps`
+steps in a row (16 by default: the halvings from GradScaler's 65536 down to 1). Then the guard
+raises as it would without a scaler, naming the module whose backward made it: an overflow
+that lowering the scale does not cure (a sqrt at 0 makes nan at every scale) would otherwise
+stall training silently. Values made in forward are never let through: the scaler does not
+touch the forward pass. Nor is an overflow let through once `max_skipped_steps` batches have
+passed without `scaler.update()` (a scaler the loop does not use).
+
+Whether the step was skipped: from the first let-through overflow until the guard detaches,
+the scaler's `update` is wrapped on the instance (`_UpdateWatch`). Before the real update runs
+it reads the scaler's own verdict, the found-inf flags `scaler.step` left per optimizer (one
+host read, only in steps that overflowed); for a GradScaler-like object without them, whether
+`update` lowered the scale. A step the scaler took all the same is not recorded. A healthy
+run's scaler is never touched, and copies of a watched scaler (pickle, deepcopy) come out
+unwatched. `guard.report` (with no detection) leaves out the backward frames of skipped steps
+and says how many the scaler skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .._schema import BACKWARD
+from ..report import Frame, Report
+from . import detect, frames
+
+__all__ = ["SkippedStep", "LossScaling", "is_loss_scaler", "loss_scaler_of", "skipped_summary"]
+
+# Where training objects keep their GradScaler: accelerate's Accelerator (trainer.accelerator),
+# an AcceleratedOptimizer or an older Hugging Face Trainer (.scaler), Lightning's Trainer.
+_SCALER_PATHS = (
+    ("accelerator", "scaler"),
+    ("scaler",),
+    ("precision_plugin", "scaler"),
+    ("strategy", "precision_plugin", "scaler"),
+)
+
+
+def is_loss_scaler(obj) -> bool:
+    """A GradScaler, or an object that works like one: its class has `get_scale`, `is_enabled`
+    and `update` (looked up on the class, so no instance `__getattr__` runs)."""
+    kind = type(obj)
+    return not isinstance(obj, type) and all(
+        callable(getattr(kind, name, None)) for name in ("get_scale", "is_enabled", "update"))
+
+
+def loss_scaler_of(obj):
+    """The enabled GradScaler `obj` is or trains with, or None: accelerate's
+    (`trainer.accelerator.scaler`, an AcceleratedOptimizer's `.scaler`), an older Hugging Face
+    Trainer's `trainer.scaler`, Lightning's (`trainer.precision_plugin.scaler`,
+    `trainer.strategy.precision_plugin.scaler`)."""
+    for path in ((),) + _SCALER_PATHS:
+        found = obj
+        for name in path:
+            try:
+                found = getattr(found, name, None)
+            except Exception:  # a property that cannot answer yet (a trainer not set up)
+                found = None
+            if found is None:
+                break
+        if found is not None and is_loss_scaler(found) and found.is_enabled():
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """An optimizer step the loss scaler skipped because its gradients were not finite."""
+
+    batch: int  # the batch whose backward first made a non-finite gradient in that step
+    scale: float  # the loss scale of that step: what the loss was multiplied by
+    module: str  # the module whose gradient it was, qualified ("" for the model itself)
+    cause: str  # _schema's CAUSE_*: made in backward, or entering the model from the loss
+    values: str  # what the gradient held: "+inf", "nan", "+inf and -inf", ...
+    frame: Frame = field(repr=False, compare=False)  # that backward call, the gradient flagged
+
+    def __str__(self) -> str:
+        rows = self.frame.flagged_rows
+        where = f"{rows[0].role} of {self.frame.label}" if rows else self.frame.label
+        return f"batch {self.batch} (scale {self.scale:g}): {self.values} in {where}"
+
+
+def skipped_summary(steps: List[SkippedStep], scaler_name: str = "GradScaler") -> str:
+    """'GradScaler skipped 4 steps (batches 0-3, scale 65536 down to 8192); the first: ...', or
+    '' when none was skipped."""
+    if not steps:
+        return ""
+    count = f"{len(steps)} step{'s' if len(steps) > 1 else ''}"
+    batches = _batch_ranges([step.batch for step in steps])
+    scales = (f"scale {steps[0].scale:g}" if len(steps) == 1
+              else f"scale {steps[0].scale:g} down to {steps[-1].scale:g}")
+    return f"{scaler_name} skipped {count} ({batches}, {scales}); the first: {steps[0]}"
+
+
+def _batch_ranges(batches: List[int]) -> str:
+    """'batch 3', 'batches 0-3, 7'."""
+    ranges: List[List[int]] = []
+    for batch in sorted(set(batches)):
+        if ranges and batch == ranges[-1][1] + 1:
+            ranges[-1][1] = batch
+        else:
+            ranges.append([batch, batch])
+    words = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in ranges]
+    return f"batch{'es' if len(batches) > 1 else ''} {', '.join(words)}"
+
+
+def _found_inf(scaler) -> Optional[bool]:
+    """What `scaler.step` found this iteration (the verdict `update` acts on): True when it
+    skipped an optimizer step, None when the scaler keeps no found-inf flags."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return None
+    flags = [flag for state in states.values() if isinstance(state, dict)
+             for flag in state.get("found_inf_per_device", {}).values()]
+    if not flags:
+        return None
+    return any(float(flag) != 0 for flag in flags)  # one host read per device
+
+
+class _UpdateWatch:
+    """Stands in for `scaler.update` on the instance: tells the LossScaling whether the step that
+    just ended was skipped, then updates as the scaler's own method does."""
+
+    def __init__(self, watch: "LossScaling", scaler):
+        self.watch = watch
+        self.scaler = scaler
+        self.original = scaler.update  # the class's method, bound, or another wrapper
+        # another wrapper already on the instance, put back on detach (None: there was none)
+        self.replaced = vars(scaler).get("update")
+
+    def __call__(self, *args, **kwargs):
+        return self.watch.updating(self, args, kwargs)
+
+    def __reduce__(self):
+        # A copy of the scaler (pickle, deepcopy) gets its class's own update, unwatched.
+        return getattr, (self.scaler, "update")
+
+
+class LossScaling:
+    """The Guard's side of loss scaling: which backward overflows it lets through (`excuses`),
+    the steps the scaler then skipped (`skipped_steps`, kept across attaches), and the sentence
+    a detection gets when the rule stops letting them through (`refusal`)."""
+
+    def __init__(self):
+        self.skipped_steps: List[SkippedStep] = []
+        self.skipped_in_a_row = 0  # steps skipped since the scaler last took one
+        self.scaler_name = "GradScaler"  # the class of the scaler watched last
+        self._pending: Optional[SkippedStep] = None  # this step's overflow, until update()
+        self._pending_batches: set = set()  # batches of this step whose backward overflowed
+        self._skipped_batches: set = set()  # every batch of a skipped step that overflowed
+        self._update_watch: Optional[_UpdateWatch] = None
+        self._refusal = ""  # why the last overflow was not let through ('' if it was)
+
+    # ---- the rule ---------------------------------------------------------------------------
+    def excuses(self, options, pass_, call, bad_slots, cause) -> bool:
+        """Whether a backward culprit is an overflow the scaler (`options.scaler`) handles by
+        skipping the step: record it and let it through. When not, `refusal` says why, for the
+        detection about to be raised."""
+        scaler = options.scaler
+        self._refusal = ""
+        if scaler is None or not scaler.is_enabled():
+            return False
+        pending = self._pending
+        if pending is not None and self._update_watch.scaler is scaler:
+            if call.batch_number - pending.batch < options.max_skipped_steps:
+                self._pending_batches.add(call.batch_number)  # the same step: recorded already
+                return True
+            self._refusal = (f"; {type(scaler).__name__}.update() has not been called since batch "
+                             f"{pending.batch}: pass the scaler whose update() the loop calls")
+            return False
+        scale = float(scaler.get_scale())
+        if scale <= 1 or self.skipped_in_a_row >= options.max_skipped_steps:
+            self._refusal = self._refusal_note(type(scaler).__name__, scale)
+            return False
+        self._watch(scaler)
+        frame = frames.build_frame(pass_, call, options, {id(slot) for slot in bad_slots})
+        values = " and ".join(sorted({kind for slot in bad_slots
+                                   for kind in detect.value_kinds(pass_, slot, options.limit_max)}))
+        self._pending = SkippedStep(call.batch_number, scale, call.module_name, cause, values, frame)
+        self._pending_batches = {call.batch_number}
+        return True
+
+    def _refusal_note(self, name: str, scale: float) -> str:
+        if self.skipped_in_a_row:
+            steps = self.skipped_steps[-self.skipped_in_a_row:]
+            return (f"; {name} skipped the {len(steps)} step{'s' if len(steps) > 1 else ''} "
+                    f"before ({_batch_ranges([s.batch for s in steps])}, scale "
+                    f"{steps[0].scale:g} down to {scale:g}) and the gradients are still not "
+                    "finite: lowering the loss scale does not cure this")
+        if scale <= 1:
+            return f"; {name}'s scale is {scale:g}, so loss scaling did not make this overflow"
+        return ""
+
+    def refusal(self) -> str:
+        """'; GradScaler skipped the 16 steps before ...': why the overflow being raised was not
+        let through ('' when no loss scaler was asked); said once."""
+        note, self._refusal = self._refusal, ""
+        return note
+
+    # ---- was the step skipped? --------------------------------------------------------------
+    def _watch(self, scaler) -> None:
+        """Wrap `scaler.update` on the instance (once; another scaler's wrap is removed)."""
+        if self._update_watch is not None and self._update_watch.scaler is scaler:
+            return
+        self.detach()
+        self._update_watch = _UpdateWatch(self, scaler)
+        scaler.update = self._update_watch
+        self.scaler_name = type(scaler).__name__
+
+    def updating(self, update_watch: _UpdateWatch, args, kwargs):
+        """`scaler.update(...)`: the end of a step. A step that overflowed where the guard
+        watches is recorded when the scaler skipped it; any other step ends a run of skips."""
+        scaler, original = update_watch.scaler, update_watch.original
+        if update_watch is not self._update_watch:  # removed meanwhile, kept by another wrapper
+            return original(*args, **kwargs)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            self.skipped_in_a_row = 0
+            return original(*args, **kwargs)
+        skipped = _found_inf(scaler)
+        scale_before = scaler.get_scale() if skipped is None else math.nan
+        result = original(*args, **kwargs)
+        if skipped is None:
+            skipped = scaler.get_scale() < scale_before
+        if skipped:
+            self.skipped_steps.append(pending)
+            self._skipped_batches |= self._pending_batches
+            self.skipped_in_a_row += 1
+        else:  # the non-finite gradient reached no parameter the scaler's optimizers update
+            self.skipped_in_a_row = 0
+        return result
+
+    def detach(self) -> None:
+        """Give the scaler its own `update` back; forget the step in progress."""
+        update_watch, self._update_watch = self._update_watch, None
+        self._pending = None
+        self._pending_batches = set()
+        if update_watch is None or vars(update_watch.scaler).get("update") is not update_watch:
+            return  # none, or wrapped again since: that wrapper's call passes through to update
+        if update_watch.replaced is not None:
+            update_watch.scaler.update = update_watch.replaced
+        else:
+            del update_watch.scaler.update
+
+    # ---- what a report says -----------------------------------------------------------------
+    def summary(self) -> str:
+        """One clause on the skipped steps ('' when none)."""
+        return skipped_summary(self.skipped_steps, self.scaler_name)
+
+    def noted(self, report: Report) -> Report:
+        """A report of the last frames seen, without the backward frames of skipped steps (their
+        overflow is in `skipped_steps`), saying how many steps the scaler skipped."""
+        if not self.skipped_steps:
+            return report
+        report.frames = [frame for frame in report.frames if not (
+            frame.phase == BACKWARD and frame.batch_number in self._skipped_batches)]
+        report.reason = "; ".join(note for note in (report.reason, self.summary()) if note)
+        return report

@@ -1,0 +1,198 @@
+"""The optimizer steps seen while the guard is attached: what wrote weights found non-finite.
+
+A detection of non-finite weights says where they came from only from what the guard saw:
+- an optimizer step ran between the model's forward before (which found no non-finite weight)
+  and the one that found them: that step wrote them, and it is named;
+- no step ran in between: they changed outside the model's forward (an in-place write under
+  `torch.no_grad()`, a checkpoint load, a hand-written update);
+- the forward that found them is the first of the model the guard saw: they were already
+  non-finite when it attached.
+
+Steps are watched with torch.optim's global step post-hook, registered on attach and removed on
+detach. Each step is kept as a plain tuple of small facts, never a tensor (its fields below): the
+optimizer (weakly, to look up at detection which of its parameter groups holds the weights), its
+class, its place among the optimizers seen, its step number, the forward and the batch it
+followed, and its groups' learning rates. At most MAX_STEPS are kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from .._schema import ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD
+from ..report import OptimizerStep
+
+__all__ = ["MAX_STEPS", "Origin", "StepWatch"]
+
+# The steps kept: enough for many optimizers (or an inner loop of steps) between two forwards.
+MAX_STEPS = 64
+
+# Step record fields: (optimizer, by weak reference; class name; position among the optimizers
+# seen, from 1; step number; counted by the guard; forwards begun before it; batch of the latest
+# of them or None; learning rate of each parameter group, None where not a number).
+(STEP_OPTIMIZER, STEP_CLASS, STEP_POSITION, STEP_NUMBER, STEP_COUNTED, STEP_FORWARD,
+ STEP_BATCH, STEP_LRS) = range(8)
+
+_NOT_HELD = object()  # an optimizer's parameter groups hold none of the weights
+
+
+class Origin(NamedTuple):
+    """How weights found non-finite got that way: `kind` one of _schema's ORIGIN_* ("" when the
+    guard cannot tell), the optimizer step named (or None), and the batch of the model's forward
+    before, which found no non-finite weight (None on its first forward)."""
+
+    kind: str
+    step: Optional[OptimizerStep]
+    finite_batch: Optional[int]
+
+
+class _StepNote:
+    """torch.optim's global step post-hook for one StepWatch, holding it weakly."""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: "StepWatch"):
+        self.watch = weakref.ref(watch)
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        watch = self.watch()
+        if watch is None:
+            return
+        try:
+            watch.note_step(optimizer)
+        except Exception:  # never break the user's optimizer step (the watch then cannot tell)
+            watch.lost_after = watch.forwards
+
+
+def _remove(handles: list) -> None:
+    while handles:
+        handles.pop().remove()
+
+
+class StepWatch:
+    """The optimizer steps and the top-level forwards since the guard attached."""
+
+    def __init__(self):
+        self.forwards = 0  # top-level forwards begun since attach
+        self.batch: Optional[int] = None  # the batch of the latest of them
+        # module id of a top-level call -> (number of its latest forward, its batch, number of
+        # the forward before it or None, that one's batch)
+        self._roots: Dict[int, Tuple[int, int, Optional[int], Optional[int]]] = {}
+        self._steps: collections.deque = collections.deque(maxlen=MAX_STEPS)
+        self.lost_after = -1  # the forwards begun before the latest step not kept (MAX_STEPS)
+        self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> [position, steps seen]
+        self._handles: list = []  # the hook's handle while attached
+        weakref.finalize(self, _remove, self._handles)  # a guard dropped, models and all, attached
+
+    def start(self) -> None:
+        """Start watching steps (on attach): what earlier attaches saw is forgotten."""
+        self.forwards, self.batch, self.lost_after = 0, None, -1
+        self._roots.clear()
+        self._steps.clear()
+        self._optimizers.clear()
+        if not self._handles:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handles.append(register_optimizer_step_post_hook(_StepNote(self)))
+
+    def stop(self) -> None:
+        """Remove the global hook (on detach; idempotent)."""
+        _remove(self._handles)
+
+    def forward_began(self, root_id: int, batch: int) -> None:
+        """A top-level forward of the module `root_id` began, in `batch` (once per pass)."""
+        self.forwards += 1
+        self.batch = batch
+        latest = self._roots.get(root_id)
+        self._roots[root_id] = ((self.forwards, batch) + latest[:2] if latest is not None
+                                else (self.forwards, batch, None, None))
+
+    def note_step(self, optimizer) -> None:
+        """An optimizer step ended (the global hook)."""
+        seen = self._optimizers.get(optimizer)
+        if seen is None:
+            seen = self._optimizers[optimizer] = [len(self._optimizers) + 1, 0]
+        seen[1] += 1
+        own = _own_step_number(optimizer)
+        if len(self._steps) == MAX_STEPS:
+            self.lost_after = self._steps[0][STEP_FORWARD]
+        self._steps.append((
+            weakref.ref(optimizer), type(optimizer).__name__, seen[0],
+            own if own is not None else seen[1], own is None, self.forwards, self.batch,
+            tuple(_number(group.get("lr")) for group in optimizer.param_groups),
+        ))
+
+    def weights_origin(self, root_id: int, params) -> Origin:
+        """How the weights `params` (parameters; none for buffers), found non-finite in the
+        latest forward of the top-level module `root_id`, got that way."""
+        latest, _, before, finite_batch = self._roots.get(root_id, (0, None, None, None))
+        if before is None:  # its first forward since attach
+            # A step that ran before it (after the guard attached) may have written them.
+            earlier = [step for step in self._steps if step[STEP_FORWARD] < latest]
+            return Origin(ORIGIN_BEFORE_ATTACH, self._first_holding(earlier[::-1], params), None)
+        if not params:  # buffers: no optimizer writes them
+            return Origin("", None, finite_batch)
+        since = [step for step in self._steps if step[STEP_FORWARD] >= before]
+        step = self._first_holding(since, params)
+        if step is not None:
+            return Origin(ORIGIN_OPTIMIZER_STEP, step, finite_batch)
+        if self.lost_after >= before:  # steps of that time are not kept: cannot tell
+            return Origin("", None, finite_batch)
+        return Origin(ORIGIN_OUTSIDE_FORWARD, None, finite_batch)
+
+    def _first_holding(self, steps, params) -> Optional[OptimizerStep]:
+        """The first of `steps` whose optimizer holds one of `params` (or is gone), described;
+        None when none does or no parameters are given."""
+        if not params:
+            return None
+        for step in steps:
+            group = _group_holding(step, params)
+            if group is not _NOT_HELD:
+                return _described(step, group, len(self._optimizers))
+        return None
+
+
+def _group_holding(step: tuple, params):
+    """The index of the step's optimizer's parameter group holding one of `params`; None when
+    unknown (the optimizer is gone); _NOT_HELD when none does."""
+    optimizer = step[STEP_OPTIMIZER]()
+    if optimizer is None:
+        return None
+    wanted = {id(param) for param in params}
+    for index, group in enumerate(optimizer.param_groups):
+        if any(id(param) in wanted for param in group["params"]):
+            return index
+    return _NOT_HELD
+
+
+def _described(step: tuple, group: Optional[int], optimizers: int) -> OptimizerStep:
+    lrs = step[STEP_LRS]
+    lr = lrs[group] if group is not None and group < len(lrs) else (
+        lrs[0] if len(set(lrs)) == 1 else None)
+    return OptimizerStep(
+        optimizer=step[STEP_CLASS], number=step[STEP_NUMBER], counted=step[STEP_COUNTED],
+        after_batch=step[STEP_BATCH], position=step[STEP_POSITION], optimizers=optimizers,
+        param_group=group if group is not None and len(lrs) > 1 else None, lr=lr,
+    )
+
+
+def _number(value) -> Optional[float]:
+    """A learning rate as a plain number; None for a tensor (reading one could wait for the
+    device) or anything else."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _own_step_number(optimizer) -> Optional[int]:
+    """The optimizer's own count of its steps, where it keeps one on the host (Adam's "step" in
+    its state), else None. Every parameter's state counts the same steps: any one will do."""
+    state = next(iter(optimizer.state.values()), None)
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, torch.Tensor):
+        if step.device.type != "cpu" or step.numel() != 1:
+            return None  # capturable or fused: on the device, where reading it waits
+        return int(step.item())
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
