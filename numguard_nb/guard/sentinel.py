@@ -7,8 +7,9 @@ No hooks inside the model. What a step cannot hide is checked, and nothing else:
 - after each backward pass through those outputs, the gradients of every guarded parameter: one
   fused norm per device and dtype (`torch._foreach_norm`; sums on CPU, where they are faster),
   read back once, when autograd ends the pass (after the callbacks queued before it, DDP's
-  all-reduce among them), before an optimizer can apply them. Loss scaling plugs in at
-  `Sentinel._gradient_problems_are_errors`.
+  all-reduce among them), before an optimizer can apply them. Loss scaling plugs in at one
+  place, `Sentinel._loss_scaling_excuses`: the guard's own rule (`scaler.LossScaling`) lets
+  through, and records, the overflows a GradScaler skips.
 A *top-level call* is a call of a guarded model, or of one of its first callable submodules, with
 no guarded call around it: a LightningModule's training_step calls its submodules, never the
 LightningModule. Those modules get the only module hooks: a compiled model is watched through its
@@ -25,8 +26,10 @@ guard, and the report it gives is raised as full mode raises its own (`on_detect
 `NonFiniteError`), marked `found_by="re-run"`.
 
 Batches are counted as in full mode (the first model's top-level calls, or `begin_batch()`). A
-batch in `trace_batches` runs with the full hooks (`_start_batch`): the place where chosen
-batches are watched fully, as a run goes on.
+batch in `trace_batches`, or sampled for the numerics history (`history_every`), runs with the
+full hooks (`_start_batch`). The optimizer steps are watched as in full mode (`steps`), and
+lent to the re-runs' full guards, so that weights found non-finite name the step that wrote
+them.
 """
 
 from __future__ import annotations
