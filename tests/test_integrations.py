@@ -75,7 +75,7 @@ def make_trainer(tmp_path, model, callback, max_steps=4):
 
 def test_trainer_stops_at_the_module_that_produced_inf_and_removes_its_hooks(tmp_path):
     model = Classifier(blow_up_batch=BLOW_UP_BATCH)
-    callback = NumguardCallback()
+    callback = NumguardCallback(mode="full")  # the hooks throughout: a one-off inf is named
     trainer = make_trainer(tmp_path, model, callback)
 
     with pytest.raises(NonFiniteError) as raised:
@@ -148,7 +148,7 @@ def test_lightning_fit_stops_at_the_module_that_produced_inf_and_removes_its_hoo
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = LitClassifier(blow_up_batch=BLOW_UP_BATCH)
-    callback = NumguardLightningCallback()
+    callback = NumguardLightningCallback(mode="full")
     trainer = lightning.Trainer(
         max_steps=4,
         accelerator="cpu",
