@@ -51,3 +51,8 @@ PROBLEM_NAN = "nan"
 PROBLEM_POSINF = "+inf"
 PROBLEM_NEGINF = "-inf"
 PROBLEM_OVERFLOW = "overflow"  # finite, but beyond limit_dtype's largest value
+
+# ---- code outside the guarded modules (a loss in the training loop) ------------------------
+CAUSE_OUTSIDE = "outside"  # code outside the guarded modules, or an autograd node it created
+CAUSES = CAUSES + (CAUSE_OUTSIDE,)
+OUTSIDE_MODULE = "<outside>"  # the module name of that code's frames

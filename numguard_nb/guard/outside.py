@@ -1,0 +1,605 @@
+"""Watch the code that runs outside the guarded modules: the loss computed in a cell or a
+training loop, and the autograd nodes it creates.
+
+A loss such as `torch.log(model(x)).mean()` runs in no module, so module hooks never see it.
+While a guard is attached, each thread that ends a top-level call of a guarded module gets one
+`torch.overrides.TorchFunctionMode` (`_OutsideMode`, one shared by every guard) pushed on its stack,
+and loses it again when that code is over: at `.backward()`, at the next top-level call of a
+guarded module, at an optimizer step, at the first module call after a backward, at detach.
+Module internals never run under it; code between a backward and the next model call (the
+optimizer step, zero_grad, the next batch's data) is not watched: the data the model gets is
+the data rules' (`detect`).
+
+- Each torch function the loss calls (`torch.log`, `Tensor.div`, `F.cross_entropy`) that returns
+  floating-point tensors is summarised like a module call: its tensor inputs and outputs become
+  rows of a `CallRecord` named `<outside>` (in a `PassRecord` of the region). It is the culprit
+  when its outputs hold a kind of non-finite value (nan, +inf, -inf) that neither its tensor
+  inputs nor its scalar arguments held: log(0), x/0 and exp overflow are, a -inf mask made from a
+  scalar -inf (`masked_fill(mask, -inf)`, `torch.full(..., -inf)`) is not, and nan from a -inf
+  mask is. A function given inputs that are already non-finite beyond a -inf (the data's, or a
+  module's) is never blamed. Functions that only move, select or copy values are not summarised.
+- Autograd nodes such a function creates get a post-hook (node hooks live and die with their
+  graph: nothing is kept alive). In backward a node is the culprit when the gradients it gives
+  hold a kind those it received did not, provided its forward inputs were finite (else the data
+  made it); it is named with the forward line that created it.
+- On CPU every check is made at once; on a GPU the statistics stay on the device and are read at
+  the end of the region (before the backward, at the next model call, at detach) and at the end
+  of the backward.
+- The culprit's ATen op is found by running the function again on its inputs (or on meta tensors
+  of their shapes) under a recording dispatch mode, and its line is the user's, a notebook cell
+  shown as IPython does (`Cell In[5], line 3`).
+
+The mode is inert while compiling, tracing, under dispatch modes (fake tensors, FLOP counters),
+inside backward and while the guard re-runs a step itself; it is never pushed above a function
+mode of the user's that was entered after the guard attached.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.optim.optimizer as _optimizers
+from torch.overrides import TorchFunctionMode
+
+from .. import _tree
+from .._schema import (
+    BACKWARD, CAUSE_OUTSIDE, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, OUTSIDE_MODULE,
+    VALUE_NONE,
+)
+from ..errors import NonFiniteError
+from . import detect, frames
+from .hooks import inert_context, is_dynamo_compiling
+from .outside_ops import (
+    Meta, aten_ops, fallback_op, function_name, likeliest, scalar_kinds, source_of, user_where,
+)
+from .passes import (
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, FINE, SLOT_CATEGORY, BackwardPasses, CallRecord,
+    PassRecord,
+)
+
+__all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active"]
+
+# Devices whose values are checked op by op (no device to wait for); elsewhere once per region.
+IMMEDIATE_DEVICES = frozenset(("cpu",))
+# A region recording more ops than this is read back and started afresh (a bound on memory).
+MAX_REGION_OPS = 1024
+# How many nodes one function may create that get a hook (a composite makes a few).
+MAX_NODES_PER_OP = 16
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_INF_KINDS = detect.INF_KINDS
+_MASK = detect.MASK
+_stack_len = torch._C._len_torch_function_stack
+_stack_at = torch._C._get_function_stack_at
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_module_hooks = torch.nn.modules.module
+
+
+def _functions(owner, names) -> set:
+    return {getattr(owner, name) for name in names if hasattr(owner, name)}
+
+
+# Calls that end the watched code: the backward it leads to runs unwatched.
+_ENDS_REGION = _functions(torch.Tensor, ("backward",)) | {torch.autograd.backward}
+# Calls whose outputs hold only values their inputs held (views, copies, selections), or no new
+# values at all: never summarised. (`Tensor.to` and the casts are not among them: float16 has a
+# smaller range.)
+_KEEPS_VALUES = (
+    _functions(torch.Tensor, (
+        "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze",
+        "unsqueeze", "permute", "transpose", "t", "expand", "expand_as", "contiguous", "clone",
+        "detach", "detach_", "requires_grad_", "narrow", "select", "__getitem__", "__setitem__",
+        "split", "chunk", "unbind", "flip", "roll", "movedim", "repeat", "tile", "index_select",
+        "gather", "take", "masked_fill", "masked_fill_", "zero_", "fill_", "copy_", "retain_grad",
+        "register_hook", "cpu", "cuda", "pin_memory", "share_memory_", "__repr__", "__format__",
+        "numpy", "tolist", "item",
+    ))
+    | _functions(torch, (
+        "cat", "concat", "stack", "hstack", "vstack", "where", "flatten", "reshape", "squeeze",
+        "unsqueeze", "permute", "transpose", "narrow", "select", "split", "chunk", "unbind",
+        "flip", "roll", "index_select", "gather", "take", "masked_fill", "clone", "zeros_like",
+        "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+    ))
+    | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
+)
+_WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
+_inplace_names: dict = {}
+
+
+def _is_inplace(func) -> bool:
+    """Whether `func` writes into its first argument (`log_`, `__iadd__`, `add_`)."""
+    known = _inplace_names.get(func)
+    if known is None:
+        name = getattr(func, "__name__", "")
+        known = _inplace_names[func] = (name.endswith("_") and not name.endswith("__")) or (
+            name.startswith("__i") and name.endswith("__") and name != "__init__")
+    return known
+
+
+# ---- what the watch records ---------------------------------------------------------------------
+class OutsideCall(CallRecord):
+    """A torch function run outside the guarded modules (forward), or an autograd node created
+    there running in backward: a call record named `<outside>`, with what names it."""
+
+    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op")
+
+    def __init__(self, cls: str, phase: str, batch_number: int, index: int):
+        super().__init__(0, OUTSIDE_MODULE, cls, phase, batch_number, index, True)
+        self.func = None  # forward: the torch function
+        self.where: Optional[tuple] = None  # the user's line (`user_where`) that ran or made it
+        self.meta = None  # forward, read later: (args, kwargs) with `Meta`s, to name its op
+        self.received = FINE  # forward: the problem kinds of its scalar arguments
+        # forward, read later: its region until read (then `clean` is known; no cycle is left)
+        self.pass_: Optional[PassRecord] = None
+        self.clean: Optional[bool] = None  # forward: given nothing non-finite beyond a -inf mask
+        self.checked = False  # checked when recorded (its values were on the host)
+        self.op: Optional[str] = None  # its ATen op ('SqrtBackward0: aten.sqrt.default'), once named
+
+
+def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
+    """The problem kinds a recorded call was given: its slots of `category`, and its scalars."""
+    kinds = set(call.received)
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == category:
+            kinds |= detect.value_kinds(pass_, slot, None)
+    return kinds
+
+
+def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
+    """The slots of a recorded call holding a problem kind it was not given: outputs (forward)
+    or the gradients a node gives (backward). A function given non-finite values beyond a -inf
+    mask is never blamed: the data or a module made them."""
+    forward = call.phase == FORWARD
+    received = _received(pass_, call, INPUT if forward else GRAD_OUTPUT)
+    if forward and received - _MASK:
+        return []
+    made = OUTPUT if forward else GRAD_INPUT
+    bad = []
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == made:
+            new = detect.value_kinds(pass_, slot, None) - received
+            if inf_allowed:
+                new = new - _INF_KINDS
+            if new:
+                bad.append(slot)
+    return bad
+
+
+def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
+    """Note whether a read-back forward call was given finite values (a -inf mask aside)."""
+    call.clean = _received(pass_, call, INPUT) <= _MASK
+    call.pass_ = None
+
+
+class _NodeHook:
+    """The post-hook of one autograd node created outside the modules. Holds its forward call,
+    never the node (a reference to it would keep its graph alive through the hook)."""
+
+    __slots__ = ("watch", "forward", "node")
+
+    def __init__(self, watch: "OutsideWatch", forward: OutsideCall, node: str):
+        self.watch = watch
+        self.forward = forward
+        self.node = node  # 'SqrtBackward0'
+
+    def __call__(self, grad_inputs, grad_outputs):
+        self.watch.on_node(self, grad_inputs, grad_outputs)
+
+
+# ---- the mode, and each thread's place in it -----------------------------------------------------
+class _ThreadState(threading.local):
+    """Where this thread stands: the watch whose code runs (`owner`), whether its functions are
+    checked now (`active`; False: the mode may be on the stack, passing everything through), how
+    many function modes lie below ours (`base`: the user's, entered before the guard attached),
+    and the region's record."""
+
+    def __init__(self):
+        self.owner: Optional[OutsideWatch] = None
+        self.active = False
+        self.base = 0
+        self.pass_: Optional[PassRecord] = None
+        self.ops = 0  # functions recorded in the region (their call index)
+
+
+_thread = _ThreadState()
+
+
+class _OutsideMode(TorchFunctionMode):
+    """The one mode every watch shares, so that it is on a thread's stack at most once."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        state = _thread
+        watch = state.owner
+        if watch is None or not state.active or is_dynamo_compiling():
+            return func(*args, **kwargs)
+        if func in _ENDS_REGION:
+            return watch.run_backward(state, func, args, kwargs)
+        if func in _KEEPS_VALUES or type(func) is _WRAPPER or not watch.watching():
+            return func(*args, **kwargs)
+        return watch.run_function(state, func, args, kwargs)
+
+
+_MODE = _OutsideMode()
+
+
+def outside_mode_active() -> bool:
+    """Whether this thread's torch function mode stack holds the watch's mode."""
+    return any(_stack_at(i) is _MODE for i in range(_stack_len()))
+
+
+def _withdraw(state: _ThreadState) -> None:
+    """Stop checking in this thread, and take the mode off its stack where it is on top (below a
+    mode of the user's, it stays, passing everything through, until a later try)."""
+    state.active = False
+    count = _stack_len()
+    if count and _stack_at(count - 1) is _MODE:
+        _pop()
+
+
+class _PopAfterBackward:
+    """A global forward pre-hook, there from a backward to the first module call after it (in any
+    thread): takes the mode, which the backward left passing through, off that thread's stack, so
+    that a model not guarded pays nothing for it."""
+
+    def __init__(self):
+        self.handle = None
+        self.lock = threading.Lock()
+
+    def arm(self) -> None:
+        with self.lock:
+            if self.handle is None:
+                self.handle = _module_hooks.register_module_forward_pre_hook(self)
+
+    def disarm(self) -> None:
+        with self.lock:
+            handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+
+    def __call__(self, module, args):
+        self.disarm()
+        if not _thread.active:
+            _withdraw(_thread)
+
+
+_pop_after_backward = _PopAfterBackward()
+
+
+# ---- the watch ----------------------------------------------------------------------------------
+class OutsideWatch:
+    """One guard's watch over the code outside its modules. The Guard calls `start`/`stop` on
+    attach/detach, `enter_model` before a top-level call of a guarded module and `leave_model`
+    after it; the mode and the node hooks call the rest."""
+
+    def __init__(self, guard):
+        self.guard = guard
+        self.attached = False
+        self.node_handles: list = []  # node hooks (removed on stop; dead ones dropped)
+        self._kept_handles = 0  # live handles after the last pruning
+        self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
+        self.optimizer_hook = None
+        self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
+
+    # ---- lifecycle (called by the Guard) ---------------------------------------------------------
+    def start(self) -> None:
+        self.attached = True
+        self.unraised = None
+        _thread.base = _stack_len()
+        self.optimizer_hook = _optimizers.register_optimizer_step_pre_hook(
+            self._before_optimizer_step)
+
+    def stop(self) -> None:
+        """Remove the mode (in this thread), the optimizer hook and the node hooks. A culprit in
+        what was still to be read is reported (`on_detect`) and kept for `raise_found`."""
+        state = _thread
+        try:
+            if state.owner is self:
+                _withdraw(state)
+                if self.attached:
+                    self.unraised = self._settle(state, raising=False)
+        finally:
+            self.attached = False
+            if state.owner is self:
+                state.owner, state.pass_ = None, None
+            if self.optimizer_hook is not None:
+                self.optimizer_hook.remove()
+                self.optimizer_hook = None
+            _pop_after_backward.disarm()
+            for handle in self.node_handles:
+                handle.remove()
+            self.node_handles.clear()
+            self._kept_handles = 0
+            self.backward_passes.clear()
+
+    def raise_found(self, when: bool = True) -> None:
+        """Raise what `stop` found (on a `with` block's exit without an exception)."""
+        error, self.unraised = self.unraised, None
+        if error is not None and when:
+            raise error
+
+    def enter_model(self) -> None:
+        """A top-level call of a guarded module starts: the code before it is over."""
+        state = _thread
+        owner = state.owner
+        if owner is None or _current_graph_task_id() != -1:
+            return
+        checking = state.active
+        _withdraw(state)
+        if checking and owner.attached:
+            owner._settle(state)
+
+    def leave_model(self) -> None:
+        """A top-level call ended: watch the code after it, for this guard, in this thread (never
+        above a function mode the user entered since the guard attached)."""
+        if not self.attached or _current_graph_task_id() != -1:
+            return
+        state = _thread
+        previous = state.owner
+        if previous is not self:
+            checking = state.active
+            state.active = False
+            if previous is not None and checking and previous.attached:
+                previous._settle(state)
+            state.owner, state.pass_, state.ops = self, None, 0
+        if not outside_mode_active():
+            if _stack_len() != state.base:
+                return
+            _push(_MODE)
+        state.active = True
+
+    def watching(self) -> bool:
+        guard = self.guard
+        return (self.attached and not guard._paused and not guard._tracing
+                and not inert_context() and _current_graph_task_id() == -1)
+
+    def _before_optimizer_step(self, optimizer, args, kwargs):
+        if _thread.active:
+            self.enter_model()  # the step writes the weights: not the loss's code
+        return None
+
+    # ---- forward --------------------------------------------------------------------------------
+    def run_backward(self, state: _ThreadState, func, args, kwargs):
+        """`.backward()`: check what the loss made first, then run the backward unwatched."""
+        state.active = False
+        _pop_after_backward.arm()
+        self._settle(state)
+        return func(*args, **kwargs)
+
+    def run_function(self, state: _ThreadState, func, args, kwargs):
+        """Run one torch function and check its floating-point outputs."""
+        inplace = _is_inplace(func) and args and isinstance(args[0], torch.Tensor)
+        before = self._summarise_inputs(state, args, kwargs) if inplace else None
+        out = func(*args, **kwargs)
+        if type(out) in _PLAIN:
+            if not out.is_floating_point():
+                return out
+        elif not isinstance(out, (tuple, list)):
+            return out
+        culprit = self._record(state, func, args, kwargs, out, before)
+        if culprit is not None:
+            self._raise(*culprit)
+        return out
+
+    def _region(self, state: _ThreadState) -> PassRecord:
+        pass_ = state.pass_
+        if pass_ is None or len(pass_.calls) >= MAX_REGION_OPS:
+            if pass_ is not None:
+                self._settle(state)
+            pass_ = state.pass_ = PassRecord()
+        return pass_
+
+    def _summarise_inputs(self, state: _ThreadState, args, kwargs) -> tuple:
+        """(input slots, scalar kinds, the inputs' autograd nodes) of a function's arguments;
+        no slots: no floating-point tensor among them."""
+        pass_ = self._region(state)
+        slots, scalars, nodes = [], set(), []
+        for role, value in _tree.named_leaves((args, kwargs), "input"):
+            if isinstance(value, torch.Tensor):
+                if value.is_floating_point():
+                    slots.append(self._slot(pass_, value, _input_role(role), INPUT))
+                    if value.grad_fn is not None:
+                        nodes.append(value.grad_fn)
+            elif type(value) is float:
+                scalars |= scalar_kinds(value)
+        return slots, frozenset(scalars), nodes
+
+    def _slot(self, pass_: PassRecord, t: torch.Tensor, role: str, category: str) -> tuple:
+        entry = pass_.summarise(t, None, False, None)
+        return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX],
+                next(pass_.seq))
+
+    def _record(self, state: _ThreadState, func, args, kwargs, out, before):
+        """Record one function call; where its values are on the host, its culprit or None."""
+        try:
+            outputs = [t for t in _tree.tensors(out) if t.is_floating_point()]
+            if not outputs:
+                return None
+            slots, scalars, nodes = before or self._summarise_inputs(state, args, kwargs)
+            if not slots:  # made from scalars and shapes: a constant, a mask, a random draw
+                return None
+            pass_ = self._region(state)
+            call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
+            state.ops += 1
+            call.func, call.received, call.where = func, scalars, user_where()
+            call.slots = list(slots)
+            single = len(outputs) == 1 and type(out) in _PLAIN
+            for index, t in enumerate(outputs):
+                role = "output" if single else f"output[{index}]"
+                call.slots.append(self._slot(pass_, t, role, OUTPUT))
+            call.seq = next(pass_.seq)
+            pass_.calls.append(call)
+            call.checked = self._immediate(outputs)
+            if call.checked:
+                pass_.read_back()
+                _learn_clean(pass_, call)
+            else:
+                call.pass_ = pass_
+                call.meta = _tree.rebuild((args, kwargs), lambda t, _: Meta(t))
+            if self.guard._watch_backward and torch.is_grad_enabled():
+                self._hook_nodes(call, outputs, nodes)
+            bad = _made_new(pass_, call, self._inf_allowed()) if call.checked else []
+            if not bad:
+                return None
+            ops, first = aten_ops(func, args, kwargs, on_values=before is None)
+            call.op = first or likeliest(ops) or fallback_op(func)
+            return pass_, call, bad
+        except Exception:  # never break the user's loss over the watch's own trouble
+            return None
+
+    def _immediate(self, tensors) -> bool:
+        return self.guard._sync or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
+
+    def _inf_allowed(self) -> bool:
+        return self.guard.options.inf_allowed(OUTSIDE_MODULE)
+
+    def _batch(self) -> int:
+        return self.guard._threads.state.batch_number
+
+    def _settle(self, state: _ThreadState, raising: bool = True):
+        """Read the region's statistics back (one transfer on a GPU) and check what was not
+        checked yet; the first culprit is raised (or, without `raising`, reported and returned).
+        The next function starts a new region."""
+        pass_, state.pass_ = state.pass_, None
+        if pass_ is None:
+            return None
+        pass_.read_back()
+        inf_allowed, culprit = self._inf_allowed(), None
+        for call in pass_.calls:
+            if call.checked:
+                continue
+            _learn_clean(pass_, call)
+            bad = _made_new(pass_, call, inf_allowed) if culprit is None else []
+            if bad:
+                ops, _ = aten_ops(call.func, *call.meta, on_values=False)
+                call.op = likeliest(ops) or fallback_op(call.func)
+                culprit = (pass_, call, bad)
+        if culprit is not None:
+            return self._raise(*culprit, raising=raising)
+        pass_.release()
+        return None
+
+    # ---- backward -------------------------------------------------------------------------------
+    def _hook_nodes(self, call: OutsideCall, outputs, input_nodes) -> None:
+        """Put a post-hook on each autograd node the function created: those reached from its
+        outputs' nodes before its inputs' nodes (`input_nodes`, taken before it ran)."""
+        stop = {id(node) for node in input_nodes}  # alive while `input_nodes` holds them
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        found: list = []
+        while todo and len(found) < MAX_NODES_PER_OP:
+            node = todo.pop()
+            if id(node) in stop or type(node).__name__ == "AccumulateGrad" \
+                    or any(node is other for other in found):
+                continue
+            found.append(node)
+            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+        for node in found:
+            self.node_handles.append(node.register_hook(_NodeHook(self, call, node.name())))
+        if len(self.node_handles) > 2 * self._kept_handles + 64:  # bounded over long runs
+            self.node_handles[:] = [h for h in self.node_handles if h.hooks_dict_ref() is not None]
+            self._kept_handles = len(self.node_handles)
+
+    def on_node(self, hook: _NodeHook, grad_inputs, grad_outputs) -> None:
+        """A watched node ran in backward: record what it received and gave, and check it where
+        its gradients are on the host."""
+        if not self.attached or self.guard._paused or is_dynamo_compiling():
+            return
+        culprit = None
+        try:
+            task = _current_graph_task_id()
+            pass_ = self.backward_passes.get(task)
+            if pass_ is None:
+                if len(self.backward_passes) > BackwardPasses.MAX_OPEN:
+                    self.backward_passes.clear()  # passes a culprit or an error ended early
+                pass_ = self.backward_passes[task] = PassRecord()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    partial(self._end_backward, task))
+            forward = hook.forward
+            call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
+            call.forward, call.where = forward, forward.where
+            grads = []
+            for category, role, values in ((GRAD_OUTPUT, "grad_output", grad_outputs),
+                                           (GRAD_INPUT, "grad_input", grad_inputs)):
+                for index, grad in enumerate(values):
+                    name = role if len(values) == 1 else f"{role}[{index}]"
+                    if isinstance(grad, torch.Tensor) and grad.is_floating_point():
+                        call.slots.append(self._slot(pass_, grad, name, category))
+                        grads.append(grad)
+                    else:
+                        call.slots.append((name, category, VALUE_NONE, None, None, None,
+                                           next(pass_.seq)))
+            call.seq = next(pass_.seq)
+            pass_.calls.append(call)
+            call.checked = not grads or self._immediate(grads)
+            if grads and call.checked:
+                culprit = self._node_culprit(pass_, call)
+        except Exception:  # never break the user's backward over the watch's own trouble
+            return
+        if culprit is not None:
+            self.backward_passes.pop(_current_graph_task_id(), None)
+            self._raise(*culprit)
+
+    def _node_culprit(self, pass_: PassRecord, call: OutsideCall):
+        """(pass, call, bad slots) when a node gave a problem kind it was not given, and the
+        function that created it was given finite values; else None."""
+        pass_.read_back()
+        bad = _made_new(pass_, call, self._inf_allowed())
+        forward = call.forward
+        if not bad:
+            return None
+        if forward.clean is None and forward.pass_ is not None:
+            forward.pass_.read_back()
+            _learn_clean(forward.pass_, forward)
+        if not forward.clean:
+            return None
+        if forward.op is None:
+            ops = aten_ops(forward.func, *forward.meta, on_values=False)[0] if forward.meta \
+                else []
+            forward.op = likeliest(ops, call.module_class) or fallback_op(forward.func)
+        call.op = f"{call.module_class}: {forward.op}"
+        return pass_, call, bad
+
+    def _end_backward(self, task) -> None:
+        """The end of a backward that ran watched nodes: check those not checked yet."""
+        pass_ = self.backward_passes.pop(task, None)
+        if pass_ is None or not self.attached:
+            return
+        for call in pass_.calls:
+            culprit = None if call.checked else self._node_culprit(pass_, call)
+            if culprit is not None:
+                self._raise(*culprit)
+        pass_.release()
+
+    # ---- the report ------------------------------------------------------------------------------
+    def _raise(self, pass_: PassRecord, call: OutsideCall, bad, raising: bool = True):
+        """Build the report of an outside culprit, keep it on the guard and raise it (or, without
+        `raising`, report it and return the error to raise)."""
+        guard, options = self.guard, self.guard.options
+        culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad})
+        culprit.op = call.op
+        culprit.source = source_of(call.where)
+        report = frames.detection_report(
+            pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard._recent.frames(options),
+            options, call.batch_number)
+        guard.detection = report
+        pass_.release()
+        error = options.on_detect(report) if options.on_detect is not None else None
+        error = error if isinstance(error, BaseException) else NonFiniteError(report)
+        if raising:
+            raise error
+        return error
+
+
+def _input_role(role: str) -> str:
+    """'input[1]' for args[1] ('input[0]' is the args tuple) and 'input[name]' for a keyword."""
+    for prefix in ("input[0]", "input[1]"):
+        if role.startswith(prefix):
+            return "input" + role[len(prefix):]
+    return role
