@@ -76,11 +76,9 @@ def test_log_of_zero_or_of_a_negative_value_in_the_loss_is_named_with_its_op_and
     assert row.role == "output" and getattr(row, kind)
     assert "code outside the guarded modules produced a non-finite value" in report.reason
     assert "torch.log(p.clamp_min(1e-7))" in report.hint and "BCEWithLogitsLoss" in report.hint
-    # the model's frames, then the loss's functions, lead up to it
-    assert [f.module_name for f in report.frames][-5:] == ["2", "", OUTSIDE_MODULE,
-                                                            OUTSIDE_MODULE, OUTSIDE_MODULE]
-    assert [f.module_class for f in report.frames][-3:] == ["Tensor.mul", "Tensor.add",
-                                                            "torch.log"]
+    # the model's frames lead up to it (and, read once per region, the loss's functions)
+    names = [f.module_name for f in report.frames if f.module_name != OUTSIDE_MODULE]
+    assert names[-3:] == ["1", "2", ""] and report.frames[-1] is culprit
 
 
 def test_division_by_a_zero_sum_in_the_loss_names_the_division(reading):

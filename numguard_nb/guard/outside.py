@@ -36,6 +36,7 @@ mode of the user's that was entered after the guard attached.
 
 from __future__ import annotations
 
+import math
 import threading
 import types
 from functools import partial
@@ -54,7 +55,8 @@ from ..errors import NonFiniteError
 from . import detect, frames
 from .hooks import inert_context, is_dynamo_compiling
 from .outside_ops import (
-    Meta, aten_ops, fallback_op, function_name, likeliest, scalar_kinds, source_of, user_where,
+    Meta, aten_ops, fallback_op, function_name, likeliest, node_op, scalar_kinds, source_of,
+    user_where,
 )
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, FINE, SLOT_CATEGORY, BackwardPasses, CallRecord,
@@ -71,6 +73,9 @@ MAX_REGION_OPS = 1024
 MAX_NODES_PER_OP = 16
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_HALF = (torch.float16, torch.bfloat16)  # summed in float32: their own sums overflow early
+_set_grad_enabled = torch._C._set_grad_enabled
+_next_node_number = torch._C._autograd._get_sequence_nr
 _INF_KINDS = detect.INF_KINDS
 _MASK = detect.MASK
 _stack_len = torch._C._len_torch_function_stack
@@ -106,6 +111,7 @@ _KEEPS_VALUES = (
         "flip", "roll", "index_select", "gather", "take", "masked_fill", "clone", "zeros_like",
         "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
     ))
+    | _functions(torch, ("_foreach_zero_",))
     | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
 )
 _WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
@@ -137,7 +143,7 @@ class OutsideCall(CallRecord):
         self.received = FINE  # forward: the problem kinds of its scalar arguments
         # forward, read later: its region until read (then `clean` is known; no cycle is left)
         self.pass_: Optional[PassRecord] = None
-        self.clean: Optional[bool] = None  # forward: given nothing non-finite beyond a -inf mask
+        self.clean: Optional[bool] = None  # forward: gave nothing non-finite beyond a -inf mask
         self.checked = False  # checked when recorded (its values were on the host)
         self.op: Optional[str] = None  # its ATen op ('SqrtBackward0: aten.sqrt.default'), once named
 
@@ -172,9 +178,34 @@ def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
 
 
 def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
-    """Note whether a read-back forward call was given finite values (a -inf mask aside)."""
-    call.clean = _received(pass_, call, INPUT) <= _MASK
+    """Note whether a read-back forward call gave finite values (a -inf mask aside): only then
+    are the gradients of the nodes it made the nodes' own doing (else a non-finite value it
+    was given, and passed on, makes them)."""
+    made = set()
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == OUTPUT:
+            made |= detect.value_kinds(pass_, slot, None)
+    call.clean = made <= _MASK
     call.pass_ = None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether a tensor on the host holds only finite values, from its sum (an inf or nan in it
+    makes the sum non-finite; a sum that overflows only sends the value to the full check)."""
+    if not t.numel():
+        return True
+    grad_was_enabled = torch.is_grad_enabled()
+    if grad_was_enabled:
+        _set_grad_enabled(False)
+    try:
+        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+        return math.isfinite(total.item())
+    finally:
+        if grad_was_enabled:
+            _set_grad_enabled(True)
+
+
+
 
 
 class _NodeHook:
@@ -375,20 +406,58 @@ class OutsideWatch:
 
     def run_function(self, state: _ThreadState, func, args, kwargs):
         """Run one torch function and check its floating-point outputs."""
-        inplace = _is_inplace(func) and args and isinstance(args[0], torch.Tensor)
-        before = self._summarise_inputs(state, args, kwargs) if inplace else None
+        before = None
+        if _is_inplace(func) and args and type(args[0]) in _PLAIN and args[0].is_floating_point():
+            before = self._before_inplace(state, args, kwargs)
+        first_node = _next_node_number()  # the nodes it makes are numbered from here
         out = func(*args, **kwargs)
         if type(out) in _PLAIN:
             if not out.is_floating_point():
                 return out
-        elif not isinstance(out, (tuple, list)):
+        elif not isinstance(out, (tuple, list)) or type(out) is torch.Size:
             return out
-        culprit = self._record(state, func, args, kwargs, out, before)
+        culprit = self._check(state, func, args, kwargs, out, before, first_node)
         if culprit is not None:
             self._raise(*culprit)
         return out
 
+    def _before_inplace(self, state: _ThreadState, args, kwargs):
+        """What a function writing into its first argument must know before it runs: its input
+        slots where that argument is already non-finite; () where it is finite (it held
+        nothing the function could have been given)."""
+        if _finite(args[0]):
+            return ()
+        return self._summarise_inputs(self._region(state), args, kwargs)
+
+    def _check(self, state: _ThreadState, func, args, kwargs, out, before, first_node: int):
+        """Check one function's outputs; where they are on the host, its culprit or None. A
+        finite result (the common case) costs a sum per output and, for a function autograd
+        records, a hook per node it made; anything else is recorded in full."""
+        try:
+            outputs = [t for t in _tree.tensors(out) if t.is_floating_point()]
+            if not outputs:
+                return None
+            immediate = self._immediate(outputs)
+            if immediate and all(_finite(t) for t in outputs):
+                if self._records_graph(outputs):
+                    call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
+                    call.func, call.where, call.clean = func, user_where(), True
+                    self._hook_nodes(call, outputs, first_node)
+                state.ops += 1
+                return None
+            return self._record(state, func, args, kwargs, out, outputs, before, immediate,
+                                first_node)
+        except NonFiniteError:
+            raise
+        except Exception:  # never break the user's loss over the watch's own trouble
+            return None
+
+    def _records_graph(self, outputs) -> bool:
+        return self.guard._watch_backward and torch.is_grad_enabled() and any(
+            t.grad_fn is not None for t in outputs)
+
     def _region(self, state: _ThreadState) -> PassRecord:
+        """The region's record (a region grown past MAX_REGION_OPS is checked and dropped)."""
         pass_ = state.pass_
         if pass_ is None or len(pass_.calls) >= MAX_REGION_OPS:
             if pass_ is not None:
@@ -396,63 +465,59 @@ class OutsideWatch:
             pass_ = state.pass_ = PassRecord()
         return pass_
 
-    def _summarise_inputs(self, state: _ThreadState, args, kwargs) -> tuple:
-        """(input slots, scalar kinds, the inputs' autograd nodes) of a function's arguments;
-        no slots: no floating-point tensor among them."""
-        pass_ = self._region(state)
-        slots, scalars, nodes = [], set(), []
+    def _summarise_inputs(self, pass_: PassRecord, args, kwargs, skip_first: bool = False):
+        """(input slots, scalar kinds) of a function's arguments (without its first, written
+        in place, with `skip_first`); no slots: no floating-point tensor among them."""
+        slots, scalars = [], set()
         for role, value in _tree.named_leaves((args, kwargs), "input"):
             if isinstance(value, torch.Tensor):
-                if value.is_floating_point():
+                if value.is_floating_point() and not (skip_first and value is args[0]):
                     slots.append(self._slot(pass_, value, _input_role(role), INPUT))
-                    if value.grad_fn is not None:
-                        nodes.append(value.grad_fn)
             elif type(value) is float:
                 scalars |= scalar_kinds(value)
-        return slots, frozenset(scalars), nodes
+        return slots, frozenset(scalars)
 
     def _slot(self, pass_: PassRecord, t: torch.Tensor, role: str, category: str) -> tuple:
         entry = pass_.summarise(t, None, False, None)
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX],
                 next(pass_.seq))
 
-    def _record(self, state: _ThreadState, func, args, kwargs, out, before):
-        """Record one function call; where its values are on the host, its culprit or None."""
-        try:
-            outputs = [t for t in _tree.tensors(out) if t.is_floating_point()]
-            if not outputs:
+    def _record(self, state: _ThreadState, func, args, kwargs, out, outputs, before,
+                immediate: bool, first_node: int):
+        """Record one function call in full (inputs and outputs summarised); where its values
+        are on the host, return its culprit or None."""
+        pass_ = self._region(state)
+        if before:
+            slots, scalars = before
+        else:  # a first argument written in place held only finite values: not summarised
+            slots, scalars = self._summarise_inputs(pass_, args, kwargs, before is not None)
+            if not slots and before is None:  # made from scalars and shapes: a constant, a mask
                 return None
-            slots, scalars, nodes = before or self._summarise_inputs(state, args, kwargs)
-            if not slots:  # made from scalars and shapes: a constant, a mask, a random draw
-                return None
-            pass_ = self._region(state)
-            call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
-            state.ops += 1
-            call.func, call.received, call.where = func, scalars, user_where()
-            call.slots = list(slots)
-            single = len(outputs) == 1 and type(out) in _PLAIN
-            for index, t in enumerate(outputs):
-                role = "output" if single else f"output[{index}]"
-                call.slots.append(self._slot(pass_, t, role, OUTPUT))
-            call.seq = next(pass_.seq)
-            pass_.calls.append(call)
-            call.checked = self._immediate(outputs)
-            if call.checked:
-                pass_.read_back()
-                _learn_clean(pass_, call)
-            else:
-                call.pass_ = pass_
-                call.meta = _tree.rebuild((args, kwargs), lambda t, _: Meta(t))
-            if self.guard._watch_backward and torch.is_grad_enabled():
-                self._hook_nodes(call, outputs, nodes)
-            bad = _made_new(pass_, call, self._inf_allowed()) if call.checked else []
-            if not bad:
-                return None
-            ops, first = aten_ops(func, args, kwargs, on_values=before is None)
-            call.op = first or likeliest(ops) or fallback_op(func)
-            return pass_, call, bad
-        except Exception:  # never break the user's loss over the watch's own trouble
+        call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
+        state.ops += 1
+        call.func, call.received, call.where = func, scalars, user_where()
+        call.slots = list(slots)
+        single = len(outputs) == 1 and type(out) in _PLAIN
+        for index, t in enumerate(outputs):
+            call.slots.append(self._slot(pass_, t, "output" if single else f"output[{index}]",
+                                         OUTPUT))
+        call.seq = next(pass_.seq)
+        pass_.calls.append(call)
+        call.checked = immediate
+        call.meta = _tree.rebuild((args, kwargs), lambda t, _: Meta(t))
+        if immediate:
+            pass_.read_back()
+            _learn_clean(pass_, call)
+        else:
+            call.pass_ = pass_
+        if call.clean is not False and self._records_graph(outputs):
+            self._hook_nodes(call, outputs, first_node)
+        bad = _made_new(pass_, call, self._inf_allowed()) if immediate else []
+        if not bad:
             return None
+        ops, first = aten_ops(func, args, kwargs, on_values=before is None)
+        call.op = first or likeliest(ops) or fallback_op(func)
+        return pass_, call, bad
 
     def _immediate(self, tensors) -> bool:
         return self.guard._sync or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
@@ -487,15 +552,15 @@ class OutsideWatch:
         return None
 
     # ---- backward -------------------------------------------------------------------------------
-    def _hook_nodes(self, call: OutsideCall, outputs, input_nodes) -> None:
+    def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:
         """Put a post-hook on each autograd node the function created: those reached from its
-        outputs' nodes before its inputs' nodes (`input_nodes`, taken before it ran)."""
-        stop = {id(node) for node in input_nodes}  # alive while `input_nodes` holds them
+        outputs' nodes numbered from `first_node` on (this thread's numbering, taken before it
+        ran; its inputs' nodes come before)."""
         todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
         found: list = []
         while todo and len(found) < MAX_NODES_PER_OP:
             node = todo.pop()
-            if id(node) in stop or type(node).__name__ == "AccumulateGrad" \
+            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < first_node \
                     or any(node is other for other in found):
                 continue
             found.append(node)
@@ -507,12 +572,18 @@ class OutsideWatch:
             self._kept_handles = len(self.node_handles)
 
     def on_node(self, hook: _NodeHook, grad_inputs, grad_outputs) -> None:
-        """A watched node ran in backward: record what it received and gave, and check it where
-        its gradients are on the host."""
-        if not self.attached or self.guard._paused or is_dynamo_compiling():
+        """A watched node ran in backward: where the gradients it gives are on the host and
+        finite, nothing more; else record what it received and gave, and check it (at once on
+        the host, at the end of the backward on a device)."""
+        forward = hook.forward
+        if not self.attached or self.guard._paused or forward.clean is False \
+                or is_dynamo_compiling():
             return
         culprit = None
         try:
+            given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
+            if given and self._immediate(given) and all(_finite(g) for g in given):
+                return  # the common case: finite gradients, nothing recorded
             task = _current_graph_task_id()
             pass_ = self.backward_passes.get(task)
             if pass_ is None:
@@ -521,7 +592,6 @@ class OutsideWatch:
                 pass_ = self.backward_passes[task] = PassRecord()
                 torch.autograd.Variable._execution_engine.queue_callback(
                     partial(self._end_backward, task))
-            forward = hook.forward
             call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
             call.forward, call.where = forward, forward.where
             grads = []
@@ -562,7 +632,8 @@ class OutsideWatch:
         if forward.op is None:
             ops = aten_ops(forward.func, *forward.meta, on_values=False)[0] if forward.meta \
                 else []
-            forward.op = likeliest(ops, call.module_class) or fallback_op(forward.func)
+            forward.op = likeliest(ops, call.module_class) or node_op(call.module_class,
+                                                                     forward.func)
         call.op = f"{call.module_class}: {forward.op}"
         return pass_, call, bad
 

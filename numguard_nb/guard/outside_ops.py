@@ -26,7 +26,7 @@ from .._util import user_frame
 from .passes import FINE
 
 __all__ = ["function_name", "user_where", "source_of", "scalar_kinds", "Meta", "aten_ops",
-           "likeliest", "fallback_op"]
+           "likeliest", "fallback_op", "node_op"]
 
 _NAN = frozenset((PROBLEM_NAN,))
 _POSINF = frozenset((PROBLEM_POSINF,))
@@ -34,6 +34,16 @@ _NEGINF = frozenset((PROBLEM_NEGINF,))
 
 def function_name(func) -> str:
     """'torch.log', 'Tensor.div', 'torch.nn.functional.cross_entropy'."""
+    known = _names.get(func)
+    if known is None:
+        known = _names[func] = _name_of(func)
+    return known
+
+
+_names: dict = {}
+
+
+def _name_of(func) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     name = name.replace("_VariableFunctionsClass.", "torch.").replace("TensorBase.", "Tensor.")
     module = getattr(func, "__module__", None)
@@ -144,7 +154,7 @@ def likeliest(ops: list, node: str = "") -> Optional[str]:
     if not ops:
         return None
     if node:
-        wanted = re.sub(r"(?<!^)(?=[A-Z])", "_", re.sub(r"Backward\d*$", "", node)).lower()
+        wanted = _node_base(node)
         named = [op for op in ops if _base(op) == wanted]
         if named:
             return named[0]
@@ -155,17 +165,42 @@ def likeliest(ops: list, node: str = "") -> Optional[str]:
     return ops[-1]
 
 
-def fallback_op(func) -> str:
-    """'aten.log.default' from the function's name, where no replay could run."""
-    name = getattr(func, "__name__", "") or function_name(func)
-    packet = getattr(torch.ops.aten, name, None)
+def _node_base(node: str) -> str:
+    """'SqrtBackward0' -> 'sqrt', 'LogSoftmaxBackward0' -> 'log_softmax'."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", re.sub(r"Backward\d*$", "", node)).lower()
+
+
+def _aten_name(name: str) -> Optional[str]:
+    """'aten.log.default', 'aten.div.Tensor' (the overload a Python number takes too), or
+    'aten.pow' where the overload is not known; None for a name that is no ATen op."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
     try:
         overloads = packet.overloads() if packet is not None else []
     except Exception:
         overloads = []
     if not overloads:
-        return function_name(func)
-    return f"aten.{name}.{'default' if 'default' in overloads else overloads[0]}"
+        return None
+    for overload in ("default", "Tensor"):
+        if overload in overloads:
+            return f"aten.{name}.{overload}"
+    return f"aten.{name}"
+
+
+def fallback_op(func) -> str:
+    """The ATen op of the function's name ('aten.log.default'), where no replay could run;
+    else the function's own name."""
+    name = getattr(func, "__name__", "") or ""
+    return _aten_name(name.rstrip("_")) or function_name(func)
+
+
+def node_op(node: str, func) -> str:
+    """The forward ATen op behind an autograd node that `func` made ('SqrtBackward0',
+    `Tensor.sqrt` -> 'aten.sqrt.default'), from their names."""
+    op = fallback_op(func)
+    wanted = _node_base(node)
+    if _base(op) == wanted:
+        return op
+    return _aten_name(wanted) or op
 
 
 class Meta:
