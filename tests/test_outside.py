@@ -86,7 +86,7 @@ def test_division_by_a_zero_sum_in_the_loss_names_the_division(reading):
     with pytest.raises(NonFiniteError) as caught, Guard(model):
         out = model(torch.randn(3, 4))
         mask = torch.zeros(3, 1)
-        loss = (out * mask).sum() / mask.sum()  # a masked mean over no element: 0/0
+        (out * mask).sum() / mask.sum()  # a masked mean over no element: 0/0
     culprit = caught.value.report.first_nonfinite
     assert culprit.op == "aten.div.Tensor" and culprit.module_class == "Tensor.div"
     assert culprit.flagged_rows[0].nan
@@ -319,7 +319,7 @@ def test_each_thread_has_its_own_watch_and_gets_its_own_error():
         try:
             for _ in range(20):
                 out = model(torch.randn(3, 4))
-                loss = torch.log(out * 0 + value).mean()
+                torch.log(out * 0 + value).mean()
             results[name] = ("ok", outside.outside_mode_active())
         except NonFiniteError as error:
             results[name] = ("error", error.report.first_nonfinite.op)
@@ -406,7 +406,7 @@ def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatc
     monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())
     model = mlp()
     with pytest.raises(NonFiniteError) as caught, Guard(model) as guard:
-        loss = torch.log(model(torch.randn(3, 4)) * 0).mean()  # read at the end only
+        torch.log(model(torch.randn(3, 4)) * 0).mean()  # read at the end only
     assert caught.value.report is guard.detection
     assert caught.value.report.first_nonfinite.op == "aten.log.default"
     assert function_stack() == []

@@ -205,9 +205,6 @@ def _finite(t: torch.Tensor) -> bool:
             _set_grad_enabled(True)
 
 
-
-
-
 class _NodeHook:
     """The post-hook of one autograd node created outside the modules. Holds its forward call,
     never the node (a reference to it would keep its graph alive through the hook)."""
@@ -357,14 +354,14 @@ class OutsideWatch:
             raise error
 
     def enter_model(self) -> None:
-        """A top-level call of a guarded module starts: the code before it is over."""
+        """A top-level call of a guarded module (or an optimizer step) starts: the code before
+        it is over. What it made is checked, and the mode leaves this thread's stack."""
+        if _current_graph_task_id() != -1:
+            return  # a forward re-run inside backward (activation checkpointing)
         state = _thread
-        owner = state.owner
-        if owner is None or _current_graph_task_id() != -1:
-            return
-        checking = state.active
+        checking, owner = state.active, state.owner
         _withdraw(state)
-        if checking and owner.attached:
+        if checking and owner is not None:
             owner._settle(state)
 
     def leave_model(self) -> None:
@@ -377,9 +374,10 @@ class OutsideWatch:
         if previous is not self:
             checking = state.active
             state.active = False
-            if previous is not None and checking and previous.attached:
+            if previous is not None and checking:
                 previous._settle(state)
-            state.owner, state.pass_, state.ops = self, None, 0
+            state.owner, state.pass_ = self, None
+        state.ops = 0
         if not outside_mode_active():
             if _stack_len() != state.base:
                 return
@@ -392,8 +390,7 @@ class OutsideWatch:
                 and not inert_context() and _current_graph_task_id() == -1)
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
-        if _thread.active:
-            self.enter_model()  # the step writes the weights: not the loss's code
+        self.enter_model()  # the step writes the weights: not the loss's code
         return None
 
     # ---- forward --------------------------------------------------------------------------------
@@ -445,11 +442,13 @@ class OutsideWatch:
                     self._hook_nodes(call, outputs, first_node)
                 state.ops += 1
                 return None
-            return self._record(state, func, args, kwargs, out, outputs, before, immediate,
-                                first_node)
-        except NonFiniteError:
-            raise
         except Exception:  # never break the user's loss over the watch's own trouble
+            return None
+        pass_ = self._region(state)  # (a region grown too long is checked here: it may raise)
+        try:
+            return self._record(state, pass_, func, args, kwargs, out, outputs, before,
+                                immediate, first_node)
+        except Exception:
             return None
 
     def _records_graph(self, outputs) -> bool:
@@ -482,11 +481,10 @@ class OutsideWatch:
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX],
                 next(pass_.seq))
 
-    def _record(self, state: _ThreadState, func, args, kwargs, out, outputs, before,
-                immediate: bool, first_node: int):
+    def _record(self, state: _ThreadState, pass_: PassRecord, func, args, kwargs, out, outputs,
+                before, immediate: bool, first_node: int):
         """Record one function call in full (inputs and outputs summarised); where its values
         are on the host, return its culprit or None."""
-        pass_ = self._region(state)
         if before:
             slots, scalars = before
         else:  # a first argument written in place held only finite values: not summarised
@@ -533,7 +531,7 @@ class OutsideWatch:
         checked yet; the first culprit is raised (or, without `raising`, reported and returned).
         The next function starts a new region."""
         pass_, state.pass_ = state.pass_, None
-        if pass_ is None:
+        if pass_ is None or not self.attached:
             return None
         pass_.read_back()
         inf_allowed, culprit = self._inf_allowed(), None
@@ -582,7 +580,7 @@ class OutsideWatch:
         culprit = None
         try:
             given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
-            if given and self._immediate(given) and all(_finite(g) for g in given):
+            if not given or (self._immediate(given) and all(_finite(g) for g in given)):
                 return  # the common case: finite gradients, nothing recorded
             task = _current_graph_task_id()
             pass_ = self.backward_passes.get(task)
@@ -607,8 +605,8 @@ class OutsideWatch:
                                            next(pass_.seq)))
             call.seq = next(pass_.seq)
             pass_.calls.append(call)
-            call.checked = not grads or self._immediate(grads)
-            if grads and call.checked:
+            call.checked = self._immediate(grads)
+            if call.checked:
                 culprit = self._node_culprit(pass_, call)
         except Exception:  # never break the user's backward over the watch's own trouble
             return
@@ -642,10 +640,14 @@ class OutsideWatch:
         pass_ = self.backward_passes.pop(task, None)
         if pass_ is None or not self.attached:
             return
-        for call in pass_.calls:
-            culprit = None if call.checked else self._node_culprit(pass_, call)
-            if culprit is not None:
-                self._raise(*culprit)
+        culprit = None
+        try:
+            for call in pass_.calls:
+                culprit = culprit or (None if call.checked else self._node_culprit(pass_, call))
+        except Exception:  # never break the user's backward over the watch's own trouble
+            culprit = None
+        if culprit is not None:
+            self._raise(*culprit)
         pass_.release()
 
     # ---- the report ------------------------------------------------------------------------------
