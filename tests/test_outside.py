@@ -193,11 +193,14 @@ def test_a_fully_masked_row_makes_nan_and_that_is_named(reading):
     assert culprit.op == "aten._softmax.default" and culprit.flagged_rows[0].nan
 
 
-def test_non_finite_data_given_to_the_loss_is_not_blamed_on_the_loss_code(reading):
+@pytest.mark.parametrize("bad", [float("nan"), INF])
+def test_non_finite_data_given_to_the_loss_is_not_blamed_on_the_loss_code(reading, bad):
     model = mlp()
-    y = torch.tensor([[1.0], [float("nan")], [0.0]])  # a target that is already nan
+    y = torch.tensor([[1.0], [bad], [0.0]])  # a target that is already non-finite
     with pytest.raises(NonFiniteError) as caught, Guard(model):
-        loss = F.mse_loss(model(torch.randn(3, 4)), y)
+        out = model(torch.randn(3, 4))
+        scaled = y / y.abs().max()  # inf / inf is nan: new, but made from the data's inf
+        loss = F.mse_loss(out, scaled)
         loss.backward()
     assert caught.value.report.cause == "loss-gradient"
 
@@ -211,14 +214,17 @@ def test_allow_inf_for_outside_lets_the_code_make_inf():
 
 
 def test_a_healthy_training_loop_with_an_optimizer_does_not_raise_over_50_steps(reading):
-    model = mlp()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x, y = torch.randn(16, 4), torch.randint(0, 2, (16, 1)).float()
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    banned = torch.full((3,), 0.0)
+    banned[2] = float("-inf")  # class 2 is never a label: an additive mask
     with Guard(model):
         for _ in range(50):
-            p = torch.sigmoid(model(x)).clamp(1e-6, 1 - 1e-6)
-            loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
-            loss = loss + 1e-4 * sum(w.pow(2).sum() for w in model.parameters())
+            logits = model(x) + banned
+            loss = F.cross_entropy(logits, y)
+            loss += 1e-4 * sum(w.pow(2).sum() for w in model.parameters())
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -228,11 +234,13 @@ def test_a_healthy_training_loop_with_an_optimizer_does_not_raise_over_50_steps(
 
 def test_an_optimizer_step_is_not_watched_its_weights_are_named_at_the_next_call():
     model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=float("inf"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=float("inf"), foreach=False)
+    x = torch.randn(3, 4)
     with pytest.raises(NonFiniteError) as caught, Guard(model):
-        for _ in range(2):
-            model(torch.randn(3, 4)).pow(2).mean().backward()
-            optimizer.step()  # writes inf into the weights
+        model(x).pow(2).mean().backward()
+        model(x)  # the code after this call is watched ...
+        optimizer.step()  # ... but not the step, which writes inf into the weights
+        model(x)
     assert caught.value.report.cause == "weights"
 
 
@@ -325,12 +333,18 @@ def test_each_thread_has_its_own_watch_and_gets_its_own_error():
             results[name] = ("error", error.report.first_nonfinite.op)
 
     with Guard(model):
+        out = model(torch.randn(3, 4))  # this thread's loss code is watched from here ...
         threads = [threading.Thread(target=worker, args=("good", 1.0)),
                    threading.Thread(target=worker, args=("bad", 0.0))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        last = threading.Thread(target=lambda: model(torch.randn(3, 4)).sum().backward())
+        last.start()  # its backward ends the code watched in that thread only
+        last.join()
+        with pytest.raises(NonFiniteError):  # ... whatever the other threads did meanwhile
+            torch.log(out * 0)
     assert results["good"] == ("ok", True)
     assert results["bad"] == ("error", "aten.log.default")
     assert function_stack() == []
@@ -389,17 +403,27 @@ def test_module_internals_and_models_after_a_backward_never_run_under_the_watch(
     assert model.seen == [False] * 3 and unguarded.seen == [False] * 3
 
 
-def test_a_compiled_loss_function_runs_unchanged_under_the_watch():
-    model = mlp()
+def test_a_compiled_loss_function_is_traced_into_one_unchanged_graph_under_the_watch():
+    import torch._dynamo
 
-    @torch.compile(backend="eager")
+    model = mlp()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    @torch.compile(backend=backend)
     def loss_fn(out):
         return torch.log1p(out.pow(2)).mean()
 
+    torch._dynamo.reset()
     with Guard(model):
         loss = loss_fn(model(torch.randn(3, 4)))
         loss.backward()
     assert torch.isfinite(loss)
+    (code,) = graphs  # no graph break
+    assert "log1p" in code and "mean" in code and "outside" not in code
 
 
 def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatch):

@@ -250,7 +250,7 @@ class _OutsideMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
-        if func in _KEEPS_VALUES or type(func) is _WRAPPER or not watch.watching():
+        if func in _KEEPS_VALUES or type(func) is _WRAPPER:
             return func(*args, **kwargs)
         return watch.run_function(state, func, args, kwargs)
 
@@ -402,9 +402,12 @@ class OutsideWatch:
         return func(*args, **kwargs)
 
     def run_function(self, state: _ThreadState, func, args, kwargs):
-        """Run one torch function and check its floating-point outputs."""
+        """Run one torch function and check its floating-point outputs (a function giving none
+        costs a type check)."""
         before = None
         if _is_inplace(func) and args and type(args[0]) in _PLAIN and args[0].is_floating_point():
+            if not self.watching():
+                return func(*args, **kwargs)
             before = self._before_inplace(state, args, kwargs)
         first_node = _next_node_number()  # the nodes it makes are numbered from here
         out = func(*args, **kwargs)
@@ -412,6 +415,8 @@ class OutsideWatch:
             if not out.is_floating_point():
                 return out
         elif not isinstance(out, (tuple, list)) or type(out) is torch.Size:
+            return out
+        if before is None and not self.watching():
             return out
         culprit = self._check(state, func, args, kwargs, out, before, first_node)
         if culprit is not None:
