@@ -200,7 +200,7 @@ def node_op(node: str, func) -> str:
     wanted = _node_base(node)
     if _base(op) == wanted:
         return op
-    return _aten_name(wanted) or op
+    return _aten_name(wanted) or _aten_name("_" + wanted) or op  # ToCopyBackward0: _to_copy
 
 
 class Meta:
