@@ -378,7 +378,7 @@ def test_a_function_mode_of_the_users_keeps_its_place_on_the_stack():
 
 
 class _Probe(nn.Module):
-    """Notes, inside its forward, whether the watch's mode is on the stack."""
+    """Notes, inside its forward, whether the functions it calls are checked."""
 
     def __init__(self):
         super().__init__()
@@ -386,21 +386,23 @@ class _Probe(nn.Module):
         self.seen: list = []
 
     def forward(self, x):
-        self.seen.append(outside.outside_mode_active())
+        self.seen.append(outside.outside_checking())
         return self.lin(x)
 
 
-def test_module_internals_and_models_after_a_backward_never_run_under_the_watch():
+def test_module_internals_and_the_code_after_a_backward_are_not_checked():
     model, unguarded = _Probe(), _Probe()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with Guard(model):
         for _ in range(3):
             loss = model(torch.randn(2, 4)).pow(2).mean()
-            assert outside.outside_mode_active()
+            assert outside.outside_checking()
             loss.backward()
-            unguarded(torch.randn(2, 4))  # the first module call after a backward
+            unguarded(torch.randn(2, 4))  # a model not guarded, after the backward
             optimizer.step()
+            assert not outside.outside_checking()
     assert model.seen == [False] * 3 and unguarded.seen == [False] * 3
+    assert not outside.outside_mode_active()
 
 
 def test_a_compiled_loss_function_is_traced_into_one_unchanged_graph_under_the_watch():
@@ -439,9 +441,9 @@ def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatc
 # ---- the notebook --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shell():
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing import globalipapp
 
-    ip = start_ipython()
+    ip = globalipapp.start_ipython() or globalipapp.get_ipython()  # or the one already started
     ip.run_cell("%load_ext numguard_nb")
     yield ip
     ip.run_cell("%unload_ext numguard_nb")

@@ -3,12 +3,16 @@ training loop, and the autograd nodes it creates.
 
 A loss such as `torch.log(model(x)).mean()` runs in no module, so module hooks never see it.
 While a guard is attached, each thread that ends a top-level call of a guarded module gets one
-`torch.overrides.TorchFunctionMode` (`_OutsideMode`, one shared by every guard) pushed on its stack,
-and loses it again when that code is over: at `.backward()`, at the next top-level call of a
-guarded module, at an optimizer step, at the first module call after a backward, at detach.
-Module internals never run under it; code between a backward and the next model call (the
-optimizer step, zero_grad, the next batch's data) is not watched: the data the model gets is
-the data rules' (`detect`).
+`torch.overrides.TorchFunctionMode` (`_OutsideMode`, one shared by every guard) pushed on its
+stack, checking the code that follows until `.backward()`; it leaves the stack at the next
+top-level call of a guarded module or at detach (from `.backward()` until then it passes
+everything through, at about 2 us a call: a mode cannot take itself off the stack while it
+handles a call, and a global hook to take it off later would be one more hook on every module
+or optimizer). Module internals never run under it; code between a backward and the next model
+call (the optimizer step, zero_grad, the next batch's data) is not checked: the data the model
+gets is the data rules' (`detect`), weights an optimizer step wrote are the weights' rules'. An
+optimizer stepping where code is checked (no backward since the model's call) is not blamed
+either (`outside_ops.in_optimizer`).
 
 - Each torch function the loss calls (`torch.log`, `Tensor.div`, `F.cross_entropy`) that returns
   floating-point tensors is summarised like a module call: its tensor inputs and outputs become
@@ -43,7 +47,6 @@ from functools import partial
 from typing import Optional
 
 import torch
-import torch.optim.optimizer as _optimizers
 from torch.overrides import TorchFunctionMode
 
 from .. import _tree
@@ -55,15 +58,15 @@ from ..errors import NonFiniteError
 from . import detect, frames
 from .hooks import inert_context, is_dynamo_compiling
 from .outside_ops import (
-    Meta, aten_ops, fallback_op, function_name, likeliest, node_op, scalar_kinds, source_of,
-    user_where,
+    Meta, aten_ops, fallback_op, function_name, in_optimizer, likeliest, node_op, scalar_kinds,
+    source_of, user_where,
 )
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, FINE, SLOT_CATEGORY, BackwardPasses, CallRecord,
     PassRecord,
 )
 
-__all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active"]
+__all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active", "outside_checking"]
 
 # Devices whose values are checked op by op (no device to wait for); elsewhere once per region.
 IMMEDIATE_DEVICES = frozenset(("cpu",))
@@ -83,7 +86,6 @@ _stack_at = torch._C._get_function_stack_at
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_module_hooks = torch.nn.modules.module
 
 
 def _functions(owner, names) -> set:
@@ -111,7 +113,11 @@ _KEEPS_VALUES = (
         "flip", "roll", "index_select", "gather", "take", "masked_fill", "clone", "zeros_like",
         "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
     ))
-    | _functions(torch, ("_foreach_zero_",))
+    | _functions(torch, (  # made from scalars and shapes: constants, masks, random draws
+        "tensor", "as_tensor", "asarray", "from_numpy", "scalar_tensor", "zeros", "ones", "full",
+        "empty", "empty_strided", "eye", "arange", "linspace", "logspace", "rand", "randn",
+        "randint", "randperm", "normal", "_foreach_zero_",
+    ))
     | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
 )
 _WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
@@ -263,6 +269,11 @@ def outside_mode_active() -> bool:
     return any(_stack_at(i) is _MODE for i in range(_stack_len()))
 
 
+def outside_checking() -> bool:
+    """Whether the torch functions this thread calls now are checked."""
+    return _thread.active and outside_mode_active()
+
+
 def _withdraw(state: _ThreadState) -> None:
     """Stop checking in this thread, and take the mode off its stack where it is on top (below a
     mode of the user's, it stays, passing everything through, until a later try)."""
@@ -270,35 +281,6 @@ def _withdraw(state: _ThreadState) -> None:
     count = _stack_len()
     if count and _stack_at(count - 1) is _MODE:
         _pop()
-
-
-class _PopAfterBackward:
-    """A global forward pre-hook, there from a backward to the first module call after it (in any
-    thread): takes the mode, which the backward left passing through, off that thread's stack, so
-    that a model not guarded pays nothing for it."""
-
-    def __init__(self):
-        self.handle = None
-        self.lock = threading.Lock()
-
-    def arm(self) -> None:
-        with self.lock:
-            if self.handle is None:
-                self.handle = _module_hooks.register_module_forward_pre_hook(self)
-
-    def disarm(self) -> None:
-        with self.lock:
-            handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.remove()
-
-    def __call__(self, module, args):
-        self.disarm()
-        if not _thread.active:
-            _withdraw(_thread)
-
-
-_pop_after_backward = _PopAfterBackward()
 
 
 # ---- the watch ----------------------------------------------------------------------------------
@@ -313,7 +295,6 @@ class OutsideWatch:
         self.node_handles: list = []  # node hooks (removed on stop; dead ones dropped)
         self._kept_handles = 0  # live handles after the last pruning
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
-        self.optimizer_hook = None
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
 
     # ---- lifecycle (called by the Guard) ---------------------------------------------------------
@@ -321,12 +302,10 @@ class OutsideWatch:
         self.attached = True
         self.unraised = None
         _thread.base = _stack_len()
-        self.optimizer_hook = _optimizers.register_optimizer_step_pre_hook(
-            self._before_optimizer_step)
 
     def stop(self) -> None:
-        """Remove the mode (in this thread), the optimizer hook and the node hooks. A culprit in
-        what was still to be read is reported (`on_detect`) and kept for `raise_found`."""
+        """Remove the mode (in this thread) and the node hooks. A culprit in what was still to be
+        read is reported (`on_detect`) and kept for `raise_found`."""
         state = _thread
         try:
             if state.owner is self:
@@ -337,10 +316,6 @@ class OutsideWatch:
             self.attached = False
             if state.owner is self:
                 state.owner, state.pass_ = None, None
-            if self.optimizer_hook is not None:
-                self.optimizer_hook.remove()
-                self.optimizer_hook = None
-            _pop_after_backward.disarm()
             for handle in self.node_handles:
                 handle.remove()
             self.node_handles.clear()
@@ -354,8 +329,8 @@ class OutsideWatch:
             raise error
 
     def enter_model(self) -> None:
-        """A top-level call of a guarded module (or an optimizer step) starts: the code before
-        it is over. What it made is checked, and the mode leaves this thread's stack."""
+        """A top-level call of a guarded module starts: the code before it is over. What it made
+        is checked, and the mode leaves this thread's stack."""
         if _current_graph_task_id() != -1:
             return  # a forward re-run inside backward (activation checkpointing)
         state = _thread
@@ -389,15 +364,10 @@ class OutsideWatch:
         return (self.attached and not guard._paused and not guard._tracing
                 and not inert_context() and _current_graph_task_id() == -1)
 
-    def _before_optimizer_step(self, optimizer, args, kwargs):
-        self.enter_model()  # the step writes the weights: not the loss's code
-        return None
-
     # ---- forward --------------------------------------------------------------------------------
     def run_backward(self, state: _ThreadState, func, args, kwargs):
         """`.backward()`: check what the loss made first, then run the backward unwatched."""
-        state.active = False
-        _pop_after_backward.arm()
+        state.active = False  # the mode passes everything through until it can leave the stack
         self._settle(state)
         return func(*args, **kwargs)
 
@@ -490,6 +460,8 @@ class OutsideWatch:
                 before, immediate: bool, first_node: int):
         """Record one function call in full (inputs and outputs summarised); where its values
         are on the host, return its culprit or None."""
+        if in_optimizer():
+            return None  # a step writing weights: the weights' rules name what it wrote
         if before:
             slots, scalars = before
         else:  # a first argument written in place held only finite values: not summarised
@@ -570,7 +542,7 @@ class OutsideWatch:
             todo.extend(fn for fn, _ in node.next_functions if fn is not None)
         for node in found:
             self.node_handles.append(node.register_hook(_NodeHook(self, call, node.name())))
-        if len(self.node_handles) > 2 * self._kept_handles + 64:  # bounded over long runs
+        if len(self.node_handles) > 2 * self._kept_handles + 16:  # bounded over long runs
             self.node_handles[:] = [h for h in self.node_handles if h.hooks_dict_ref() is not None]
             self._kept_handles = len(self.node_handles)
 

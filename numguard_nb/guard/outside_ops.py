@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import linecache
+import os
 import re
+import sys
 from typing import Optional
 
 import torch
@@ -22,11 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _tree
 from .._schema import PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_POSINF
-from .._util import user_frame
+from .._util import is_internal_file, user_frame
 from .passes import FINE
 
-__all__ = ["function_name", "user_where", "source_of", "scalar_kinds", "Meta", "aten_ops",
-           "likeliest", "fallback_op", "node_op"]
+__all__ = ["function_name", "user_where", "in_optimizer", "source_of", "scalar_kinds", "Meta",
+           "aten_ops", "likeliest", "fallback_op", "node_op"]
 
 _NAN = frozenset((PROBLEM_NAN,))
 _POSINF = frozenset((PROBLEM_POSINF,))
@@ -57,6 +59,23 @@ def user_where() -> Optional[tuple]:
     """(filename, line number, globals) of the user's line running now, or None."""
     frame = user_frame()
     return (frame.f_code.co_filename, frame.f_lineno, frame.f_globals) if frame is not None else None
+
+
+def in_optimizer() -> bool:
+    """Whether the function running now was called by torch.optim's code (an optimizer step, a
+    learning-rate scheduler) rather than by the user's own."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_OPTIM_DIR):
+            return True
+        if not is_internal_file(filename):
+            return False
+        frame = frame.f_back
+    return False
+
+
+_OPTIM_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.optim.__file__)), "")
 
 
 def _cell_label(filename: str, lineno: int, namespace) -> Optional[str]:
