@@ -93,6 +93,21 @@ def test_division_by_a_zero_sum_in_the_loss_names_the_division(reading):
     assert "Keep the denominator away from 0" in caught.value.report.hint
 
 
+def test_a_function_writing_in_place_is_named_and_what_it_overwrote_counts_as_given(reading):
+    model = mlp()
+    with Guard(model):
+        out = model(torch.randn(3, 4)) * 0
+        out[0] = INF  # a value already non-finite ...
+        out.mul_(2)  # ... kept by an in-place function: nothing new
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(torch.randn(3, 4)) * 0
+        out.log_()  # log(0), in place
+        out.sum().backward()
+    culprit = caught.value.report.first_nonfinite
+    assert (culprit.module_class, culprit.op) == ("Tensor.log_", "aten.log_.default")
+    assert culprit.flagged_rows[0].neginf
+
+
 def test_a_composite_loss_is_named_by_the_aten_op_inside_it_that_made_the_value():
     model = mlp()
     logits_model = nn.Linear(4, 3)

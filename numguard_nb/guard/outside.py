@@ -15,23 +15,26 @@ optimizer stepping where code is checked (no backward since the model's call) is
 either (`outside_ops.in_optimizer`).
 
 - Each torch function the loss calls (`torch.log`, `Tensor.div`, `F.cross_entropy`) that returns
-  floating-point tensors is summarised like a module call: its tensor inputs and outputs become
-  rows of a `CallRecord` named `<outside>` (in a `PassRecord` of the region). It is the culprit
-  when its outputs hold a kind of non-finite value (nan, +inf, -inf) that neither its tensor
-  inputs nor its scalar arguments held: log(0), x/0 and exp overflow are, a -inf mask made from a
-  scalar -inf (`masked_fill(mask, -inf)`, `torch.full(..., -inf)`) is not, and nan from a -inf
-  mask is. A function given inputs that are already non-finite beyond a -inf (the data's, or a
-  module's) is never blamed. Functions that only move, select or copy values are not summarised.
+  floating-point tensors is checked. It is the culprit when its outputs hold a kind of
+  non-finite value (nan, +inf, -inf) that neither its tensor inputs nor its scalar arguments
+  held: log(0), x/0 and exp overflow are, a -inf mask made from a scalar -inf
+  (`masked_fill(mask, -inf)`, `torch.full(..., -inf)`) is not, and nan from a -inf mask is. A
+  function given values that are already non-finite beyond a -inf (the data's, or a module's)
+  is never blamed. Functions that only move, select, copy or make values from scalars are not
+  checked at all.
+- On the host a finite result costs a sum per output; only a non-finite one is summarised like a
+  module call (a `CallRecord` named `<outside>`, its inputs and outputs as rows, in a
+  `PassRecord` of the region). On a GPU every checked function is summarised on the device,
+  and the region is read back once: before the backward, at the next model call, at detach.
 - Autograd nodes such a function creates get a post-hook (node hooks live and die with their
   graph: nothing is kept alive). In backward a node is the culprit when the gradients it gives
-  hold a kind those it received did not, provided its forward inputs were finite (else the data
-  made it); it is named with the forward line that created it.
-- On CPU every check is made at once; on a GPU the statistics stay on the device and are read at
-  the end of the region (before the backward, at the next model call, at detach) and at the end
-  of the backward.
+  hold a kind those it received did not, provided the function that made it gave finite values
+  (else it passed on what it was given: the data's doing); it is named with the forward line
+  that created it. Its gradients are checked like a function's results: at once on the host,
+  at the end of the backward on a GPU.
 - The culprit's ATen op is found by running the function again on its inputs (or on meta tensors
-  of their shapes) under a recording dispatch mode, and its line is the user's, a notebook cell
-  shown as IPython does (`Cell In[5], line 3`).
+  of their shapes) under a recording dispatch mode (`outside_ops`), and its line is the user's,
+  a notebook cell shown as IPython does (`Cell In[5], line 3`).
 
 The mode is inert while compiling, tracing, under dispatch modes (fake tensors, FLOP counters),
 inside backward and while the guard re-runs a step itself; it is never pushed above a function
@@ -395,9 +398,9 @@ class OutsideWatch:
 
     def _before_inplace(self, state: _ThreadState, args, kwargs):
         """What a function writing into its first argument must know before it runs: its input
-        slots where that argument is already non-finite; () where it is finite (it held
-        nothing the function could have been given)."""
-        if _finite(args[0]):
+        slots where that argument is already non-finite, or on a device (read later); () where
+        it is on the host and finite (it held nothing the function could have been given)."""
+        if self._immediate((args[0],)) and _finite(args[0]):
             return ()
         return self._summarise_inputs(self._region(state), args, kwargs)
 
