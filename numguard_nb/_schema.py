@@ -76,3 +76,8 @@ MODES = (MODE_FULL, MODE_SENTINEL)
 # ---- who found a detection (Report.found_by) -------------------------------------------------
 FOUND_BY_HOOKS = ""  # the full guard's hooks, as the values were made
 FOUND_BY_RERUN = "re-run"  # a sentinel's re-run of the failing call with the full guard
+
+# ---- code outside the guarded modules (a loss in the training loop) ------------------------
+CAUSE_OUTSIDE = "outside"  # code outside the guarded modules, or an autograd node it created
+CAUSES = CAUSES + (CAUSE_OUTSIDE,)
+OUTSIDE_MODULE = "<outside>"  # the module name of that code's frames

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._schema import (
-    BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CODE_CAUSES,
-    FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, PARAM, VALUE_TENSOR,
+    BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS,
+    CODE_CAUSES, FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
+    ORIGIN_OUTSIDE_FORWARD, OUTSIDE_MODULE, PARAM, VALUE_TENSOR,
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
@@ -139,6 +139,8 @@ class Facts:
     @property
     def where(self) -> str:
         frame = self.frame
+        if frame.module_name == OUTSIDE_MODULE:
+            return "the code outside the guarded modules"
         return f"{frame.label} ({frame.module_class})" if frame.module_name else frame.label
 
     @property
@@ -229,10 +231,10 @@ def _parse_op(op: Optional[str]):
 
 
 def _source_code(source: Optional[str]) -> str:
-    """The code of 'file.py:12: h = self.wo(h)'."""
+    """The code of 'file.py:12: h = self.wo(h)' (or of 'Cell In[5], line 3: loss = ...')."""
     if not source:
         return ""
-    match = re.match(r"^.*?:\d+: (.*)$", source)
+    match = re.match(r"^.*?(?::|, line )\d+: (.*)$", source)
     return (match.group(1) if match else source).strip()
 
 
@@ -576,6 +578,16 @@ def _bce_hint(facts: Facts) -> str:
             "`nn.BCEWithLogitsLoss` on the logits.")
 
 
+# ---- the code outside the guarded modules ------------------------------------------------------
+def _outside_hint(facts: Facts) -> str:
+    """A torch function of the loss (forward) or an autograd node it created (backward): the
+    op's own hint, as for a module's code, else the general one."""
+    specific = _forward_op_hint(facts) if facts.forward else _backward_node_hint(facts)
+    if not specific and facts.inf and not facts.nan:  # a loss of outputs grown without bound
+        specific = _diverged_hint(facts, f"`{facts.frame.op}` in {facts.where}")
+    return specific or _general_hint(facts)
+
+
 # ---- a module's own code: without a named op ---------------------------------------------------
 def _first_of_its_pass(facts: Facts) -> bool:
     """Whether no frame of the culprit's forward pass closed before it (in the report)."""
@@ -654,6 +666,8 @@ def hint_for(report: Report) -> str:
         return _data_hint(facts)
     if cause == CAUSE_LOSS_GRADIENT:
         return _loss_gradient_hint(facts)
+    if cause == CAUSE_OUTSIDE:
+        return _outside_hint(facts)
     if cause == CAUSE_UNATTRIBUTED or cause not in CODE_CAUSES:
         return _unattributed_hint(facts)
     specific = _forward_op_hint(facts) if facts.forward else _backward_node_hint(facts)

@@ -26,7 +26,7 @@ from numguard_nb import Guard, NonFiniteError
 from numguard_nb._schema import (
     CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_LOSS_GRADIENT,
     CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CAUSES, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD,
+    ORIGIN_OUTSIDE_FORWARD, CAUSE_OUTSIDE, OUTSIDE_MODULE,
 )
 from numguard_nb.guard import frames
 from numguard_nb.guard.options import GuardOptions
@@ -335,6 +335,16 @@ def _data():
 
 def _loss_gradient():
     model = linear()
+
+    def step():
+        out = model(batch())
+        out.backward(torch.full_like(out, math.nan))  # a gradient handed in, made by no torch op
+
+    return detection(model, step)
+
+
+def _outside():
+    model = linear()
     return detection(model, lambda: torch.sqrt(model(batch()) * 0).sum().backward())
 
 
@@ -349,7 +359,8 @@ def _predicted_overflow():
 REAL = {
     CAUSE_FORWARD: _forward_nan, CAUSE_BACKWARD: _backward_nan,
     CAUSE_BACKWARD_INLINE: _backward_inline, CAUSE_WEIGHTS: _weights, CAUSE_DATA: _data,
-    CAUSE_LOSS_GRADIENT: _loss_gradient, "predicted overflow": _predicted_overflow,
+    CAUSE_LOSS_GRADIENT: _loss_gradient, CAUSE_OUTSIDE: _outside,
+    "predicted overflow": _predicted_overflow,
 }
 
 
@@ -379,6 +390,12 @@ def _row(role, category, **values):
 
 def _frame(rows, phase=FORWARD, name="block.fc", cls="Linear"):
     return Frame(name, cls, phase, 3, 1, rows)
+
+
+def _outside_frame(rows, phase, node, op):
+    frame = _frame(rows, phase, OUTSIDE_MODULE, node)
+    frame.op, frame.source = op, "train.py:12: loss = torch.log(p).mean()"
+    return frame
 
 
 STEP = OptimizerStep("AdamW", 41, after_batch=40, optimizers=2, position=2, param_group=1, lr=0.1)
@@ -417,6 +434,11 @@ BY_HAND = {
                                                   "", "Net"), PLAIN, {}),
     "loss-gradient, predicted": (CAUSE_LOSS_GRADIENT, _frame([_row("grad_output", GRAD_OUTPUT, **OVER)],
                                                              BACKWARD, "", "Net"), F16, {}),
+    "outside": (CAUSE_OUTSIDE, _outside_frame([_row("output", OUTPUT, neginf=True, abs_max=math.inf)],
+                                              FORWARD, "torch.log", "aten.log.default"), PLAIN, {}),
+    "outside, backward": (CAUSE_OUTSIDE, _outside_frame([_row("grad_input", GRAD_INPUT, **INF)],
+                                                        BACKWARD, "SqrtBackward0",
+                                                        "SqrtBackward0: aten.div.Tensor"), PLAIN, {}),
     "unattributed": (CAUSE_UNATTRIBUTED, _frame([_row("input[0]", INPUT, **NAN)]), PLAIN, {}),
 }
 

@@ -84,7 +84,6 @@ def _first_detection(case_name: str, mode: str):
     "t5_ff_fp16_overflow",  # forward, deep in a model
     "distance_at_zero",  # backward only
     "bce_fp16_backward",  # backward, in a loss module guarded beside the model
-    "handwritten_bce_log0",  # a loss computed outside the model: its gradient enters the model
     "nan_in_data",  # the data
     "adam_eps_fp16",  # weights an optimizer wrote
 ])
@@ -95,6 +94,16 @@ def test_the_re_run_names_what_full_mode_names(case_name):
     assert culprit(sentinel) == culprit(full)
     assert full.found_by == "" and sentinel.found_by == "re-run"
     assert sentinel.first_nonfinite.flagged_rows
+
+
+def test_a_loss_made_outside_the_model_is_named_by_its_gradient_entering_the_model():
+    # Full mode watches the code between module calls and names its op; the sentinel re-runs
+    # only the model's calls, so it names the non-finite gradient the loss sends into the model.
+    full = _first_detection("handwritten_bce_log0", "full")
+    sentinel = _first_detection("handwritten_bce_log0", "sentinel")
+    assert (full.first_nonfinite.module_name, full.cause) == ("<outside>", "outside")
+    assert sentinel.cause == "loss-gradient" and sentinel.found_by == "re-run"
+    assert sentinel.batch_number == full.batch_number
 
 
 @pytest.mark.parametrize("case_name", ["trap_padding_mask", "trap_causal_mask"])

@@ -15,9 +15,9 @@ import torch
 from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
-    CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD, INPUT,
-    ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, PARAM, PROBLEM_NEGINF,
-    TRACE, VALUE_UNSUPPORTED,
+    CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
+    INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, PARAM,
+    PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..explain import hint_for
@@ -136,6 +136,8 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
                   f", beyond {limit}" if limit and not predicted else "")
     gradient = f"a gradient beyond {limit}" if predicted else "a non-finite gradient"
     below = "stayed below it (predicted overflow)"
+    if cause == CAUSE_OUTSIDE:
+        return _outside_reason(frame, what)
     if cause == CAUSE_WEIGHTS and predicted:
         return f"the weights of {where} in batch {frame.batch_number} exceed {limit} ({what})"
     if cause == CAUSE_WEIGHTS:
@@ -242,6 +244,20 @@ def weights_origin(pass_: PassRecord, call: CallRecord, bad_slots, steps):
 def _note_origin(report: Report, origin) -> None:
     if origin is not None:
         report.weights_origin, report.optimizer_step = origin.kind, origin.step
+
+
+def _outside_reason(frame: Frame, what: str) -> str:
+    """The sentence for a culprit in the code outside the guarded modules (`guard.outside`): a
+    torch function (forward) or an autograd node it created (backward), with the user's line."""
+    at = f" at {frame.source.split(': ', 1)[0]}" if frame.source else ""
+    if frame.phase == FORWARD:
+        op = f" ({frame.op})" if frame.op else ""
+        return (f"code outside the guarded modules produced a non-finite value in batch "
+                f"{frame.batch_number}: in {frame.module_class}{op}{at}, {what}, which its "
+                "inputs did not hold")
+    return (f"the autograd node {frame.module_class}, created outside the guarded modules{at}, "
+            f"produced a non-finite gradient in backward of batch {frame.batch_number}: {what}, "
+            "while the gradient it received was finite")
 
 
 def unwatched_note(frames) -> str:

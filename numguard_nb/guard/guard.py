@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from functools import partial
-from typing import Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ from .hooks import (
     is_dynamo_compiling, running_calls,
 )
 from .options import OPTION_DOCS, GuardOptions, keyword_signature
+from .outside import OutsideWatch
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
@@ -199,6 +200,7 @@ class Guard:
         self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
         self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
         self._sentinel = Sentinel(self)  # mode="sentinel": its checks, and its re-runs
+        self._outside = OutsideWatch(self)  # the code between top-level calls (a loss)
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._recent = frames.RecentPasses()  # context for a report of a later pass
@@ -233,6 +235,7 @@ class Guard:
 
                     self._capture = None  # never an earlier attach's capture, should this one fail
                     self._capture = Capture(self.models)
+                self._outside.start()
             except BaseException:
                 self.detach()
                 raise
@@ -248,6 +251,7 @@ class Guard:
             self._module_hooks.remove()
             self._grad_hooks.remove()
             self._steps.stop()
+            self._outside.stop()
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
@@ -278,6 +282,7 @@ class Guard:
             self._entered -= 1
             if self._entered <= 0:
                 self.detach()
+                self._outside.raise_found(exc_type is None)
 
     def reset(self) -> None:
         """Forget the passes that never finished (e.g. interrupted with Ctrl-C), in every thread."""
@@ -323,6 +328,7 @@ class Guard:
         if not stack:
             if inert_context():
                 return  # compiled, traced or exported: not run on values the guard can read
+            self._outside.enter_model()
             # Activation checkpointing re-runs forward inside backward: no new batch then.
             recomputing = _graph_task_id() != -1
             self._begin_forward(state, module_id, recomputing)
@@ -392,6 +398,7 @@ class Guard:
                 self._detect(pass_, FORWARD, *culprit)
         if not state.stack:
             self._end_forward(state, raising)
+            self._outside.leave_model()
 
     # ---- batches and passes ---------------------------------------------------------------
     def begin_batch(self) -> None:

@@ -1,0 +1,666 @@
+"""Watch the code that runs outside the guarded modules: the loss computed in a cell or a
+training loop, and the autograd nodes it creates.
+
+A loss such as `torch.log(model(x)).mean()` runs in no module, so module hooks never see it.
+While a guard is attached, each thread that ends a top-level call of a guarded module gets one
+`torch.overrides.TorchFunctionMode` (`_OutsideMode`, one shared by every guard) pushed on its
+stack, checking the code that follows until `.backward()`; it leaves the stack at the next
+top-level call of a guarded module or at detach (from `.backward()` until then it passes
+everything through, at about 2 us a call: a mode cannot take itself off the stack while it
+handles a call, and a global hook to take it off later would be one more hook on every module
+or optimizer). Module internals never run under it; code between a backward and the next model
+call (the optimizer step, zero_grad, the next batch's data) is not checked: the data the model
+gets is the data rules' (`detect`), weights an optimizer step wrote are the weights' rules'. An
+optimizer stepping where code is checked (no backward since the model's call) is not blamed
+either (`outside_ops.in_optimizer`).
+
+- Each torch function the loss calls (`torch.log`, `Tensor.div`, `F.cross_entropy`) that returns
+  floating-point tensors is checked. It is the culprit when its outputs hold a kind of
+  non-finite value (nan, +inf, -inf) that neither its tensor inputs nor its scalar arguments
+  held: log(0), x/0 and exp overflow are, a -inf mask made from a scalar -inf
+  (`masked_fill(mask, -inf)`, `torch.full(..., -inf)`) is not, and nan from a -inf mask is. A
+  function given values that are already non-finite beyond a -inf (the data's, or a module's)
+  is never blamed. Functions that only move, select, copy or make values from scalars are not
+  checked at all.
+- On the host a finite result costs a sum per output; only a non-finite one is summarised like a
+  module call (a `CallRecord` named `<outside>`, its inputs and outputs as rows, in a
+  `PassRecord` of the region). On a GPU every checked function is summarised on the device,
+  and the region is read back once: before the backward, at the next model call, at detach.
+- Autograd nodes such a function creates get a post-hook (node hooks live and die with their
+  graph: nothing is kept alive). In backward a node is the culprit when the gradients it gives
+  hold a kind those it received did not, provided the function that made it gave finite values
+  (else it passed on what it was given: the data's doing); it is named with the forward line
+  that created it. Its gradients are checked like a function's results: at once on the host,
+  at the end of the backward on a GPU.
+- The culprit's ATen op is found by running the function again on its inputs (or on meta tensors
+  of their shapes) under a recording dispatch mode (`outside_ops`), and its line is the user's,
+  a notebook cell shown as IPython does (`Cell In[5], line 3`).
+
+The mode is inert while compiling, tracing, under dispatch modes (fake tensors, FLOP counters),
+inside backward and while the guard re-runs a step itself; it is never pushed above a function
+mode of the user's that was entered after the guard attached.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import types
+from functools import partial
+from typing import Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _tree
+from .._schema import (
+    BACKWARD, CAUSE_OUTSIDE, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, OUTSIDE_MODULE,
+    VALUE_NONE,
+)
+from ..errors import NonFiniteError
+from . import detect, frames
+from .hooks import inert_context, is_dynamo_compiling
+from .outside_ops import (
+    Meta, aten_ops, fallback_op, function_name, in_optimizer, likeliest, node_op, scalar_kinds,
+    source_of, user_where,
+)
+from .passes import (
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, FINE, SLOT_CATEGORY, BackwardPasses, CallRecord,
+    PassRecord,
+)
+
+__all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active", "outside_checking"]
+
+# Devices whose values are checked op by op (no device to wait for); elsewhere once per region.
+IMMEDIATE_DEVICES = frozenset(("cpu",))
+# A region recording more ops than this is read back and started afresh (a bound on memory).
+MAX_REGION_OPS = 1024
+# How many nodes one function may create that get a hook (a composite makes a few).
+MAX_NODES_PER_OP = 16
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_HALF = (torch.float16, torch.bfloat16)  # summed in float32: their own sums overflow early
+_set_grad_enabled = torch._C._set_grad_enabled
+_next_node_number = torch._C._autograd._get_sequence_nr
+_INF_KINDS = detect.INF_KINDS
+_MASK = detect.MASK
+_stack_len = torch._C._len_torch_function_stack
+_stack_at = torch._C._get_function_stack_at
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _functions(owner, names) -> set:
+    return {getattr(owner, name) for name in names if hasattr(owner, name)}
+
+
+# Calls that end the watched code: the backward it leads to runs unwatched.
+_ENDS_REGION = _functions(torch.Tensor, ("backward",)) | {torch.autograd.backward}
+# Calls whose outputs hold only values their inputs held (views, copies, selections), or no new
+# values at all: never summarised. (`Tensor.to` and the casts are not among them: float16 has a
+# smaller range.)
+_KEEPS_VALUES = (
+    _functions(torch.Tensor, (
+        "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze",
+        "unsqueeze", "permute", "transpose", "t", "expand", "expand_as", "contiguous", "clone",
+        "detach", "detach_", "requires_grad_", "narrow", "select", "__getitem__", "__setitem__",
+        "split", "chunk", "unbind", "flip", "roll", "movedim", "repeat", "tile", "index_select",
+        "gather", "take", "masked_fill", "masked_fill_", "zero_", "fill_", "copy_", "retain_grad",
+        "register_hook", "cpu", "cuda", "pin_memory", "share_memory_", "__repr__", "__format__",
+        "numpy", "tolist", "item",
+    ))
+    | _functions(torch, (
+        "cat", "concat", "stack", "hstack", "vstack", "where", "flatten", "reshape", "squeeze",
+        "unsqueeze", "permute", "transpose", "narrow", "select", "split", "chunk", "unbind",
+        "flip", "roll", "index_select", "gather", "take", "masked_fill", "clone", "zeros_like",
+        "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+    ))
+    | _functions(torch, (  # made from scalars and shapes: constants, masks, random draws
+        "tensor", "as_tensor", "asarray", "from_numpy", "scalar_tensor", "zeros", "ones", "full",
+        "empty", "empty_strided", "eye", "arange", "linspace", "logspace", "rand", "randn",
+        "randint", "randperm", "normal", "_foreach_zero_",
+    ))
+    | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
+)
+_WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
+_inplace_names: dict = {}
+
+
+def _is_inplace(func) -> bool:
+    """Whether `func` writes into its first argument (`log_`, `__iadd__`, `add_`)."""
+    known = _inplace_names.get(func)
+    if known is None:
+        name = getattr(func, "__name__", "")
+        known = _inplace_names[func] = (name.endswith("_") and not name.endswith("__")) or (
+            name.startswith("__i") and name.endswith("__") and name != "__init__")
+    return known
+
+
+# ---- what the watch records ---------------------------------------------------------------------
+class OutsideCall(CallRecord):
+    """A torch function run outside the guarded modules (forward), or an autograd node created
+    there running in backward: a call record named `<outside>`, with what names it."""
+
+    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op")
+
+    def __init__(self, cls: str, phase: str, batch_number: int, index: int):
+        super().__init__(0, OUTSIDE_MODULE, cls, phase, batch_number, index, True)
+        self.func = None  # forward: the torch function
+        self.where: Optional[tuple] = None  # the user's line (`user_where`) that ran or made it
+        self.meta = None  # forward, read later: (args, kwargs) with `Meta`s, to name its op
+        self.received = FINE  # forward: the problem kinds of its scalar arguments
+        # forward, read later: its region until read (then `clean` is known; no cycle is left)
+        self.pass_: Optional[PassRecord] = None
+        self.clean: Optional[bool] = None  # forward: gave nothing non-finite beyond a -inf mask
+        self.checked = False  # checked when recorded (its values were on the host)
+        self.op: Optional[str] = None  # its ATen op ('SqrtBackward0: aten.sqrt.default'), once named
+
+
+def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
+    """The problem kinds a recorded call was given: its slots of `category`, and its scalars."""
+    kinds = set(call.received)
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == category:
+            kinds |= detect.value_kinds(pass_, slot, None)
+    return kinds
+
+
+def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
+    """The slots of a recorded call holding a problem kind it was not given: outputs (forward)
+    or the gradients a node gives (backward). A function given non-finite values beyond a -inf
+    mask is never blamed: the data or a module made them."""
+    forward = call.phase == FORWARD
+    received = _received(pass_, call, INPUT if forward else GRAD_OUTPUT)
+    if forward and received - _MASK:
+        return []
+    made = OUTPUT if forward else GRAD_INPUT
+    bad = []
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == made:
+            new = detect.value_kinds(pass_, slot, None) - received
+            if inf_allowed:
+                new = new - _INF_KINDS
+            if new:
+                bad.append(slot)
+    return bad
+
+
+def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
+    """Note whether a read-back forward call gave finite values (a -inf mask aside): only then
+    are the gradients of the nodes it made the nodes' own doing (else a non-finite value it
+    was given, and passed on, makes them)."""
+    made = set()
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == OUTPUT:
+            made |= detect.value_kinds(pass_, slot, None)
+    call.clean = made <= _MASK
+    call.pass_ = None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether a tensor on the host holds only finite values, from its sum (an inf or nan in it
+    makes the sum non-finite; a sum that overflows only sends the value to the full check)."""
+    if not t.numel():
+        return True
+    grad_was_enabled = torch.is_grad_enabled()
+    if grad_was_enabled:
+        _set_grad_enabled(False)
+    try:
+        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+        return math.isfinite(total.item())
+    finally:
+        if grad_was_enabled:
+            _set_grad_enabled(True)
+
+
+class _NodeHook:
+    """The post-hook of one autograd node created outside the modules. Holds its forward call,
+    never the node (a reference to it would keep its graph alive through the hook)."""
+
+    __slots__ = ("watch", "forward", "node")
+
+    def __init__(self, watch: "OutsideWatch", forward: OutsideCall, node: str):
+        self.watch = watch
+        self.forward = forward
+        self.node = node  # 'SqrtBackward0'
+
+    def __call__(self, grad_inputs, grad_outputs):
+        self.watch.on_node(self, grad_inputs, grad_outputs)
+
+
+# ---- the mode, and each thread's place in it -----------------------------------------------------
+class _ThreadState(threading.local):
+    """Where this thread stands: the watch whose code runs (`owner`), whether its functions are
+    checked now (`active`; False: the mode may be on the stack, passing everything through), how
+    many function modes lie below ours (`base`: the user's, entered before the guard attached),
+    and the region's record."""
+
+    def __init__(self):
+        self.owner: Optional[OutsideWatch] = None
+        self.active = False
+        self.base = 0
+        self.pass_: Optional[PassRecord] = None
+        self.ops = 0  # functions recorded in the region (their call index)
+
+
+_thread = _ThreadState()
+
+
+class _OutsideMode(TorchFunctionMode):
+    """The one mode every watch shares, so that it is on a thread's stack at most once."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        state = _thread
+        watch = state.owner
+        if watch is None or not state.active or is_dynamo_compiling():
+            return func(*args, **kwargs)
+        if func in _ENDS_REGION:
+            return watch.run_backward(state, func, args, kwargs)
+        if func in _KEEPS_VALUES or type(func) is _WRAPPER:
+            return func(*args, **kwargs)
+        return watch.run_function(state, func, args, kwargs)
+
+
+_MODE = _OutsideMode()
+
+
+def outside_mode_active() -> bool:
+    """Whether this thread's torch function mode stack holds the watch's mode."""
+    return any(_stack_at(i) is _MODE for i in range(_stack_len()))
+
+
+def outside_checking() -> bool:
+    """Whether the torch functions this thread calls now are checked."""
+    return _thread.active and outside_mode_active()
+
+
+def _withdraw(state: _ThreadState) -> None:
+    """Stop checking in this thread, and take the mode off its stack where it is on top (below a
+    mode of the user's, it stays, passing everything through, until a later try)."""
+    state.active = False
+    count = _stack_len()
+    if count and _stack_at(count - 1) is _MODE:
+        _pop()
+
+
+# ---- the watch ----------------------------------------------------------------------------------
+class OutsideWatch:
+    """One guard's watch over the code outside its modules. The Guard calls `start`/`stop` on
+    attach/detach, `enter_model` before a top-level call of a guarded module and `leave_model`
+    after it; the mode and the node hooks call the rest."""
+
+    def __init__(self, guard):
+        self.guard = guard
+        self.attached = False
+        self.node_handles: list = []  # node hooks (removed on stop; dead ones dropped)
+        self._kept_handles = 0  # live handles after the last pruning
+        self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
+        self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
+
+    # ---- lifecycle (called by the Guard) ---------------------------------------------------------
+    def start(self) -> None:
+        self.attached = True
+        self.unraised = None
+        _thread.base = _stack_len()
+
+    def stop(self) -> None:
+        """Remove the mode (in this thread) and the node hooks. A culprit in what was still to be
+        read is reported (`on_detect`) and kept for `raise_found`."""
+        state = _thread
+        try:
+            if state.owner is self:
+                _withdraw(state)
+                if self.attached:
+                    self.unraised = self._settle(state, raising=False)
+        finally:
+            self.attached = False
+            if state.owner is self:
+                state.owner, state.pass_ = None, None
+            for handle in self.node_handles:
+                handle.remove()
+            self.node_handles.clear()
+            self._kept_handles = 0
+            self.backward_passes.clear()
+
+    def raise_found(self, when: bool = True) -> None:
+        """Raise what `stop` found (on a `with` block's exit without an exception)."""
+        error, self.unraised = self.unraised, None
+        if error is not None and when:
+            raise error
+
+    def enter_model(self) -> None:
+        """A top-level call of a guarded module starts: the code before it is over. What it made
+        is checked, and the mode leaves this thread's stack."""
+        if _current_graph_task_id() != -1:
+            return  # a forward re-run inside backward (activation checkpointing)
+        state = _thread
+        checking, owner = state.active, state.owner
+        _withdraw(state)
+        if checking and owner is not None:
+            owner._settle(state)
+
+    def leave_model(self) -> None:
+        """A top-level call ended: watch the code after it, for this guard, in this thread (never
+        above a function mode the user entered since the guard attached)."""
+        if not self.attached or _current_graph_task_id() != -1:
+            return
+        state = _thread
+        previous = state.owner
+        if previous is not self:
+            checking = state.active
+            state.active = False
+            if previous is not None and checking:
+                previous._settle(state)
+            state.owner, state.pass_ = self, None
+        state.ops = 0
+        if not outside_mode_active():
+            if _stack_len() != state.base:
+                return
+            _push(_MODE)
+        state.active = True
+
+    def watching(self) -> bool:
+        guard = self.guard
+        return (self.attached and not guard._paused and not guard._tracing
+                and not inert_context() and _current_graph_task_id() == -1)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def run_backward(self, state: _ThreadState, func, args, kwargs):
+        """`.backward()`: check what the loss made first, then run the backward unwatched."""
+        state.active = False  # the mode passes everything through until it can leave the stack
+        self._settle(state)
+        return func(*args, **kwargs)
+
+    def run_function(self, state: _ThreadState, func, args, kwargs):
+        """Run one torch function and check its floating-point outputs (a function giving none
+        costs a type check)."""
+        before = None
+        if _is_inplace(func) and args and type(args[0]) in _PLAIN and args[0].is_floating_point():
+            if not self.watching():
+                return func(*args, **kwargs)
+            before = self._before_inplace(state, args, kwargs)
+        first_node = _next_node_number()  # the nodes it makes are numbered from here
+        out = func(*args, **kwargs)
+        if type(out) in _PLAIN:
+            if not out.is_floating_point():
+                return out
+        elif not isinstance(out, (tuple, list)) or type(out) is torch.Size:
+            return out
+        if before is None and not self.watching():
+            return out
+        culprit = self._check(state, func, args, kwargs, out, before, first_node)
+        if culprit is not None:
+            self._raise(*culprit)
+        return out
+
+    def _before_inplace(self, state: _ThreadState, args, kwargs):
+        """What a function writing into its first argument must know before it runs: its input
+        slots where that argument is already non-finite, or on a device (read later); () where
+        it is on the host and finite (it held nothing the function could have been given)."""
+        if self._immediate((args[0],)) and _finite(args[0]):
+            return ()
+        return self._summarise_inputs(self._region(state), args, kwargs)
+
+    def _check(self, state: _ThreadState, func, args, kwargs, out, before, first_node: int):
+        """Check one function's outputs; where they are on the host, its culprit or None. A
+        finite result (the common case) costs a sum per output and, for a function autograd
+        records, a hook per node it made; anything else is recorded in full."""
+        try:
+            outputs = [t for t in _tree.tensors(out) if t.is_floating_point()]
+            if not outputs:
+                return None
+            immediate = self._immediate(outputs)
+            if immediate and all(_finite(t) for t in outputs):
+                if self._records_graph(outputs):
+                    call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
+                    call.func, call.where, call.clean = func, user_where(), True
+                    self._hook_nodes(call, outputs, first_node)
+                state.ops += 1
+                return None
+        except Exception:  # never break the user's loss over the watch's own trouble
+            return None
+        pass_ = self._region(state)  # (a region grown too long is checked here: it may raise)
+        try:
+            return self._record(state, pass_, func, args, kwargs, out, outputs, before,
+                                immediate, first_node)
+        except Exception:
+            return None
+
+    def _records_graph(self, outputs) -> bool:
+        return self.guard._watch_backward and torch.is_grad_enabled() and any(
+            t.grad_fn is not None for t in outputs)
+
+    def _region(self, state: _ThreadState) -> PassRecord:
+        """The region's record (a region grown past MAX_REGION_OPS is checked and dropped)."""
+        pass_ = state.pass_
+        if pass_ is None or len(pass_.calls) >= MAX_REGION_OPS:
+            if pass_ is not None:
+                self._settle(state)
+            pass_ = state.pass_ = PassRecord()
+        return pass_
+
+    def _summarise_inputs(self, pass_: PassRecord, args, kwargs, skip_first: bool = False):
+        """(input slots, scalar kinds) of a function's arguments (without its first, written
+        in place, with `skip_first`); no slots: no floating-point tensor among them."""
+        slots, scalars = [], set()
+        for role, value in _tree.named_leaves((args, kwargs), "input"):
+            if isinstance(value, torch.Tensor):
+                if value.is_floating_point() and not (skip_first and value is args[0]):
+                    slots.append(self._slot(pass_, value, _input_role(role), INPUT))
+            elif type(value) is float:
+                scalars |= scalar_kinds(value)
+        return slots, frozenset(scalars)
+
+    def _slot(self, pass_: PassRecord, t: torch.Tensor, role: str, category: str) -> tuple:
+        entry = pass_.summarise(t, None, False, None)
+        return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX],
+                next(pass_.seq))
+
+    def _record(self, state: _ThreadState, pass_: PassRecord, func, args, kwargs, out, outputs,
+                before, immediate: bool, first_node: int):
+        """Record one function call in full (inputs and outputs summarised); where its values
+        are on the host, return its culprit or None."""
+        if in_optimizer():
+            return None  # a step writing weights: the weights' rules name what it wrote
+        if before:
+            slots, scalars = before
+        else:  # a first argument written in place held only finite values: not summarised
+            slots, scalars = self._summarise_inputs(pass_, args, kwargs, before is not None)
+            if not slots and before is None:  # made from scalars and shapes: a constant, a mask
+                return None
+        call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
+        state.ops += 1
+        call.func, call.received, call.where = func, scalars, user_where()
+        call.slots = list(slots)
+        single = len(outputs) == 1 and type(out) in _PLAIN
+        for index, t in enumerate(outputs):
+            call.slots.append(self._slot(pass_, t, "output" if single else f"output[{index}]",
+                                         OUTPUT))
+        call.seq = next(pass_.seq)
+        pass_.calls.append(call)
+        call.checked = immediate
+        call.meta = _tree.rebuild((args, kwargs), lambda t, _: Meta(t))
+        if immediate:
+            pass_.read_back()
+            _learn_clean(pass_, call)
+        else:
+            call.pass_ = pass_
+        if call.clean is not False and self._records_graph(outputs):
+            self._hook_nodes(call, outputs, first_node)
+        bad = _made_new(pass_, call, self._inf_allowed()) if immediate else []
+        if not bad:
+            return None
+        ops, first = aten_ops(func, args, kwargs, on_values=before is None)
+        call.op = first or likeliest(ops) or fallback_op(func)
+        return pass_, call, bad
+
+    def _immediate(self, tensors) -> bool:
+        return self.guard._sync or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
+
+    def _inf_allowed(self) -> bool:
+        return self.guard.options.inf_allowed(OUTSIDE_MODULE)
+
+    def _batch(self) -> int:
+        return self.guard._threads.state.batch_number
+
+    def _settle(self, state: _ThreadState, raising: bool = True):
+        """Read the region's statistics back (one transfer on a GPU) and check what was not
+        checked yet; the first culprit is raised (or, without `raising`, reported and returned).
+        The next function starts a new region."""
+        pass_, state.pass_ = state.pass_, None
+        if pass_ is None or not self.attached:
+            return None
+        pass_.read_back()
+        inf_allowed, culprit = self._inf_allowed(), None
+        for call in pass_.calls:
+            if call.checked:
+                continue
+            _learn_clean(pass_, call)
+            bad = _made_new(pass_, call, inf_allowed) if culprit is None else []
+            if bad:
+                ops, _ = aten_ops(call.func, *call.meta, on_values=False)
+                call.op = likeliest(ops) or fallback_op(call.func)
+                culprit = (pass_, call, bad)
+        if culprit is not None:
+            return self._raise(*culprit, raising=raising)
+        pass_.release()
+        return None
+
+    # ---- backward -------------------------------------------------------------------------------
+    def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:
+        """Put a post-hook on each autograd node the function created: those reached from its
+        outputs' nodes numbered from `first_node` on (this thread's numbering, taken before it
+        ran; its inputs' nodes come before)."""
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        found: list = []
+        while todo and len(found) < MAX_NODES_PER_OP:
+            node = todo.pop()
+            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < first_node \
+                    or any(node is other for other in found):
+                continue
+            found.append(node)
+            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+        for node in found:
+            self.node_handles.append(node.register_hook(_NodeHook(self, call, node.name())))
+        if len(self.node_handles) > 2 * self._kept_handles + 16:  # bounded over long runs
+            self.node_handles[:] = [h for h in self.node_handles if h.hooks_dict_ref() is not None]
+            self._kept_handles = len(self.node_handles)
+
+    def on_node(self, hook: _NodeHook, grad_inputs, grad_outputs) -> None:
+        """A watched node ran in backward: where the gradients it gives are on the host and
+        finite, nothing more; else record what it received and gave, and check it (at once on
+        the host, at the end of the backward on a device)."""
+        forward = hook.forward
+        if not self.attached or self.guard._paused or forward.clean is False \
+                or is_dynamo_compiling():
+            return
+        culprit = None
+        try:
+            given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
+            if not given or (self._immediate(given) and all(_finite(g) for g in given)):
+                return  # the common case: finite gradients, nothing recorded
+            task = _current_graph_task_id()
+            pass_ = self.backward_passes.get(task)
+            if pass_ is None:
+                if len(self.backward_passes) > BackwardPasses.MAX_OPEN:
+                    self.backward_passes.clear()  # passes a culprit or an error ended early
+                pass_ = self.backward_passes[task] = PassRecord()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    partial(self._end_backward, task))
+            call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
+            call.forward, call.where = forward, forward.where
+            grads = []
+            for category, role, values in ((GRAD_OUTPUT, "grad_output", grad_outputs),
+                                           (GRAD_INPUT, "grad_input", grad_inputs)):
+                for index, grad in enumerate(values):
+                    name = role if len(values) == 1 else f"{role}[{index}]"
+                    if isinstance(grad, torch.Tensor) and grad.is_floating_point():
+                        call.slots.append(self._slot(pass_, grad, name, category))
+                        grads.append(grad)
+                    else:
+                        call.slots.append((name, category, VALUE_NONE, None, None, None,
+                                           next(pass_.seq)))
+            call.seq = next(pass_.seq)
+            pass_.calls.append(call)
+            call.checked = self._immediate(grads)
+            if call.checked:
+                culprit = self._node_culprit(pass_, call)
+        except Exception:  # never break the user's backward over the watch's own trouble
+            return
+        if culprit is not None:
+            self.backward_passes.pop(_current_graph_task_id(), None)
+            self._raise_backward(*culprit)
+
+    def _node_culprit(self, pass_: PassRecord, call: OutsideCall):
+        """(pass, call, bad slots) when a node gave a problem kind it was not given, and the
+        function that created it was given finite values; else None."""
+        pass_.read_back()
+        bad = _made_new(pass_, call, self._inf_allowed())
+        forward = call.forward
+        if not bad:
+            return None
+        if forward.clean is None and forward.pass_ is not None:
+            forward.pass_.read_back()
+            _learn_clean(forward.pass_, forward)
+        if not forward.clean:
+            return None
+        if forward.op is None:
+            ops = aten_ops(forward.func, *forward.meta, on_values=False)[0] if forward.meta \
+                else []
+            forward.op = likeliest(ops, call.module_class) or node_op(call.module_class,
+                                                                     forward.func)
+        call.op = f"{call.module_class}: {forward.op}"
+        return pass_, call, bad
+
+    def _end_backward(self, task) -> None:
+        """The end of a backward that ran watched nodes: check those not checked yet."""
+        pass_ = self.backward_passes.pop(task, None)
+        if pass_ is None or not self.attached:
+            return
+        culprit = None
+        try:
+            for call in pass_.calls:
+                culprit = culprit or (None if call.checked else self._node_culprit(pass_, call))
+        except Exception:  # never break the user's backward over the watch's own trouble
+            culprit = None
+        if culprit is not None:
+            self._raise_backward(*culprit)
+        pass_.release()
+
+    def _raise_backward(self, pass_: PassRecord, call: OutsideCall, bad) -> None:
+        """Raise a node's culprit, unless it is an overflow the loss scaler skips the step for
+        (recorded in `guard.skipped_steps`, as the model's own gradients are)."""
+        guard = self.guard
+        if guard._scaling.excuses(guard.options, pass_, call, bad, CAUSE_OUTSIDE):
+            return
+        self._raise(pass_, call, bad)
+
+    # ---- the report ------------------------------------------------------------------------------
+    def _raise(self, pass_: PassRecord, call: OutsideCall, bad, raising: bool = True):
+        """Build the report of an outside culprit, keep it on the guard and raise it (or, without
+        `raising`, report it and return the error to raise)."""
+        guard, options = self.guard, self.guard.options
+        culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad})
+        culprit.op = call.op
+        culprit.source = source_of(call.where)
+        report = frames.detection_report(
+            pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard._recent.frames(options),
+            options, call.batch_number)
+        guard.detection = report
+        pass_.release()
+        error = options.on_detect(report) if options.on_detect is not None else None
+        error = error if isinstance(error, BaseException) else NonFiniteError(report)
+        if raising:
+            raise error
+        return error
+
+
+def _input_role(role: str) -> str:
+    """'input[1]' for args[1] ('input[0]' is the args tuple) and 'input[name]' for a keyword."""
+    for prefix in ("input[0]", "input[1]"):
+        if role.startswith(prefix):
+            return "input" + role[len(prefix):]
+    return role

@@ -1,0 +1,482 @@
+"""The watch over the code outside the guarded modules (a loss in a cell or a training loop).
+
+A non-finite value made there is named (module `<outside>`, its ATen op, the user's line, a
+notebook cell as `Cell In[n]`), forward and backward; masks and data are not blamed; nothing
+is left behind (no hook, no mode on the stack), nothing is changed (bit-identical results),
+memory stays flat, each thread has its own watch, module internals never run under it, and
+the path that reads a GPU's statistics once per region is the same as the one that checks at
+once (run on CPU here with the at-once devices emptied).
+"""
+
+from __future__ import annotations
+
+import gc
+import linecache
+import re
+import threading
+import tracemalloc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import promises
+from numguard_nb import Guard, NonFiniteError
+from numguard_nb._schema import BACKWARD, CAUSE_OUTSIDE, FORWARD, OUTSIDE_MODULE
+from numguard_nb.guard import outside
+
+INF = float("inf")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def this_line_plus(offset: int) -> str:
+    """'tests/test_outside.py:<line>' of the caller's line + offset."""
+    import sys
+
+    frame = sys._getframe(1)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno + offset}"
+
+
+def function_stack() -> list:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+@pytest.fixture(params=["at once", "once per region"])
+def reading(request, monkeypatch):
+    """Both ways of reading the statistics: at once (CPU), once per region (a GPU's way)."""
+    if request.param == "once per region":
+        monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())
+    return request.param
+
+
+# ---- forward: a function of the loss makes the value ------------------------------------------
+@pytest.mark.parametrize("value, kind", [(0.0, "neginf"), (-1.0, "nan")])
+def test_log_of_zero_or_of_a_negative_value_in_the_loss_is_named_with_its_op_and_line(
+        reading, value, kind):
+    model = mlp()
+    x = torch.randn(3, 4)
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(x)
+        where = this_line_plus(1)
+        loss = torch.log(out * 0 + value).mean()
+        loss.backward()
+    report = caught.value.report
+    culprit = report.first_nonfinite
+    assert report.cause == CAUSE_OUTSIDE and report.phase == FORWARD
+    assert (culprit.module_name, culprit.module_class) == (OUTSIDE_MODULE, "torch.log")
+    assert culprit.op == "aten.log.default"
+    assert culprit.source == f"{where}: loss = torch.log(out * 0 + value).mean()"
+    (row,) = culprit.flagged_rows
+    assert row.role == "output" and getattr(row, kind)
+    assert "code outside the guarded modules produced a non-finite value" in report.reason
+    assert "torch.log(p.clamp_min(1e-7))" in report.hint and "BCEWithLogitsLoss" in report.hint
+    # the model's frames lead up to it (and, read once per region, the loss's functions)
+    names = [f.module_name for f in report.frames if f.module_name != OUTSIDE_MODULE]
+    assert names[-3:] == ["1", "2", ""] and report.frames[-1] is culprit
+
+
+def test_division_by_a_zero_sum_in_the_loss_names_the_division(reading):
+    model = mlp()
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(torch.randn(3, 4))
+        mask = torch.zeros(3, 1)
+        (out * mask).sum() / mask.sum()  # a masked mean over no element: 0/0
+    culprit = caught.value.report.first_nonfinite
+    assert culprit.op == "aten.div.Tensor" and culprit.module_class == "Tensor.div"
+    assert culprit.flagged_rows[0].nan
+    assert "Keep the denominator away from 0" in caught.value.report.hint
+
+
+def test_a_function_writing_in_place_is_named_and_what_it_overwrote_counts_as_given(reading):
+    model = mlp()
+    with Guard(model):
+        out = model(torch.randn(3, 4)) * 0
+        out[0] = INF  # a value already non-finite ...
+        out.mul_(2)  # ... kept by an in-place function: nothing new
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(torch.randn(3, 4)) * 0
+        out.log_()  # log(0), in place
+        out.sum().backward()
+    culprit = caught.value.report.first_nonfinite
+    assert (culprit.module_class, culprit.op) == ("Tensor.log_", "aten.log_.default")
+    assert culprit.flagged_rows[0].neginf
+
+
+def test_a_composite_loss_is_named_by_the_aten_op_inside_it_that_made_the_value():
+    model = mlp()
+    logits_model = nn.Linear(4, 3)
+    with pytest.raises(NonFiniteError) as caught, Guard([model, logits_model]):
+        logits = logits_model(torch.randn(2, 4))
+        F.cross_entropy(logits, torch.tensor([-100, -100]))  # every label ignored: 0/0
+    culprit = caught.value.report.first_nonfinite
+    assert culprit.module_class == "torch.nn.functional.cross_entropy"
+    assert culprit.op == "aten.nll_loss_forward.default"
+
+
+def test_a_loss_computed_in_a_notebook_cell_is_named_by_the_cell():
+    model = mlp()
+
+    class Compiler:
+        _filename_map = {}
+
+    class Shell:
+        compile = Compiler()
+
+    cell = "out = model(x)\nloss = torch.log(out * 0).mean()\n"
+    filename = "<ipython-input-5-0123456789ab>"
+    Compiler._filename_map[filename] = 5
+    linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
+    namespace = {"torch": torch, "model": model, "x": torch.randn(2, 4),
+                 "get_ipython": lambda: Shell()}
+    try:
+        with pytest.raises(NonFiniteError) as caught, Guard(model):
+            exec(compile(cell, filename, "exec"), namespace)
+    finally:
+        linecache.cache.pop(filename, None)
+    culprit = caught.value.report.first_nonfinite
+    assert culprit.source == "Cell In[5], line 2: loss = torch.log(out * 0).mean()"
+    assert "at Cell In[5], line 2" in caught.value.report.reason
+    assert "at `loss = torch.log(out * 0).mean()`" in caught.value.report.hint
+
+
+# ---- backward: a node the loss created makes the gradient ----------------------------------------
+def test_sqrt_at_zero_in_the_loss_is_named_in_backward_with_the_line_that_made_it(reading):
+    model = mlp()
+    x = torch.randn(3, 4)
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        pred = model(x)
+        y = pred.detach().clone()
+        where = this_line_plus(1)
+        loss = (pred - y).pow(2).sum().sqrt()
+        assert torch.isfinite(loss)  # 0, but its gradient is not finite
+        loss.backward()
+    report = caught.value.report
+    culprit = report.first_nonfinite
+    assert report.cause == CAUSE_OUTSIDE and report.phase == BACKWARD
+    assert culprit.module_name == OUTSIDE_MODULE and culprit.module_class == "SqrtBackward0"
+    assert culprit.op == "SqrtBackward0: aten.sqrt.default"
+    assert culprit.source == f"{where}: loss = (pred - y).pow(2).sum().sqrt()"
+    assert [row.role for row in culprit.flagged_rows] == ["grad_input"]
+    assert "the autograd node SqrtBackward0, created outside the guarded modules" in report.reason
+    assert "is infinite at 0" in report.hint and "torch.sqrt(d2 + 1e-12)" in report.hint
+    if reading == "at once":  # stopped before any gradient reached the model
+        assert model[0].weight.grad is None
+
+
+def test_log_at_zero_of_a_probability_is_named_in_forward_before_its_backward():
+    model = nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(10.0)
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        p = torch.sigmoid(model(torch.full((2, 4), 1.0)).squeeze(-1))  # rounds to 1.0
+        target = torch.tensor([1.0, 0.0])
+        (-(target * torch.log(p) + (1 - target) * torch.log(1 - p)).mean()).backward()
+    culprit = caught.value.report.first_nonfinite
+    assert (culprit.phase, culprit.op) == (FORWARD, "aten.log.default")
+    assert culprit.source.endswith("torch.log(1 - p)).mean()).backward()")
+
+
+# ---- what is not blamed ----------------------------------------------------------------------------
+def test_masks_built_outside_the_modules_do_not_stop_the_run(reading):
+    model = nn.Linear(4, 4)
+    with Guard(model):
+        scores = model(torch.randn(2, 4))
+        causal = torch.ones(2, 4, dtype=torch.bool).tril()
+        masked = scores.masked_fill(~causal, float("-inf"))
+        additive = torch.full((2, 4), float("-inf")).triu(1)
+        where = torch.where(causal, scores, torch.tensor(float("-inf")))
+        probs = torch.softmax(masked + additive, dim=-1) + torch.softmax(where, dim=-1)
+        loss = -(probs.clamp_min(1e-6).log()).mean() + torch.logsumexp(masked, -1).mean()
+        loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_a_fully_masked_row_makes_nan_and_that_is_named(reading):
+    model = nn.Linear(4, 4)
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        scores = model(torch.randn(2, 4))
+        mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)  # row 1: nan
+        probs.sum().backward()
+    culprit = caught.value.report.first_nonfinite
+    assert culprit.op == "aten._softmax.default" and culprit.flagged_rows[0].nan
+
+
+@pytest.mark.parametrize("bad", [float("nan"), INF])
+def test_non_finite_data_given_to_the_loss_is_not_blamed_on_the_loss_code(reading, bad):
+    model = mlp()
+    y = torch.tensor([[1.0], [bad], [0.0]])  # a target that is already non-finite
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(torch.randn(3, 4))
+        scaled = y / y.abs().max()  # inf / inf is nan: new, but made from the data's inf
+        loss = F.mse_loss(out, scaled)
+        loss.backward()
+    assert caught.value.report.cause == "loss-gradient"
+
+
+def test_allow_inf_for_outside_lets_the_code_make_inf():
+    model = mlp()
+    with Guard(model, allow_inf=[OUTSIDE_MODULE]):
+        out = model(torch.randn(3, 4))
+        loss = torch.log(out * 0).mean()
+    assert loss == -INF
+
+
+def test_a_healthy_training_loop_with_an_optimizer_does_not_raise_over_50_steps(reading):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    banned = torch.full((3,), 0.0)
+    banned[2] = float("-inf")  # class 2 is never a label: an additive mask
+    with Guard(model):
+        for _ in range(50):
+            logits = model(x) + banned
+            loss = F.cross_entropy(logits, y)
+            loss += 1e-4 * sum(w.pow(2).sum() for w in model.parameters())
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+    assert torch.isfinite(loss)
+
+
+def test_an_optimizer_step_is_not_watched_its_weights_are_named_at_the_next_call():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=float("inf"), foreach=False)
+    x = torch.randn(3, 4)
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        model(x).pow(2).mean().backward()
+        model(x)  # the code after this call is watched ...
+        optimizer.step()  # ... but not the step, which writes inf into the weights
+        model(x)
+    assert caught.value.report.cause == "weights"
+
+
+# ---- nothing left behind, nothing changed ------------------------------------------------------
+class _Interrupt(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("ending", [None, NonFiniteError, ValueError, KeyboardInterrupt])
+def test_nothing_is_left_behind_on_any_exit(ending):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = promises.hooks_left(model, optimizers=[optimizer])
+    stack_before = function_stack()
+    with pytest.raises(ending) if ending else _no_error():
+        with Guard(model):
+            out = model(torch.randn(3, 4))
+            assert function_stack()[-1] is outside._MODE  # watching the code after the call
+            loss = out.pow(2).sum()
+            if ending is NonFiniteError:
+                torch.log(out * 0)
+            elif ending is not None:
+                raise ending("stop")
+            loss.backward()
+            optimizer.step()
+    assert promises.hooks_left(model, optimizers=[optimizer]) == before
+    assert function_stack() == stack_before == []
+    assert not outside.outside_mode_active()
+
+
+class _no_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_outputs_loss_and_gradients_are_bit_identical_with_and_without_the_guard():
+    def run(guarded):
+        def step():
+            model = mlp()
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            context = Guard(model) if guarded else _no_error()
+            with context:
+                out = model(x)
+                loss = (torch.log1p((out - y).pow(2)) / 3).mean() + F.smooth_l1_loss(out, y)
+                loss.backward()
+            return out, loss, [p.grad for p in model.parameters()]
+        return promises.same_run(step)
+
+    assert promises.bit_identical(run(True), run(False))
+
+
+def test_memory_stays_flat_over_2000_steps(reading):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    traced, handles = {}, {}
+    tracemalloc.start()
+    try:
+        with Guard(model) as guard:
+            for step in range(1, 2001):
+                loss = torch.sqrt((model(x) - y).pow(2).mean() + 1e-6)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if step in (1000, 2000):
+                    gc.collect()
+                    traced[step] = tracemalloc.get_traced_memory()[0]
+                    handles[step] = len(guard._outside.node_handles)
+    finally:
+        tracemalloc.stop()
+    assert traced[2000] - traced[1000] < 32 * 1024, traced
+    assert max(handles.values()) <= 128, handles
+
+
+# ---- threads, modes, module internals ----------------------------------------------------------
+def test_each_thread_has_its_own_watch_and_gets_its_own_error():
+    model = mlp()
+    results = {}
+
+    def worker(name, value):
+        try:
+            for _ in range(20):
+                out = model(torch.randn(3, 4))
+                torch.log(out * 0 + value).mean()
+            results[name] = ("ok", outside.outside_mode_active())
+        except NonFiniteError as error:
+            results[name] = ("error", error.report.first_nonfinite.op)
+
+    with Guard(model):
+        out = model(torch.randn(3, 4))  # this thread's loss code is watched from here ...
+        threads = [threading.Thread(target=worker, args=("good", 1.0)),
+                   threading.Thread(target=worker, args=("bad", 0.0))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        last = threading.Thread(target=lambda: model(torch.randn(3, 4)).sum().backward())
+        last.start()  # its backward ends the code watched in that thread only
+        last.join()
+        with pytest.raises(NonFiniteError):  # ... whatever the other threads did meanwhile
+            torch.log(out * 0)
+    assert results["good"] == ("ok", True)
+    assert results["bad"] == ("error", "aten.log.default")
+    assert function_stack() == []
+
+
+class _Counting(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_function_mode_of_the_users_keeps_its_place_on_the_stack():
+    model = mlp()
+    with Guard(model):
+        with _Counting() as mine:
+            out = model(torch.randn(3, 4))  # the watch is not pushed above the user's mode
+            assert function_stack() == [mine]
+            torch.log(out * 0)  # not watched: no error
+        assert function_stack() == []
+        out = model(torch.randn(3, 4))
+        with _Counting() as mine:  # entered above the watch: both work
+            assert function_stack() == [outside._MODE, mine]
+            with pytest.raises(NonFiniteError):
+                torch.log(out * 0)
+        assert mine.calls > 0 and function_stack() == [outside._MODE]
+    assert function_stack() == []
+
+
+class _Probe(nn.Module):
+    """Notes, inside its forward, whether the functions it calls are checked."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.seen: list = []
+
+    def forward(self, x):
+        self.seen.append(outside.outside_checking())
+        return self.lin(x)
+
+
+def test_module_internals_and_the_code_after_a_backward_are_not_checked():
+    model, unguarded = _Probe(), _Probe()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model):
+        for _ in range(3):
+            reference = model(torch.randn(2, 4)).detach()  # the code after it is checked ...
+            loss = (model(torch.randn(2, 4)) - reference).pow(2).mean()  # ... not its internals
+            assert outside.outside_checking()
+            loss.backward()
+            unguarded(torch.randn(2, 4))  # a model not guarded, after the backward
+            optimizer.step()
+            assert not outside.outside_checking()
+    assert model.seen == [False] * 6 and unguarded.seen == [False] * 3
+    assert not outside.outside_mode_active()
+
+
+def test_a_compiled_loss_function_is_traced_into_one_unchanged_graph_under_the_watch():
+    import torch._dynamo
+
+    model = mlp()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    @torch.compile(backend=backend)
+    def loss_fn(out):
+        return torch.log1p(out.pow(2)).mean()
+
+    torch._dynamo.reset()
+    with Guard(model):
+        loss = loss_fn(model(torch.randn(3, 4)))
+        loss.backward()
+    assert torch.isfinite(loss)
+    (code,) = graphs  # no graph break
+    assert "log1p" in code and "mean" in code and "outside" not in code
+
+
+def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatch):
+    monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())
+    model = mlp()
+    with pytest.raises(NonFiniteError) as caught, Guard(model) as guard:
+        torch.log(model(torch.randn(3, 4)) * 0).mean()  # read at the end only
+    assert caught.value.report is guard.detection
+    assert caught.value.report.first_nonfinite.op == "aten.log.default"
+    assert function_stack() == []
+
+
+# ---- the notebook --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shell():
+    from IPython.testing import globalipapp
+
+    ip = globalipapp.start_ipython() or globalipapp.get_ipython()  # or the one already started
+    ip.run_cell("%load_ext numguard_nb")
+    yield ip
+    ip.run_cell("%unload_ext numguard_nb")
+
+
+def test_a_numguard_cell_names_a_log_of_the_models_output_by_its_cell(shell):
+    from IPython.utils.capture import capture_output
+
+    shell.run_cell("import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+                   "model = nn.Sequential(nn.Linear(4, 2), nn.ReLU())\nx = -torch.ones(3, 4)")
+    with capture_output():
+        result = shell.run_cell("%%numguard model\nout = model(x)\n"
+                                "loss = torch.log(model(x)).mean()\nloss.backward()")
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError)
+    culprit = error.report.first_nonfinite
+    assert re.fullmatch(r"Cell In\[\d+\], line 3: loss = torch.log\(model\(x\)\).mean\(\)",
+                        culprit.source), culprit.source
+    assert culprit.op == "aten.log.default" and error.report.cause == CAUSE_OUTSIDE
+    assert function_stack() == []
