@@ -97,6 +97,7 @@ def _qualify(prefix: str, name: str) -> str:
 _NUMGUARD_CAUSES = {
     "data": (IN_DATA, None),  # the data fed to the model: made before the call
     "loss-gradient": (IN_LOOP, None),  # the gradient entering the model: the loss's doing
+    "outside": (IN_LOOP, None),  # code between the model's calls: the training loop
     "weights": (IN_OPTIMIZER, OPTIMIZER),  # weights already non-finite: a broken optimizer step
 }
 

@@ -120,12 +120,15 @@ def model_state(model: nn.Module) -> dict:
 
 
 def memory_growth(step, steps: int, warmup: int = 50) -> int:
-    """Bytes Python still holds after `steps` calls of `step()`, measured after `warmup` calls."""
-    for _ in range(warmup):
-        step()
+    """Bytes Python still holds after `steps` calls of `step()`, over what it held after `warmup`
+    calls. Both counts are traced: what the first calls make once (caches, a mode's state) and
+    what later calls put in its place is not growth."""
     gc.collect()
     tracemalloc.start()
     try:
+        for _ in range(warmup):
+            step()
+        gc.collect()
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(steps):
             step()

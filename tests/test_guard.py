@@ -221,6 +221,18 @@ def test_nan_gradient_from_a_loss_outside_the_model_is_blamed_on_the_loss():
         assert torch.isfinite(loss)
         loss.backward()
     report = caught.value.report
+    assert report.cause == "outside" and report.phase == "backward"
+    culprit = report.first_nonfinite
+    assert (culprit.module_name, culprit.module_class) == ("<outside>", "SqrtBackward0")
+    assert [row.role for row in culprit.flagged_rows] == ["grad_input"]
+
+
+def test_a_gradient_handed_in_non_finite_is_blamed_on_the_loss():
+    model = mlp()
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(torch.randn(3, 4))
+        out.backward(torch.full_like(out, float("nan")))  # made by no torch op the guard saw
+    report = caught.value.report
     assert report.cause == "loss-gradient" and report.phase == "backward"
     assert report.first_nonfinite.module_name == ""
     assert [row.role for row in report.first_nonfinite.flagged_rows] == ["grad_output"]
