@@ -54,3 +54,11 @@ def ipython():
 
     start_ipython()  # returns None when a shell was started already
     return TerminalInteractiveShell.instance()
+
+
+@pytest.fixture(scope="module")
+def shell(ipython):
+    """The IPython shell with the extension loaded, for one test file."""
+    ipython.run_cell("%load_ext numguard_nb")
+    yield ipython
+    ipython.run_cell("%unload_ext numguard_nb")

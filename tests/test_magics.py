@@ -38,14 +38,6 @@ LOOP = "for x in xs:\n    step(net, x)"
 CULPRIT = "0 (Linear) produced a non-finite value in forward (call 0 of batch 4)"
 
 
-@pytest.fixture(scope="module")
-def shell(ipython):
-    ip = ipython
-    ip.run_cell("%load_ext numguard_nb")
-    yield ip
-    ip.run_cell("%unload_ext numguard_nb")
-
-
 @pytest.fixture
 def ip(shell):
     # as in a notebook: every format is computed (a terminal shell keeps only text/plain)

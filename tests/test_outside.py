@@ -455,16 +455,6 @@ def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatc
 
 
 # ---- the notebook --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def shell():
-    from IPython.testing import globalipapp
-
-    ip = globalipapp.start_ipython() or globalipapp.get_ipython()  # or the one already started
-    ip.run_cell("%load_ext numguard_nb")
-    yield ip
-    ip.run_cell("%unload_ext numguard_nb")
-
-
 def test_a_numguard_cell_names_a_log_of_the_models_output_by_its_cell(shell):
     from IPython.utils.capture import capture_output
 

@@ -477,14 +477,6 @@ scaler = torch.amp.GradScaler("cpu")
 """
 
 
-@pytest.fixture(scope="module")
-def shell(ipython):
-    ip = ipython
-    ip.run_cell("%load_ext numguard_nb")
-    yield ip
-    ip.run_cell("%unload_ext numguard_nb")
-
-
 def run_cell(ip, cell):
     from IPython.utils.capture import capture_output
 
