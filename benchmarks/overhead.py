@@ -112,6 +112,8 @@ def make_configs(model):
         "numguard fwd only": guarded(backward=False),
         "numguard ops=True": guarded(ops=True),
         "numguard sentinel": guarded(mode="sentinel"),
+        # every 10th batch with the full hooks, into guard.history
+        "numguard sentinel, history_every=10": guarded(mode="sentinel", history_every=10),
         "HF DebugUnderflowOverflow (fwd)": (hf_model, contextlib.nullcontext),
         "autograd.detect_anomaly": (model, torch.autograd.detect_anomaly),
     }
