@@ -323,6 +323,7 @@ def test_a_detection_says_how_the_culprits_value_grew_over_the_history():
         f"its output's abs max grew {last / first:.3g}x over the last 45 batches "
         f"({first:.3g} at batch 180, {last:.3g} at batch 225)")
     assert f"\nhistory: {report.history_note}\n" in report.to_text() + "\n"
+    assert '<div class="ng-note">history: ' in report._repr_html_()  # the notebook says it too
 
     # The weight gradients (twice the output) overflow first in backward: their history then.
     report = run(5, backward=True)

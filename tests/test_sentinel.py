@@ -93,6 +93,9 @@ def test_the_re_run_names_what_full_mode_names(case_name):
     assert full is not None and sentinel is not None
     assert culprit(sentinel) == culprit(full)
     assert full.found_by == "" and sentinel.found_by == "re-run"
+    assert "found by: re-running the failing call" in sentinel.to_text()
+    assert '<div class="ng-note">found by: re-running' in sentinel._repr_html_()
+    assert "found by" not in full.to_text() and "found by" not in full._repr_html_()
     assert sentinel.first_nonfinite.flagged_rows
 
 

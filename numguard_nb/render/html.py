@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from .._schema import FORWARD, VALUE_TENSOR
 from ..report import Frame, Report, TensorRow, dtype_smallest_normal
 from ._format import esc
+from .text import note_lines
 
 __all__ = [
     "ModuleNode", "build_tree", "report_html", "frames_html", "frame_html", "header_html", "hint_html",
@@ -449,6 +450,8 @@ def header_html(report: Report) -> str:
     parts = [f'<div class="ng-header"><div class="{summary_class}">{esc(report.summary())}</div>']
     if culprit is not None and report.hint:
         parts.append(hint_html(report.hint))
+    if culprit is not None:  # the culprit's recent history, how it was found: as in the text
+        parts += [f'<div class="ng-note">{esc(line)}</div>' for line in note_lines(report)]
     parts.append(f'<div class="ng-meta">{esc(meta_text(report))}</div>')
     if culprit is not None:
         parts.append(

@@ -11,7 +11,9 @@ frames (`dump_lines`).
 
 from __future__ import annotations
 
-from .._schema import FORWARD, TRACE, VALUE_EMPTY, VALUE_NONE, VALUE_TENSOR, VALUE_UNSUPPORTED
+from .._schema import (
+    FORWARD, FOUND_BY_RERUN, TRACE, VALUE_EMPTY, VALUE_NONE, VALUE_TENSOR, VALUE_UNSUPPORTED,
+)
 from ..report import Frame, Report, TensorRow
 
 __all__ = [
@@ -77,13 +79,26 @@ def verdict_lines(report: Report) -> list:
         lines.append(f"hint: {report.hint}")
     lines.extend(f"samples holding inf/nan in {row.role}: {row.sample_list}"
                  for row in frame.flagged_rows if row.sample_list)
-    lines += [f"history: {report.history_note}"] if report.history_note else []
+    lines += note_lines(report)
     if frame.op:
         lines.append(f"first non-finite op: {frame.op}")
     if frame.source:
         lines.append(f"called from: {frame.source}")
     if frame.op_note and not frame.op:
         lines.append(f"op localisation: {frame.op_note}")
+    return lines
+
+
+# How a detection was found, where it was not by the hooks as the values were made.
+_FOUND_BY = {FOUND_BY_RERUN: 're-running the failing call with the full guard (mode="sentinel")'}
+
+
+def note_lines(report: Report) -> list:
+    """The culprit's recent history (history_every) and how the detection was found (a
+    sentinel's re-run), where there is something to say."""
+    lines = [f"history: {report.history_note}"] if report.history_note else []
+    if report.found_by in _FOUND_BY:
+        lines.append(f"found by: {_FOUND_BY[report.found_by]}")
     return lines
 
 
