@@ -84,6 +84,18 @@ class Net(nn.Module):
 
 
 # ---- backward-only non-finite values ---------------------------------------------------------
+class LogNet(nn.Module):
+    """Two layers with a log between them: nan once the first gives values below -10."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.second(torch.log(self.first(x) + 10))  # nan for large inputs
+
+
 class SqrtOfZeroPlusInput(nn.Module):
     """sqrt(0 * x) + x: a finite forward that keeps x, a nan gradient from sqrt's backward at 0."""
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from numguard_nb import BatchLimitReached, Guard, NonFiniteError
 from promises import bit_identical, hooks_left, memory_growth, model_state, same_run
+from models import LogNet
 
 NAN = float("nan")
 
@@ -575,16 +576,6 @@ def test_compiling_a_guarded_model_with_fullgraph_runs_as_without_the_guard(dyna
         got = same_run(lambda: run(model))
     assert bit_identical(got, expected)
     assert guard.detection is None
-
-
-class LogNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first = nn.Linear(4, 4)
-        self.second = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.second(torch.log(self.first(x) + 10))  # nan for large inputs
 
 
 def test_a_model_compiled_before_attaching_is_reported_as_the_original_model(dynamo):

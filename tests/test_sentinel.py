@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import EatsInput, Exp, FirstCallOnly, SqrtOfZeroPlusInput
+from models import EatsInput, Exp, FirstCallOnly, LogNet, SqrtOfZeroPlusInput
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb.guard import GuardOptions
 from numguard_nb.guard.sentinel import _top_of
@@ -132,16 +132,6 @@ def dynamo():
     torch._dynamo.reset()
     yield torch._dynamo
     torch._dynamo.reset()
-
-
-class LogNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first = nn.Linear(4, 4)
-        self.second = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.second(torch.log(self.first(x) + 10))  # nan for large inputs
 
 
 def log_model() -> nn.Sequential:
