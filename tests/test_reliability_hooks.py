@@ -20,13 +20,11 @@ import io
 import pickle
 import re
 import threading
-import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from numguard_nb import BatchLimitReached, Guard, NonFiniteError
