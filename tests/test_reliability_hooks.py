@@ -322,6 +322,33 @@ class Sqrt(nn.Module):
         return torch.sqrt(x.abs())
 
 
+def test_a_batch_started_in_another_thread_between_forward_and_backward_loses_no_gradient():
+    # The input gradient of Sqrt at 0 is nan, and the input is a leaf: what its gradient belongs
+    # to must outlive a batch another thread starts before this thread's backward.
+    model = nn.Sequential(Sqrt(), nn.Linear(4, 1))
+    forward_done, other_batch_done = threading.Event(), threading.Event()
+    errors = []
+
+    def bad_thread():
+        x = torch.zeros(3, 4, requires_grad=True)
+        out = model(x)
+        forward_done.set()
+        other_batch_done.wait(10)
+        try:
+            torch.autograd.grad(out.pow(2).sum(), [x, *model.parameters()])
+        except NonFiniteError as error:
+            errors.append(error)
+
+    with promises_kept(model), Guard(model):
+        thread = threading.Thread(target=bad_thread)
+        thread.start()
+        forward_done.wait(10)
+        model(x4() + 3)  # a batch of the main thread, whose backward never comes
+        other_batch_done.set()
+        thread.join()
+    assert len(errors) == 1 and culprit(errors[0]) == ("0", "Sqrt", "backward")
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_nan_made_in_one_thread_is_reported_in_that_thread(phase):
     torch.manual_seed(0)

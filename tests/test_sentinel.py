@@ -99,13 +99,14 @@ def test_the_re_run_names_what_full_mode_names(case_name):
     assert sentinel.first_nonfinite.flagged_rows
 
 
-def test_a_loss_made_outside_the_model_is_named_by_its_gradient_entering_the_model():
-    # Full mode watches the code between module calls and names its op; the sentinel re-runs
-    # only the model's calls, so it names the non-finite gradient the loss sends into the model.
+def test_a_loss_made_outside_the_model_is_named_by_the_outside_watch_as_in_full_mode():
+    # No re-run can repeat the user's loss code: the watch over it runs in sentinel mode too.
     full = _first_detection("handwritten_bce_log0", "full")
     sentinel = _first_detection("handwritten_bce_log0", "sentinel")
     assert (full.first_nonfinite.module_name, full.cause) == ("<outside>", "outside")
-    assert sentinel.cause == "loss-gradient" and sentinel.found_by == "re-run"
+    assert culprit(sentinel) == culprit(full) and sentinel.cause == full.cause
+    assert sentinel.first_nonfinite.op == full.first_nonfinite.op == "aten.log.default"
+    assert sentinel.first_nonfinite.source == full.first_nonfinite.source
     assert sentinel.batch_number == full.batch_number
 
 

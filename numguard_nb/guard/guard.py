@@ -226,6 +226,7 @@ class Guard:
             self._forget_passes()
             if self.options.mode == MODE_SENTINEL:  # no hooks on modules: checks per step
                 self._attached = self._sentinel.attach()
+                self._outside.start()  # the loss is checked as in full mode
                 return self
             try:
                 self._steps.start()
@@ -414,7 +415,7 @@ class Guard:
         state.call_counts.clear()
         state.tracing = self._tracing = batch in self.options.trace_batches
         self._first_calls.clear()
-        self._grad_hooks.forget_targets()  # a backward that never came (evaluation with grad)
+        state.forget_leaf_uses()  # a backward that never came (evaluation with grad)
 
     def _begin_forward(self, state: PassState, module_id, recomputing: bool) -> None:
         if not recomputing:
@@ -462,6 +463,7 @@ class Guard:
             # Targets lie flat, (call, role, category) after one another: no tuple per target.
             if value.is_leaf:
                 targets = self._grad_hooks.leaf_targets_of(value)
+                self._threads.state.leaf_uses.append((targets, call))
             elif entry[ENTRY_TARGETS] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
                 targets = entry[ENTRY_TARGETS] = []
@@ -482,9 +484,11 @@ class Guard:
             )
         return pass_
 
-    def _on_grad(self, targets, grad):
+    def _on_grad(self, targets, grad, leaf: bool = False):
         if self._attached and not self._paused and grad is not None and not is_dynamo_compiling():
             self._record_grad(targets, grad)
+            if leaf:
+                self._backward_state().delivered.append(targets)
         return None
 
     def _on_param_grad(self, hook: ParamHook, grad):
@@ -494,6 +498,7 @@ class Guard:
         self._record_grad((forward_call, hook.role, GRAD_PARAM), grad)
         if hook.input_targets:  # the calls it was an input of
             self._record_grad(hook.input_targets, grad)
+            self._backward_state().delivered.append(hook.input_targets)
         return None
 
     def _record_grad(self, targets, grad) -> None:
@@ -535,7 +540,8 @@ class Guard:
         finally:
             if self._op_recorder is not None:
                 self._op_recorder.forget_grads()  # held for a re-run only until this pass ends
-            self._grad_hooks.forget_targets()
+            for targets in pass_.delivered:  # their calls' backward is done
+                targets.clear()
 
     # ---- reports --------------------------------------------------------------------------
     def _detect(self, pass_: PassRecord, phase, call: CallRecord, bad_slots, cause) -> None:

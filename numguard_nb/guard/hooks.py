@@ -100,14 +100,15 @@ class GradHook:
     """The one hook a tensor gets: hands its gradient to the guard with the calls it belongs to.
     (One object, where a partial of a bound method is two for the garbage collector to track.)"""
 
-    __slots__ = ("guard", "targets")
+    __slots__ = ("guard", "targets", "leaf")
 
-    def __init__(self, guard, targets: list):
+    def __init__(self, guard, targets: list, leaf: bool = False):
         self.guard = guard
         self.targets = targets
+        self.leaf = leaf  # its targets are emptied once delivered: a leaf outlives its graphs
 
     def __call__(self, grad):
-        return self.guard._on_grad(self.targets, grad)
+        return self.guard._on_grad(self.targets, grad, self.leaf)
 
 
 class ParamHook:
@@ -369,22 +370,20 @@ class GradHooks:
     saw it; its handle is dead once the tensor's graph is freed. A leaf tensor fed to a module
     gets one hook while it lives (a hook per forward would pile up on it: a leaf outlives its
     graphs); a guarded parameter fed to a module reports through its own gradient hook. The calls
-    a leaf's gradient belongs to are kept until the backward pass or the next batch."""
+    a leaf's gradient belongs to are kept until the backward pass that delivers it ends, or the
+    thread that added them starts its next batch (`PassState.forget_leaf_uses`)."""
 
     def __init__(self, guard, param_hooks: Dict[int, ParamHook]):
         self.guard = guard
         self.param_hooks = param_hooks
         self.handles: list = []  # hooks on tensors of a graph
         self.leaf_targets: Dict[int, tuple] = {}  # id(leaf) -> (handle, targets)
-        self._fed_params: List[ParamHook] = []  # hooks of parameters fed to modules
         self._kept = (0, 0)  # live handles and leaves after the last pruning
 
     def leaf_targets_of(self, leaf: torch.Tensor) -> list:
         """The targets of the one hook delivering `leaf`'s gradient, hooking it the first time."""
         hook = self.param_hooks.get(id(leaf))
         if hook is not None and hook.param is leaf and hook.handle is not None:
-            if not hook.input_targets:
-                self._fed_params.append(hook)
             return hook.input_targets
         known = self.leaf_targets.get(id(leaf))
         if known is not None:
@@ -392,7 +391,7 @@ class GradHooks:
             if hooks is not None and hooks is leaf._backward_hooks:
                 return known[1]
         targets: list = []
-        self.leaf_targets[id(leaf)] = (leaf.register_hook(GradHook(self.guard, targets)), targets)
+        self.leaf_targets[id(leaf)] = (leaf.register_hook(GradHook(self.guard, targets, leaf=True)), targets)
         if len(self.leaf_targets) > 2 * self._kept[1] + 32:
             self._drop_dead_leaves()
         return targets
@@ -411,14 +410,6 @@ class GradHooks:
                 self.leaf_targets.pop(key, None)
         self._kept = (self._kept[0], len(self.leaf_targets))
 
-    def forget_targets(self) -> None:
-        """The calls that used leaves are done with (their backward ran, or a batch started)."""
-        for _, targets in list(self.leaf_targets.values()):
-            targets.clear()
-        fed, self._fed_params = self._fed_params, []
-        for hook in fed:
-            hook.input_targets.clear()
-
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -426,5 +417,4 @@ class GradHooks:
             handle.remove()
         self.handles.clear()
         self.leaf_targets.clear()
-        self._fed_params = []
         self._kept = (0, 0)

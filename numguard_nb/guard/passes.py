@@ -85,7 +85,7 @@ class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
     __slots__ = ("calls", "vectors", "values", "cache", "seq", "received", "received_by_module",
-                 "thread")
+                 "thread", "delivered")
 
     def __init__(self):
         self.calls: list = []
@@ -98,6 +98,8 @@ class PassRecord:
         self.received: Dict[int, set] = {}
         self.received_by_module: Dict[int, set] = {}
         self.thread = threading.get_ident()  # the thread that started it
+        # backward: the target lists of leaves whose gradient came (`GradHooks.leaf_targets_of`)
+        self.delivered: List[list] = []
 
     def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
                   held: bool = False) -> list:
@@ -190,7 +192,8 @@ class PassState:
     """One thread's place in a forward pass: the calls open on its stack, the pass they record
     into, and the batch it is running (threads calling one model each run their own batches)."""
 
-    __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref")
+    __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref",
+                 "leaf_uses")
 
     def __init__(self, batch_number: int = 0):
         self.root_frame_ref = None  # see `watch_top_level_call`
@@ -199,6 +202,22 @@ class PassState:
         self.call_counts: Dict[int, int] = {}  # module id -> its calls so far in the batch
         self.tracing = False  # the batch is one of `trace_batches`
         self.batch_number = batch_number
+        # (targets, call): this thread's calls added to leaves' gradient targets in its batch
+        self.leaf_uses: List[tuple] = []
+
+    def forget_leaf_uses(self) -> None:
+        """Take this thread's calls out of the leaves' gradient targets (a new batch: the
+        backward of the last one never came), leaving other threads' calls there."""
+        if not self.leaf_uses:
+            return
+        mine: Dict[int, tuple] = {}  # id(targets) -> (targets, ids of this thread's calls)
+        for targets, call in self.leaf_uses:
+            mine.setdefault(id(targets), (targets, set()))[1].add(id(call))
+        self.leaf_uses = []
+        for targets, calls in mine.values():
+            if targets:
+                kept = [targets[i:i + 3] for i in range(0, len(targets), 3) if id(targets[i]) not in calls]
+                targets[:] = [item for triple in kept for item in triple]  # in place: a hook holds it
 
     def reset(self) -> None:
         """Forget the pass in progress (kept: the batch number)."""

@@ -4,6 +4,8 @@ cost, and the full diagnosis when a step breaks.
 No hooks inside the model. What a step cannot hide is checked, and nothing else:
 - the outputs of each top-level call (the loss, the logits): summarised on their device and read
   back once per call;
+- the code between a call and its backward (a loss computed outside the model), by the same
+  watch as in full mode (`outside`), which names the op and line making a value non-finite;
 - after each backward pass through those outputs, the gradients of every guarded parameter: one
   fused norm per device and dtype (`torch._foreach_norm`; sums on CPU, where they are faster),
   read back once, when autograd ends the pass (after the callbacks queued before it, DDP's
@@ -347,8 +349,10 @@ class Sentinel:
         if inert_context() or _current_graph_task_id() != -1:
             return
         entry, guard = self.entries[id(module)], self.guard
+        guard._outside.enter_model()  # the code before this call (a loss) is over: checked
         if entry.primary and not guard._batches_counted_by_caller:
             guard.batch_number = guard._batches.next(guard.options.abort_after_batch)
+        guard._threads.state.batch_number = guard.batch_number  # what the outside watch reports
         if guard.batch_number != self._batch:
             self._start_batch(guard.batch_number, module, args, kwargs)
         if self._tracer is not None and not self._tracer._paused:
@@ -370,6 +374,7 @@ class Sentinel:
         if call.inputs_now_changed():  # the call itself changed them: copy from the next call on
             call.inputs_changed = call.entry.copy_inputs = True
         self._check_outputs(call, output)
+        self.guard._outside.leave_model()  # watch the code that follows, up to its backward
 
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options
