@@ -62,6 +62,14 @@ def user_frame():
     return None
 
 
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning its caller gives point at the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and is_internal_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def host_memory_available() -> Optional[int]:
     """Bytes of host memory this process can still get without swapping or being killed: Linux's
     MemAvailable, or less where a container's memory limit (cgroup v2 or v1) leaves less. None

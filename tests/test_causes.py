@@ -220,7 +220,7 @@ def test_the_global_step_hook_is_gone_after_detach_and_after_an_exception():
         raise KeyError("the user's own error")
     assert hooks_left(model) == before
     watch = StepWatch()
-    watch.start()
+    watch.start({})
     assert sum(STEP_HOOK in hook for hook in hooks_left()) == 1
     del watch  # the hook holds it weakly, and goes with it
     gc.collect()
@@ -467,3 +467,44 @@ def test_the_sentences_say_what_the_facts_are():
     assert said["forward, predicted and nan"].startswith(
         "block.fc (Linear) produced a non-finite value in forward (call 1 of batch 3): output[0] "
         "reaches 7.2e+04, beyond float16's largest value 65504; output[1] holds nan")
+
+
+# ---- steps after calls the guard could not see ---------------------------------------------------
+UNWATCHED = "saw no call of the model"
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_compiled_after_the_guard_attached_is_said_to_run_unwatched(mode):
+    torch._dynamo.reset()
+    model = linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, mode=mode):
+        compiled = torch.compile(model, backend="eager")
+        with pytest.warns(UserWarning, match=UNWATCHED) as caught:
+            for _ in range(3):
+                compiled(batch()).sum().backward()
+                optimizer.step()
+    assert len([w for w in caught if UNWATCHED in str(w.message)]) == 1  # once per attach
+    assert caught[0].filename == __file__  # points at the user's optimizer.step()
+    assert "Guard(torch.compile(model))" in str(caught[0].message)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_steps_after_watched_calls_give_no_such_warning(mode, recwarn):
+    model, other = linear(), linear(1)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.01),
+                  torch.optim.Adam(model.parameters(), lr=1e-3),  # two optimizers, one model
+                  torch.optim.SGD(other.parameters(), lr=0.1)]  # an unguarded model's
+    with Guard(model, mode=mode):
+        for step in range(4):
+            for _ in range(2):  # gradient accumulation
+                (model(batch()).sum() + other(batch()).sum()).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+            optimizers[2].step()  # stepped again, without any model call: not guarded weights
+    with Guard(model, mode=mode):  # the first step after attach applies earlier gradients
+        optimizers[0].step()
+        model(batch()).sum().backward()
+        optimizers[0].step()
+    assert not [w for w in recwarn if UNWATCHED in str(w.message)]

@@ -146,10 +146,11 @@ def test_a_loss_computed_in_a_notebook_cell_is_named_by_the_cell():
 
 
 # ---- backward: a node the loss created makes the gradient ----------------------------------------
-def test_sqrt_at_zero_in_the_loss_is_named_in_backward_with_the_line_that_made_it(reading):
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_sqrt_at_zero_in_the_loss_is_named_in_backward_with_the_line_that_made_it(reading, mode):
     model = mlp()
     x = torch.randn(3, 4)
-    with pytest.raises(NonFiniteError) as caught, Guard(model):
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
         pred = model(x)
         y = pred.detach().clone()
         where = this_line_plus(1)
@@ -228,14 +229,15 @@ def test_allow_inf_for_outside_lets_the_code_make_inf():
     assert loss == -INF
 
 
-def test_a_healthy_training_loop_with_an_optimizer_does_not_raise_over_50_steps(reading):
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_healthy_training_loop_with_an_optimizer_does_not_raise_over_50_steps(reading, mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
     banned = torch.full((3,), 0.0)
     banned[2] = float("-inf")  # class 2 is never a label: an additive mask
-    with Guard(model):
+    with Guard(model, mode=mode):
         for _ in range(50):
             logits = model(x) + banned
             loss = F.cross_entropy(logits, y)
@@ -264,14 +266,15 @@ class _Interrupt(BaseException):
     pass
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("ending", [None, NonFiniteError, ValueError, KeyboardInterrupt])
-def test_nothing_is_left_behind_on_any_exit(ending):
+def test_nothing_is_left_behind_on_any_exit(ending, mode):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = promises.hooks_left(model, optimizers=[optimizer])
     stack_before = function_stack()
     with pytest.raises(ending) if ending else _no_error():
-        with Guard(model):
+        with Guard(model, mode=mode):
             out = model(torch.randn(3, 4))
             assert function_stack()[-1] is outside._MODE  # watching the code after the call
             loss = out.pow(2).sum()
@@ -455,13 +458,15 @@ def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatc
 
 
 # ---- the notebook --------------------------------------------------------------------------------
-def test_a_numguard_cell_names_a_log_of_the_models_output_by_its_cell(shell):
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_numguard_cell_names_a_log_of_the_models_output_by_its_cell(shell, mode):
     from IPython.utils.capture import capture_output
 
     shell.run_cell("import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
                    "model = nn.Sequential(nn.Linear(4, 2), nn.ReLU())\nx = -torch.ones(3, 4)")
     with capture_output():
-        result = shell.run_cell("%%numguard model\nout = model(x)\n"
+        flag = " --sentinel" if mode == "sentinel" else ""
+        result = shell.run_cell(f"%%numguard{flag} model\nout = model(x)\n"
                                 "loss = torch.log(model(x)).mean()\nloss.backward()")
     error = result.error_in_exec
     assert isinstance(error, NonFiniteError)

@@ -229,7 +229,7 @@ class Guard:
                 self._outside.start()  # the loss is checked as in full mode
                 return self
             try:
-                self._steps.start()
+                self._steps.start(self.models)
                 self._module_hooks.add(self, self.models, self._watch_backward)
                 if self.options.capture:
                     from ..replay import Capture

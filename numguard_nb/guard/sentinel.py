@@ -278,7 +278,8 @@ class Sentinel:
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, position == 0 and module is root)
-            self.guard._steps.start()  # optimizer steps: what wrote weights found non-finite
+            # optimizer steps: what wrote weights found non-finite
+            self.guard._steps.start(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             self._registration_handles = [
                 module_hooks.register_module_parameter_registration_hook(self._new_parameters),

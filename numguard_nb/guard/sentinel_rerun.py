@@ -119,7 +119,7 @@ class _LentSteps:
     def __init__(self, watch):
         self.watch = watch
 
-    def start(self) -> None:
+    def start(self, models: dict) -> None:
         """Already watching, for the sentinel."""
 
     def stop(self) -> None:

@@ -8,6 +8,11 @@ A detection of non-finite weights says where they came from only from what the g
 - the forward that found them is the first of the model the guard saw: they were already
   non-finite when it attached.
 
+An optimizer's second step of guarded weights with no call of the model seen since the guard
+attached means the model runs where the guard cannot see it (compiled after the guard attached:
+torch.compile traces its hooks as no-ops): that is warned about, once per attach. (A first step
+may apply gradients computed before the attach.)
+
 Steps are watched with torch.optim's global step post-hook, registered on attach and removed on
 detach. Each step is kept as a plain tuple of small facts, never a tensor (its fields below): the
 optimizer (weakly, to look up at detection which of its parameter groups holds the weights), its
@@ -18,12 +23,14 @@ followed, and its groups' learning rates. At most MAX_STEPS are kept.
 from __future__ import annotations
 
 import collections
+import warnings
 import weakref
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from .._schema import ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD
+from .._util import user_stacklevel
 from ..report import OptimizerStep
 
 __all__ = ["MAX_STEPS", "Origin", "StepWatch"]
@@ -84,16 +91,21 @@ class StepWatch:
         self._roots: Dict[int, Tuple[int, int, Optional[int], Optional[int]]] = {}
         self._steps: collections.deque = collections.deque(maxlen=MAX_STEPS)
         self.lost_after = -1  # the forwards begun before the latest step not kept (MAX_STEPS)
-        self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> [position, steps seen]
+        # optimizer -> [position, steps seen, holds guarded weights (None: not looked up yet)]
+        self._optimizers = weakref.WeakKeyDictionary()
+        self._models: dict = {}  # the guard's models, whose weights an unwatched step updates
+        self._warned = False  # about a step after no watched call of the model
         self._handles: list = []  # the hook's handle while attached
         weakref.finalize(self, _remove, self._handles)  # a guard dropped, models and all, attached
 
-    def start(self) -> None:
-        """Start watching steps (on attach): what earlier attaches saw is forgotten."""
+    def start(self, models: dict) -> None:
+        """Start watching steps (on attach) of optimizers of `models`' weights (name -> module):
+        what earlier attaches saw is forgotten."""
         self.forwards, self.batch, self.lost_after = 0, None, -1
         self._roots.clear()
         self._steps.clear()
         self._optimizers.clear()
+        self._models, self._warned = models, False
         if not self._handles:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -115,8 +127,10 @@ class StepWatch:
         """An optimizer step ended (the global hook)."""
         seen = self._optimizers.get(optimizer)
         if seen is None:
-            seen = self._optimizers[optimizer] = [len(self._optimizers) + 1, 0]
+            seen = self._optimizers[optimizer] = [len(self._optimizers) + 1, 0, None]
         seen[1] += 1
+        if self.forwards == 0 and seen[1] == 2 and not self._warned:
+            self._warn_unwatched(optimizer, seen)
         own = _own_step_number(optimizer)
         if len(self._steps) == MAX_STEPS:
             self.lost_after = self._steps[0][STEP_FORWARD]
@@ -125,6 +139,19 @@ class StepWatch:
             own if own is not None else seen[1], own is None, self.forwards, self.batch,
             tuple(_number(group.get("lr")) for group in optimizer.param_groups),
         ))
+
+    def _warn_unwatched(self, optimizer, seen: list) -> None:
+        if seen[2] is None:
+            guarded = {id(p) for model in self._models.values() for p in model.parameters()}
+            seen[2] = any(id(p) in guarded for group in optimizer.param_groups for p in group["params"])
+        if not seen[2]:
+            return
+        self._warned = True
+        warnings.warn(
+            f"numguard: {type(optimizer).__name__}.step() updated the guarded weights twice, but the "
+            "guard saw no call of the model since it attached: a model compiled after the guard "
+            "attached runs unwatched; guard the model you call (Guard(torch.compile(model)))",
+            stacklevel=user_stacklevel())
 
     def weights_origin(self, root_id: int, params) -> Origin:
         """How the weights `params` (parameters; none for buffers), found non-finite in the
