@@ -1,7 +1,11 @@
 """Step time (forward + backward) with and without detectors, interleaved in one process.
 
-    python benchmarks/overhead.py [--steps 30] [--device cpu|cuda]
+    python benchmarks/overhead.py [--steps 30] [--device cpu|cuda] [--train]
                                   [--models t5,gpt2,mlp,deep,t5-compiled]
+
+With --train each timed step is a whole training step: forward, backward, an AdamW step and
+zero_grad (what a training loop pays; code that runs between the backward and the next forward
+shows up only there).
 
 Compares: no detector; numguard Guard (backward on, and forward only); Guard(ops=True)
 (op localisation armed: it must cost nothing until a detection); Guard(mode="sentinel") (the
@@ -130,29 +134,38 @@ def make_compiled_configs(model):
     }
 
 
-def step(model, batch, context, device):
-    model.zero_grad(set_to_none=True)
+def step(model, batch, context, device, optimizer=None):
+    """One timed step: forward and backward, and with an optimizer its step and zero_grad (a
+    training loop's whole step)."""
+    if optimizer is None:
+        model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     with context():
         loss = loss_of(model, batch)
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def bench(name, device, steps, warmup=3):
+def bench(name, device, steps, warmup=3, train=False):
     torch.manual_seed(0)
     model, batch = BUILDERS[name](device)
     model.eval()  # no dropout: every configuration computes exactly the same thing
     configs = make_compiled_configs(model) if name.endswith("-compiled") else make_configs(model)
+    # lr=0: the weights stay as they are, and every step computes the same thing
+    optimizers = {key: torch.optim.AdamW(m.parameters(), lr=0.0) if train else None
+                  for key, (m, _) in configs.items()}
     times = {key: [] for key in configs}
     with warnings_silenced():
         for i in range(warmup + steps):
             for key, (m, context) in configs.items():
-                elapsed = step(m, batch, context, device)
+                elapsed = step(m, batch, context, device, optimizers[key])
                 if i >= warmup:
                     times[key].append(elapsed)
     rows = []
@@ -177,15 +190,18 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="t5,gpt2,mlp,deep,t5-compiled")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--train", action="store_true",
+                        help="time whole training steps: with an AdamW step and zero_grad")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {label}, median of {args.steps} interleaved steps\n")
+    what = "training steps (forward, backward, AdamW step, zero_grad)" if args.train else "steps (forward, backward)"
+    print(f"torch {torch.__version__}, {label}, median of {args.steps} interleaved {what}\n")
     print(f"| model | detector | step (ms) | ratio |\n|---|---|---:|---:|")
     for name in args.models.split(","):
-        for key, ms, ratio in bench(name, device, args.steps):
+        for key, ms, ratio in bench(name, device, args.steps, train=args.train):
             print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x |", flush=True)
 
 

@@ -261,6 +261,47 @@ def test_an_optimizer_step_is_not_watched_its_weights_are_named_at_the_next_call
     assert caught.value.report.cause == "weights"
 
 
+class _StackSeeingSGD(torch.optim.SGD):
+    """An SGD that notes the torch function modes on the stack while it steps: any mode there
+    turns off torch.optim's foreach paths."""
+
+    stacks: list = []
+
+    def step(self, closure=None):
+        self.stacks.append(function_stack())
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_watch_is_off_the_stack_while_an_optimizer_steps_and_after(mode):
+    model = mlp()
+    optimizer = _StackSeeingSGD(model.parameters(), lr=0.01)
+    optimizer.stacks = []
+    with Guard(model, mode=mode):
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            assert function_stack() == [outside._MODE]  # the loss is watched
+            loss.backward()
+            optimizer.step()
+            assert function_stack() == []  # zero_grad and the next batch's data run without it
+    assert optimizer.stacks == [[], [], []]
+
+
+def test_a_value_still_to_be_read_is_raised_at_the_next_optimizer_step(monkeypatch):
+    monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())  # read once per region
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    after_step = []
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        out = model(torch.randn(3, 4))
+        torch.log(out * 0)
+        optimizer.step()  # no backward came: the step ends what was watched
+        after_step.append(True)
+    assert caught.value.report.first_nonfinite.op == "aten.log.default" and not after_step
+    assert function_stack() == []
+
+
 # ---- nothing left behind, nothing changed ------------------------------------------------------
 class _Interrupt(BaseException):
     pass

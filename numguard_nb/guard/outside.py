@@ -5,10 +5,11 @@ A loss such as `torch.log(model(x)).mean()` runs in no module, so module hooks n
 While a guard is attached, each thread that ends a top-level call of a guarded module gets one
 `torch.overrides.TorchFunctionMode` (`_OutsideMode`, one shared by every guard) pushed on its
 stack, checking the code that follows until `.backward()`; it leaves the stack at the next
-top-level call of a guarded module or at detach (from `.backward()` until then it passes
-everything through, at about 2 us a call: a mode cannot take itself off the stack while it
-handles a call, and a global hook to take it off later would be one more hook on every module
-or optimizer). Module internals never run under it; code between a backward and the next model
+optimizer step (torch.optim's global step pre-hook: any mode on the stack turns off the
+optimizers' and `zero_grad`'s foreach paths, which made an AdamW step 20% slower), at the next
+top-level call of a guarded module, or at detach. From `.backward()` until then it passes
+everything through (a mode cannot take itself off the stack while it handles a call). Module
+internals never run under it; code between a backward and the next model
 call (the optimizer step, zero_grad, the next batch's data) is not checked: the data the model
 gets is the data rules' (`detect`), weights an optimizer step wrote are the weights' rules'. An
 optimizer stepping where code is checked (no backward since the model's call) is not blamed
@@ -286,6 +287,25 @@ def _withdraw(state: _ThreadState) -> None:
         _pop()
 
 
+def _leave_region() -> None:
+    """The code watched in this thread is over: what it made is checked, and the mode leaves the
+    stack. Not inside a backward: a forward re-run there (activation checkpointing), an
+    optimizer stepped from a gradient hook."""
+    if _current_graph_task_id() != -1:
+        return
+    state = _thread
+    checking, owner = state.active, state.owner
+    _withdraw(state)
+    if checking and owner is not None:
+        owner._settle(state)
+
+
+def _step_begins(optimizer, args, kwargs) -> None:
+    """torch.optim's global step pre-hook: an optimizer step ends the watched code."""
+    if _thread.owner is not None:
+        _leave_region()
+
+
 # ---- the watch ----------------------------------------------------------------------------------
 class OutsideWatch:
     """One guard's watch over the code outside its modules. The Guard calls `start`/`stop` on
@@ -299,12 +319,17 @@ class OutsideWatch:
         self._kept_handles = 0  # live handles after the last pruning
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
+        self._step_hook = None  # torch.optim's global step pre-hook, while attached
 
     # ---- lifecycle (called by the Guard) ---------------------------------------------------------
     def start(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
         self.attached = True
         self.unraised = None
         _thread.base = _stack_len()
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_pre_hook(_step_begins)
 
     def stop(self) -> None:
         """Remove the mode (in this thread) and the node hooks. A culprit in what was still to be
@@ -317,6 +342,9 @@ class OutsideWatch:
                     self.unraised = self._settle(state, raising=False)
         finally:
             self.attached = False
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             if state.owner is self:
                 state.owner, state.pass_ = None, None
             for handle in self.node_handles:
@@ -332,15 +360,9 @@ class OutsideWatch:
             raise error
 
     def enter_model(self) -> None:
-        """A top-level call of a guarded module starts: the code before it is over. What it made
-        is checked, and the mode leaves this thread's stack."""
-        if _current_graph_task_id() != -1:
-            return  # a forward re-run inside backward (activation checkpointing)
-        state = _thread
-        checking, owner = state.active, state.owner
-        _withdraw(state)
-        if checking and owner is not None:
-            owner._settle(state)
+        """A top-level call of a guarded module starts: the code before it is over (see
+        `_leave_region`)."""
+        _leave_region()
 
     def leave_model(self) -> None:
         """A top-level call ended: watch the code after it, for this guard, in this thread (never
