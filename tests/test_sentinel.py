@@ -110,6 +110,27 @@ def test_a_loss_made_outside_the_model_is_named_by_the_outside_watch_as_in_full_
     assert sentinel.batch_number == full.batch_number
 
 
+def test_a_regularizer_on_the_weights_whose_gradient_is_nan_is_named_as_in_full_mode():
+    # sqrt(sum((w - w0)^2)) at w == w0: its gradient is infinite, made in the loop, from no
+    # model output.
+    def detect(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        anchor = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+            loss = model(x4()).pow(2).mean()
+            for p, a in zip(model.parameters(), anchor):
+                loss = loss + 1e-3 * (p - a).pow(2).sum().sqrt()
+            loss.backward()
+        return caught.value.report
+
+    full, sentinel = detect("full"), detect("sentinel")
+    assert full.cause == sentinel.cause == "outside" and full.phase == sentinel.phase == "backward"
+    assert culprit(sentinel) == culprit(full)
+    assert sentinel.first_nonfinite.op == full.first_nonfinite.op
+    assert sentinel.first_nonfinite.op == "SqrtBackward0: aten.sqrt.default"
+
+
 @pytest.mark.parametrize("case_name", ["trap_padding_mask", "trap_causal_mask"])
 def test_masks_carrying_inf_are_no_problem_to_the_sentinel_either(case_name):
     assert _first_detection(case_name, "sentinel") is None
