@@ -136,6 +136,13 @@ def test_replay_locations_name_cells_as_ipython_does(ip):
     text = replay_result_text(Result())
     assert f"in the call made at {where} in <module>" in text
     assert (filename in text) == (name is None)
+    # a captured call says where it was made the same way
+    capture_cell = ip.execution_count
+    assert ip.run_cell("import torch\nfrom numguard_nb import Guard\n_m = torch.nn.Linear(2, 2)\n"
+                       "with Guard(_m, capture=True) as _g:\n    _m(torch.ones(1, 2))\n",
+                       store_history=True).success
+    made_at = f"Cell In[{capture_cell}], line 5" if name else ">:5"  # <ipython-input-...>:5
+    assert made_at in repr(ip.user_ns["_g"].capture)
     # a file is named by its path; without the extension, cells are too
     assert Location.of(__file__, 1).where == f"{__file__}:1"
     ip.run_cell("%unload_ext numguard_nb")

@@ -133,7 +133,7 @@ class CapturedCall:
 
         inputs = [value_outline(a) for a in self.args] + \
             [f"{k}={value_outline(v)}" for k, v in self.kwargs.items()]
-        where = f" at {self.call_site.filename}:{self.call_site.lineno}" if self.call_site else ""
+        where = f" at {self.call_site.where}" if self.call_site else ""
         return f"<numguard CapturedCall {self.index}: {self.label}({', '.join(inputs)}){where}>"
 
     def wait_for_copies(self) -> None:
