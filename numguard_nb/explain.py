@@ -141,7 +141,7 @@ class Facts:
         frame = self.frame
         if frame.module_name == OUTSIDE_MODULE:
             return "the code outside the guarded modules"
-        return f"{frame.label} ({frame.module_class})" if frame.module_name else frame.label
+        return frame.words
 
     @property
     def nan(self) -> bool:

@@ -39,6 +39,12 @@ _FLOAT_SMALLEST_NORMAL = {
 }
 
 
+def module_words(module_name: str, module_class: str) -> str:
+    """How a sentence names a module: 'encoder.block.0 (T5Block)'; a model, whose name is empty,
+    by its class alone."""
+    return f"{module_name} ({module_class})" if module_name else module_class
+
+
 def _finfo_value(dtype_name: Optional[str], known: dict, attribute: str) -> Optional[float]:
     if dtype_name is None:
         return None
@@ -224,6 +230,11 @@ class Frame:
     @property
     def label(self) -> str:
         return self.module_name or self.module_class
+
+    @property
+    def words(self) -> str:
+        """Its module in a sentence (`module_words`)."""
+        return module_words(self.module_name, self.module_class)
 
     @property
     def flagged_rows(self) -> list:

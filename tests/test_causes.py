@@ -252,7 +252,7 @@ def test_nan_in_the_data_names_the_samples_that_hold_it():
     assert report.cause == CAUSE_DATA
     row = report.first_nonfinite.flagged_rows[0]
     assert (row.nonfinite_samples, row.nonfinite_sample_count) == ((1, 3), 2)
-    assert report.reason == ("the data fed to Sequential (Sequential) in batch 0 holds nan "
+    assert report.reason == ("the data fed to Sequential in batch 0 holds nan "
                              "(input[0] holds nan in samples 1 and 3 of 6)")
     assert "In input[0], samples 1 and 3 of 6 hold it" in report.hint
     assert "samples holding inf/nan in input[0]: 1, 3 (2 of 6)" in report.to_text().splitlines()

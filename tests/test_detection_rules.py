@@ -70,7 +70,7 @@ def test_an_inf_or_nan_in_the_data_is_bad_data(bad, sync):
     assert report.first_nonfinite.module_name == ""
     assert [row.role for row in report.first_nonfinite.flagged_rows] == ["input[0]"]
     word = {math.inf: "+inf", -math.inf: "-inf"}.get(bad, "nan")
-    assert f"the data fed to Linear (Linear) in batch 0 holds {word} " in report.reason
+    assert f"the data fed to Linear in batch 0 holds {word} " in report.reason
 
 
 @pytest.mark.parametrize("sync", [False, True])

@@ -263,6 +263,19 @@ def test_a_scaler_whose_update_is_never_called_lets_through_no_more_than_the_rul
     assert "GradScaler.update() has not been called since batch 0" in raised.value.report.reason
 
 
+def test_reset_forgets_the_overflow_of_a_step_interrupted_before_its_update():
+    model, scaler = Siamese(), grad_scaler()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Guard(model, scaler=scaler) as guard:
+        scaler.scale(model(torch.randn(3, 4))).backward()  # batch 0 overflows; then Ctrl-C
+        guard.reset()
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(model(torch.randn(3, 4))).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert [step.batch for step in guard.skipped_steps] == [1]
+
+
 def test_a_step_the_scaler_takes_is_not_recorded_as_skipped():
     # the nan gradient reaches only a parameter the optimizer leaves alone: nothing to skip
     model, scaler = nn.ModuleDict({"head": nn.Linear(4, 1), "siamese": Siamese()}), grad_scaler()

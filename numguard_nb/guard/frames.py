@@ -21,7 +21,7 @@ from .._schema import (
 )
 from .._util import dtype_name
 from ..explain import hint_for
-from ..report import MAX_SAMPLES_NAMED, Frame, Report, TensorRow
+from ..report import MAX_SAMPLES_NAMED, Frame, Report, TensorRow, module_words
 from . import detect
 from .passes import (
     ENTRY_INDEX, ENTRY_REF, ENTRY_VERSION, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_KIND,
@@ -101,7 +101,7 @@ def mask_source(pass_: PassRecord, call: CallRecord, cause: str, options) -> str
         return ""
     maker = detect.mask_maker(pass_, call, limit_max)
     if maker is not None:
-        return f"{maker.module_name or maker.module_class} ({maker.module_class})"
+        return module_words(maker.module_name, maker.module_class)
     root = call
     while root.parent is not None:
         root = root.parent
@@ -126,7 +126,7 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
     how they got that way (`steps.Origin`), or None."""
     inline = cause == CAUSE_BACKWARD_INLINE and evidence is not None
     rows = evidence.flagged_rows if inline else frame.flagged_rows
-    where = f"{frame.label} ({frame.module_class})"
+    where = frame.words
     call = f"call {frame.call_index} of batch {frame.batch_number}"
     # Finite values beyond limit_dtype's largest value, and nothing non-finite.
     predicted = any(row.predicted_overflow for row in rows) and not any(r.nonfinite for r in rows)

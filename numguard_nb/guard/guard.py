@@ -286,8 +286,10 @@ class Guard:
                 self._outside.raise_found(exc_type is None)
 
     def reset(self) -> None:
-        """Forget the passes that never finished (e.g. interrupted with Ctrl-C), in every thread."""
+        """Forget the passes that never finished (e.g. interrupted with Ctrl-C), in every thread,
+        and an overflow let through in a step whose scaler update never came."""
         self._forget_passes()
+        self._scaling.forget_step()
 
     def _forget_passes(self) -> None:
         self._threads = ThreadPasses(lambda: self.batch_number)

@@ -243,11 +243,15 @@ class LossScaling:
             self.skipped_in_a_row = 0
         return result
 
+    def forget_step(self) -> None:
+        """Forget the overflow of the step in progress (interrupted: its update() never came)."""
+        self._pending = None
+        self._pending_batches = set()
+
     def detach(self) -> None:
         """Give the scaler its own `update` back; forget the step in progress."""
         update_watch, self._update_watch = self._update_watch, None
-        self._pending = None
-        self._pending_batches = set()
+        self.forget_step()
         if update_watch is None or vars(update_watch.scaler).get("update") is not update_watch:
             return  # none, or wrapped again since: that wrapper's call passes through to update
         if update_watch.replaced is not None:

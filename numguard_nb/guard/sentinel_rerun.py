@@ -385,7 +385,7 @@ def _holds(frame: Frame) -> str:
 def _where(seen: Frame, call) -> str:
     changed = (" (its inputs had been changed in place since: the re-run used them as they were "
                "then)" if call.inputs_changed else "")
-    return (f"{seen.label} ({seen.module_class}) in {seen.phase} of batch {seen.batch_number} "
+    return (f"{seen.words} in {seen.phase} of batch {seen.batch_number} "
             f"({_holds(seen)}){changed}")
 
 

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from .._schema import PROBLEM_OVERFLOW
 from .._util import dtype_name
+from ..report import module_words
 from ._format import esc
 
 __all__ = ["headroom_summary", "headroom_text", "headroom_html", "headroom_frame", "MAX_SHOWN"]
@@ -73,7 +74,7 @@ def _when(entry) -> str:
 
 
 def _module(entry) -> str:
-    return f"{entry.label} ({entry.module_class})"
+    return module_words(entry.module_name, entry.module_class)
 
 
 def _first_line(headroom) -> Optional[str]:
@@ -83,7 +84,7 @@ def _first_line(headroom) -> Optional[str]:
         return None
     rows = frame.flagged_rows
     what = f"{rows[0].role} " if rows else ""
-    where = (f"{frame.label} ({frame.module_class}) {frame.phase} {what}in batch "
+    where = (f"{frame.words} {frame.phase} {what}in batch "
              f"{frame.batch_number} (call {frame.call_index})")
     if frame.op:
         where += f": {frame.op}" + (f" at {frame.source}" if frame.source else "")

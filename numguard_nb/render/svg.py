@@ -180,7 +180,7 @@ def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
         is_culprit = i == culprit_at
         if not (marked or is_culprit or bad):
             continue
-        label = f"{frame.label} ({frame.module_class}) {frame.phase} call {frame.call_index}"
+        label = f"{frame.words} {frame.phase} call {frame.call_index}"
         x = _num(x_of(i))
         if bad:
             y = _TOP + 1
