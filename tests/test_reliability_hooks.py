@@ -238,6 +238,20 @@ def test_a_fresh_input_with_requires_grad_every_step_keeps_memory_flat():
     assert grown < 64 * 1024, f"{grown} bytes more after 10000 steps"
 
 
+def test_a_second_model_called_alone_with_fresh_leaves_keeps_memory_flat():
+    # Only the first model's calls start batches: the second one's calls never do.
+    torch.manual_seed(0)
+    first, second = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    def step():
+        x = torch.randn(2, 2, requires_grad=True)
+        second(x).sum().backward()
+
+    with promises_kept(second), Guard([first, second]):
+        grown = memory_growth(step, 5_000)
+    assert grown < 64 * 1024, f"{grown} bytes more after 5000 steps"
+
+
 class Queries(nn.Module):
     """DETR-style: learned queries (a leaf) fed to a submodule."""
 

@@ -465,7 +465,7 @@ class Guard:
             # Targets lie flat, (call, role, category) after one another: no tuple per target.
             if value.is_leaf:
                 targets = self._grad_hooks.leaf_targets_of(value)
-                self._threads.state.leaf_uses.append((targets, call))
+                self._threads.state.note_leaf_use(targets, call)
             elif entry[ENTRY_TARGETS] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
                 targets = entry[ENTRY_TARGETS] = []

@@ -193,7 +193,7 @@ class PassState:
     into, and the batch it is running (threads calling one model each run their own batches)."""
 
     __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref",
-                 "leaf_uses")
+                 "leaf_uses", "_kept_uses")
 
     def __init__(self, batch_number: int = 0):
         self.root_frame_ref = None  # see `watch_top_level_call`
@@ -204,6 +204,17 @@ class PassState:
         self.batch_number = batch_number
         # (targets, call): this thread's calls added to leaves' gradient targets in its batch
         self.leaf_uses: List[tuple] = []
+        self._kept_uses = 0  # after the last pruning
+
+    def note_leaf_use(self, targets: list, call) -> None:
+        """`call` was added to a leaf's gradient targets. Uses whose gradient came (the backward
+        pass emptied the targets) are dropped once they have doubled: a batch may never start
+        (calls of a guarded model other than the first)."""
+        uses = self.leaf_uses
+        uses.append((targets, call))
+        if len(uses) > 2 * self._kept_uses + 64:
+            uses[:] = [use for use in uses if use[0]]
+            self._kept_uses = len(uses)
 
     def forget_leaf_uses(self) -> None:
         """Take this thread's calls out of the leaves' gradient targets (a new batch: the
@@ -213,7 +224,7 @@ class PassState:
         mine: Dict[int, tuple] = {}  # id(targets) -> (targets, ids of this thread's calls)
         for targets, call in self.leaf_uses:
             mine.setdefault(id(targets), (targets, set()))[1].add(id(call))
-        self.leaf_uses = []
+        self.leaf_uses, self._kept_uses = [], 0
         for targets, calls in mine.values():
             if targets:
                 kept = [targets[i:i + 3] for i in range(0, len(targets), 3) if id(targets[i]) not in calls]
