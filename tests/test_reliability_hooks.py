@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import gc
 import io
 import pickle
 import re
@@ -250,6 +251,78 @@ def test_a_second_model_called_alone_with_fresh_leaves_keeps_memory_flat():
     with promises_kept(second), Guard([first, second]):
         grown = memory_growth(step, 5_000)
     assert grown < 64 * 1024, f"{grown} bytes more after 5000 steps"
+
+
+class ScaledSqrt(nn.Module):
+    """sqrt(|x| * scale), `scale` a parameter of the model around it, fed in as an input: the
+    gradient for `scale` is nan where x is 0."""
+
+    def forward(self, x, scale):
+        return torch.sqrt(x.abs() * scale)
+
+
+class FedScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = ScaledSqrt()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.block(x, self.scale)
+
+
+def test_a_parameter_fed_to_a_submodule_in_two_threads_gives_each_thread_its_gradient():
+    model = FedScale()
+    b_ran_forward, a_is_done = threading.Event(), threading.Event()
+    outcome = {}
+
+    def thread_a():  # forward and backward between B's forward and B's backward: all finite
+        b_ran_forward.wait(10)
+        model(x4() + 3).sum().backward()
+        a_is_done.set()
+
+    def thread_b():
+        out = model(torch.zeros(3, 4))
+        outcome["batch"] = model_guard.report.frames[-1].batch_number
+        b_ran_forward.set()
+        a_is_done.wait(10)
+        try:
+            out.sum().backward()
+        except NonFiniteError as error:
+            outcome["error"] = error
+
+    with promises_kept(model), Guard(model) as model_guard:
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    report = outcome["error"].report
+    assert report.first_nonfinite.batch_number == outcome["batch"]
+    block = [f for f in report.frames if f.phase == "backward" and f.module_name == "block"
+             and f.batch_number == outcome["batch"]]  # (the frames before it are A's, finite)
+    assert len(block) == 1 and [row.role for row in block[0].rows if row.nonfinite] == ["grad_input[1]"]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_guards_dropped_while_attached_go_with_their_models_and_global_hooks(mode):
+    # A notebook cell re-run: a new model and a new guard each time, never detached.
+    gc.collect()
+    before = hooks_left()
+    models = []
+    for _ in range(4):
+        model = nn.Linear(4, 4)
+        models.append(weakref.ref(model))
+        guard = Guard(model, mode=mode).attach()
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    del model, guard
+    model = nn.Linear(4, 4)  # a guarded call of something else: the loss watch moves on
+    with Guard(model, mode=mode):
+        model(torch.randn(2, 4))
+    gc.collect()
+    assert [ref() for ref in models] == [None] * 4
+    assert hooks_left() == before
 
 
 class Queries(nn.Module):

@@ -161,19 +161,11 @@ class Guard:
     outermost block ends. Copies of the model made meanwhile (deepcopy, pickle) are not watched.
     """
 
-    max_frames = _Option("max_frames")
-    trace_batches = _Option("trace_batches")
-    abort_after_batch = _Option("abort_after_batch")
-    backward = _Option("backward")
-    sync = _Option("sync")
-    allow_inf = _Option("allow_inf")
-    limit_dtype = _Option("limit_dtype")
-    stop_at_limit = _Option("stop_at_limit")
-    on_trace = _Option("on_trace")
-    on_detect = _Option("on_detect")
-    ops = _Option("ops")
-    history_every = _Option("history_every")
-    mode = _Option("mode")
+    max_frames, trace_batches = _Option("max_frames"), _Option("trace_batches")
+    abort_after_batch, backward, sync = _Option("abort_after_batch"), _Option("backward"), _Option("sync")
+    allow_inf, limit_dtype = _Option("allow_inf"), _Option("limit_dtype")
+    stop_at_limit, history_every, mode = _Option("stop_at_limit"), _Option("history_every"), _Option("mode")
+    on_trace, on_detect, ops = _Option("on_trace"), _Option("on_detect"), _Option("ops")
     # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
     # fitting in memory); `capture` is the latest captured call.
     capture_enabled = _Option("capture")
@@ -204,7 +196,7 @@ class Guard:
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._recent = frames.RecentPasses()  # context for a report of a later pass
-        self._first_calls: Dict[int, CallRecord] = {}  # module id -> its first call in the batch
+        self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
         self._tracing = False  # the latest batch is traced (read in backward, in any thread)
         self._steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
@@ -293,6 +285,7 @@ class Guard:
 
     def _forget_passes(self) -> None:
         self._threads = ThreadPasses(lambda: self.batch_number)
+        self._grad_hooks.forget_targets()  # the threads' calls given to leaves go with them
         self._backward_passes = BackwardPasses()
         self._first_calls.clear()
         self._tracing = False
@@ -350,7 +343,7 @@ class Guard:
         # LightningModule's training_step calls its submodules directly).
         call = CallRecord(module_id, name, cls, FORWARD, state.batch_number, index, not stack)
         if index == 0:
-            self._first_calls[module_id] = call
+            self._first_calls[module_id] = state.first_calls[module_id] = call
         if stack:
             call.parent = stack[-1]
             call.root_id = stack[0].module_id
@@ -415,9 +408,10 @@ class Guard:
         batch = state.batch_number = self.batch_number = self._batches.next(
             self.options.abort_after_batch)
         state.call_counts.clear()
+        state.first_calls.clear()
         state.tracing = self._tracing = batch in self.options.trace_batches
         self._first_calls.clear()
-        state.forget_leaf_uses()  # a backward that never came (evaluation with grad)
+        state.forget_leaf_targets()
 
     def _begin_forward(self, state: PassState, module_id, recomputing: bool) -> None:
         if not recomputing:
@@ -463,9 +457,9 @@ class Guard:
             (role, category, entry[ENTRY_KIND], value.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0))
         if watch_grads and value.requires_grad:
             # Targets lie flat, (call, role, category) after one another: no tuple per target.
-            if value.is_leaf:
-                targets = self._grad_hooks.leaf_targets_of(value)
-                self._threads.state.note_leaf_use(targets, call)
+            leaf = value.is_leaf
+            if leaf:
+                targets = self._grad_hooks.leaf_targets_of(value).of_this_thread()
             elif entry[ENTRY_TARGETS] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
                 targets = entry[ENTRY_TARGETS] = []
@@ -473,6 +467,8 @@ class Guard:
             else:
                 targets = entry[ENTRY_TARGETS]
             targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
+            if leaf:
+                self._threads.state.note_leaf_targets(targets)
 
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:
@@ -486,21 +482,27 @@ class Guard:
             )
         return pass_
 
-    def _on_grad(self, targets, grad, leaf: bool = False):
+    def _on_grad(self, targets, grad):
         if self._attached and not self._paused and grad is not None and not is_dynamo_compiling():
             self._record_grad(targets, grad)
-            if leaf:
-                self._backward_state().delivered.append(targets)
+        return None
+
+    def _on_leaf_grad(self, leaf_targets, grad):
+        """A leaf's gradient, for the calls of the thread running this backward (`LeafTargets`)."""
+        if not self._attached or self._paused or grad is None or is_dynamo_compiling():
+            return None
+        for targets in leaf_targets.delivering():
+            self._record_grad(tuple(targets), grad)  # a copy: its thread may start a batch
+            self._backward_state().delivered.append(targets)
         return None
 
     def _on_param_grad(self, hook: ParamHook, grad):
         if not self._attached or self._paused or grad is None or is_dynamo_compiling():
             return None
-        forward_call = hook.forward_call(self._first_calls, self.batch_number)
+        forward_call = hook.forward_call(self._threads.state, self)
         self._record_grad((forward_call, hook.role, GRAD_PARAM), grad)
         if hook.input_targets:  # the calls it was an input of
-            self._record_grad(hook.input_targets, grad)
-            self._backward_state().delivered.append(hook.input_targets)
+            self._on_leaf_grad(hook.input_targets, grad)
         return None
 
     def _record_grad(self, targets, grad) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import threading
 import warnings
 from typing import Dict, List, Optional
 
@@ -100,20 +101,60 @@ class GradHook:
     """The one hook a tensor gets: hands its gradient to the guard with the calls it belongs to.
     (One object, where a partial of a bound method is two for the garbage collector to track.)"""
 
-    __slots__ = ("guard", "targets", "leaf")
+    __slots__ = ("guard", "targets")
 
-    def __init__(self, guard, targets: list, leaf: bool = False):
+    def __init__(self, guard, targets: list):
         self.guard = guard
         self.targets = targets
-        self.leaf = leaf  # its targets are emptied once delivered: a leaf outlives its graphs
 
     def __call__(self, grad):
-        return self.guard._on_grad(self.targets, grad, self.leaf)
+        return self.guard._on_grad(self.targets, grad)
+
+
+class LeafTargets(dict):
+    """The calls a leaf's gradient belongs to: a target list (as `GradHook.targets`) per thread
+    that fed the leaf to a module, so that threads running their own passes on one model (a
+    parameter fed to a submodule) each give their gradient to their own calls. Emptied when the
+    backward pass that delivered it ends, or when its thread starts its next batch."""
+
+    __slots__ = ()
+
+    def of_this_thread(self) -> list:
+        me = threading.get_ident()
+        targets = self.get(me)
+        if targets is None:
+            targets = self[me] = []
+        return targets
+
+    def delivering(self) -> list:
+        """The lists a gradient arriving now belongs to: this thread's (on CPU a backward runs in
+        the thread that called it), else (a device's autograd thread) every thread's."""
+        own = self.get(threading.get_ident())
+        if own:
+            return [own]
+        return [targets for targets in list(self.values()) if targets]  # a snapshot: threads add
+
+    def forget(self) -> None:
+        for targets in list(self.values()):
+            targets.clear()
+
+
+class LeafHook:
+    """The one hook a leaf tensor gets while it lives (a leaf outlives its graphs)."""
+
+    __slots__ = ("guard", "targets")
+
+    def __init__(self, guard):
+        self.guard = guard
+        self.targets = LeafTargets()
+
+    def __call__(self, grad):
+        return self.guard._on_leaf_grad(self.targets, grad)
 
 
 class ParamHook:
     """The gradient hook of one parameter, what its gradient is reported as, and the calls that
-    took the parameter itself as an input (`input_targets`, as `GradHook.targets`)."""
+    took the parameter itself as an input (`input_targets`, as `LeafHook.targets`)."""
 
     __slots__ = ("guard", "param", "module_id", "module_name", "module_class", "role", "handle",
                  "cdata", "input_targets")
@@ -125,17 +166,23 @@ class ParamHook:
         self.module_name = module_name
         self.module_class = module_class
         self.role = role  # "weight.grad"
-        self.input_targets: list = []
+        self.input_targets = LeafTargets()
         self.cdata = param._cdata  # changes when the parameter is swapped
         self.handle = param.register_hook(self)
 
     def __call__(self, grad):
         return self.guard._on_param_grad(self, grad)
 
-    def forward_call(self, first_calls: dict, batch_number: int) -> CallRecord:
-        """The call the gradient is reported under: its module's first call in the batch or,
-        where its weights were used without calling it (F.linear(x, sub.weight), a compiled or
-        scripted model), a call of its own, which still gives the gradient a frame."""
+    def forward_call(self, state, guard) -> CallRecord:
+        """The call the gradient is reported under: its module's first call in the batch of the
+        thread running the backward (`state`, a PassState; on a device's autograd thread, which
+        ran no forward, the latest batch of any thread) or, where its weights were used without
+        calling it (F.linear(x, sub.weight), a compiled or scripted model), a call of its own,
+        which still gives the gradient a frame."""
+        if state.first_calls:
+            first_calls, batch_number = state.first_calls, state.batch_number
+        else:
+            first_calls, batch_number = guard._first_calls, guard.batch_number
         call = first_calls.get(self.module_id)
         if call is None:
             call = first_calls[self.module_id] = CallRecord(
@@ -370,17 +417,17 @@ class GradHooks:
     saw it; its handle is dead once the tensor's graph is freed. A leaf tensor fed to a module
     gets one hook while it lives (a hook per forward would pile up on it: a leaf outlives its
     graphs); a guarded parameter fed to a module reports through its own gradient hook. The calls
-    a leaf's gradient belongs to are kept until the backward pass that delivers it ends, or the
-    thread that added them starts its next batch (`PassState.forget_leaf_uses`)."""
+    a leaf's gradient belongs to (`LeafTargets`) are kept until the backward pass that delivers it
+    ends, or the thread that added them starts its next batch (`PassState.note_leaf_targets`)."""
 
     def __init__(self, guard, param_hooks: Dict[int, ParamHook]):
         self.guard = guard
         self.param_hooks = param_hooks
         self.handles: list = []  # hooks on tensors of a graph
-        self.leaf_targets: Dict[int, tuple] = {}  # id(leaf) -> (handle, targets)
+        self.leaf_targets: Dict[int, tuple] = {}  # id(leaf) -> (handle, LeafTargets)
         self._kept = (0, 0)  # live handles and leaves after the last pruning
 
-    def leaf_targets_of(self, leaf: torch.Tensor) -> list:
+    def leaf_targets_of(self, leaf: torch.Tensor) -> LeafTargets:
         """The targets of the one hook delivering `leaf`'s gradient, hooking it the first time."""
         hook = self.param_hooks.get(id(leaf))
         if hook is not None and hook.param is leaf and hook.handle is not None:
@@ -390,11 +437,18 @@ class GradHooks:
             hooks = known[0].hooks_dict_ref()
             if hooks is not None and hooks is leaf._backward_hooks:
                 return known[1]
-        targets: list = []
-        self.leaf_targets[id(leaf)] = (leaf.register_hook(GradHook(self.guard, targets, leaf=True)), targets)
+        hook = LeafHook(self.guard)
+        self.leaf_targets[id(leaf)] = (leaf.register_hook(hook), hook.targets)
         if len(self.leaf_targets) > 2 * self._kept[1] + 32:
             self._drop_dead_leaves()
-        return targets
+        return hook.targets
+
+    def forget_targets(self) -> None:
+        """Forget every call the leaves' gradients belong to, in every thread (`Guard.reset`)."""
+        for _, targets in list(self.leaf_targets.values()):
+            targets.forget()
+        for hook in list(self.param_hooks.values()):
+            hook.input_targets.forget()
 
     def drop_dead(self, force: bool = False) -> None:
         """Forget the handles of hooks on freed graphs and tensors, which need no removal; unless

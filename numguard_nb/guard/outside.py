@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import threading
 import types
+import weakref
 from functools import partial
 from typing import Optional
 
@@ -300,6 +301,28 @@ def _leave_region() -> None:
         owner._settle(state)
 
 
+# torch.optim's global step pre-hook (its handle), one for all the watches attached, and how many
+# hold it.
+_step_hook: list = []
+_step_hook_holders = [0]
+
+
+def _hold_step_hook(hold: list, register) -> None:
+    if not hold[0]:
+        hold[0] = True
+        _step_hook_holders[0] += 1
+        if not _step_hook:
+            _step_hook.append(register(_step_begins))
+
+
+def _release_step_hook(hold: list) -> None:
+    if hold[0]:
+        hold[0] = False
+        _step_hook_holders[0] -= 1
+        if _step_hook and not _step_hook_holders[0]:
+            _step_hook.pop().remove()
+
+
 def _step_begins(optimizer, args, kwargs) -> None:
     """torch.optim's global step pre-hook: an optimizer step ends the watched code."""
     if _thread.owner is not None:
@@ -319,7 +342,8 @@ class OutsideWatch:
         self._kept_handles = 0  # live handles after the last pruning
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
-        self._step_hook = None  # torch.optim's global step pre-hook, while attached
+        self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
+        weakref.finalize(self, _release_step_hook, self._step_hold)
 
     # ---- lifecycle (called by the Guard) ---------------------------------------------------------
     def start(self) -> None:
@@ -328,8 +352,7 @@ class OutsideWatch:
         self.attached = True
         self.unraised = None
         _thread.base = _stack_len()
-        if self._step_hook is None:
-            self._step_hook = register_optimizer_step_pre_hook(_step_begins)
+        _hold_step_hook(self._step_hold, register_optimizer_step_pre_hook)
 
     def stop(self) -> None:
         """Remove the mode (in this thread) and the node hooks. A culprit in what was still to be
@@ -342,9 +365,7 @@ class OutsideWatch:
                     self.unraised = self._settle(state, raising=False)
         finally:
             self.attached = False
-            if self._step_hook is not None:
-                self._step_hook.remove()
-                self._step_hook = None
+            _release_step_hook(self._step_hold)
             if state.owner is self:
                 state.owner, state.pass_ = None, None
             for handle in self.node_handles:

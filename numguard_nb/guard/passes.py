@@ -188,53 +188,61 @@ def _arrival(slot: tuple) -> int:
     return slot[SLOT_SEQ]
 
 
+# A thread's calls kept per leaf, and leaves kept, while no batch starts and no gradient comes.
+MAX_LEAF_CALLS = 256
+MAX_LEAF_LISTS = 1024
+
+
 class PassState:
     """One thread's place in a forward pass: the calls open on its stack, the pass they record
     into, and the batch it is running (threads calling one model each run their own batches)."""
 
     __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref",
-                 "leaf_uses", "_kept_uses")
+                 "leaf_lists", "_kept_lists", "first_calls")
 
     def __init__(self, batch_number: int = 0):
         self.root_frame_ref = None  # see `watch_top_level_call`
         self.stack: List[CallRecord] = []
         self.forward: Optional[PassRecord] = None
         self.call_counts: Dict[int, int] = {}  # module id -> its calls so far in the batch
+        self.first_calls: Dict[int, CallRecord] = {}  # module id -> its first call in the batch
         self.tracing = False  # the batch is one of `trace_batches`
         self.batch_number = batch_number
-        # (targets, call): this thread's calls added to leaves' gradient targets in its batch
-        self.leaf_uses: List[tuple] = []
-        self._kept_uses = 0  # after the last pruning
+        # this thread's target lists of the leaves it fed to modules in its batch, by id
+        self.leaf_lists: Dict[int, list] = {}
+        self._kept_lists = 0  # after the last pruning
 
-    def note_leaf_use(self, targets: list, call) -> None:
-        """`call` was added to a leaf's gradient targets. Uses whose gradient came (the backward
-        pass emptied the targets) are dropped once they have doubled: a batch may never start
-        (calls of a guarded model other than the first)."""
-        uses = self.leaf_uses
-        uses.append((targets, call))
-        if len(uses) > 2 * self._kept_uses + 64:
-            uses[:] = [use for use in uses if use[0]]
-            self._kept_uses = len(uses)
-
-    def forget_leaf_uses(self) -> None:
-        """Take this thread's calls out of the leaves' gradient targets (a new batch: the
-        backward of the last one never came), leaving other threads' calls there."""
-        if not self.leaf_uses:
+    def note_leaf_targets(self, targets: list) -> None:
+        """This thread added a call to a leaf's target list (`hooks.LeafTargets`). Bounded where
+        a batch never starts (calls of a guarded model other than the first) and a leaf's
+        gradient never comes: lists emptied by a backward are dropped, and past the caps the
+        oldest calls are forgotten."""
+        if len(targets) > 3 * MAX_LEAF_CALLS:
+            del targets[:len(targets) - 3 * (MAX_LEAF_CALLS // 2)]
+        lists = self.leaf_lists
+        if id(targets) in lists:
             return
-        mine: Dict[int, tuple] = {}  # id(targets) -> (targets, ids of this thread's calls)
-        for targets, call in self.leaf_uses:
-            mine.setdefault(id(targets), (targets, set()))[1].add(id(call))
-        self.leaf_uses, self._kept_uses = [], 0
-        for targets, calls in mine.values():
-            if targets:
-                kept = [targets[i:i + 3] for i in range(0, len(targets), 3) if id(targets[i]) not in calls]
-                targets[:] = [item for triple in kept for item in triple]  # in place: a hook holds it
+        lists[id(targets)] = targets
+        if len(lists) > 2 * self._kept_lists + 64:
+            kept = {key: value for key, value in lists.items() if value}
+            if len(kept) > MAX_LEAF_LISTS:
+                for key in list(kept)[:len(kept) - MAX_LEAF_LISTS // 2]:
+                    kept.pop(key).clear()
+            self.leaf_lists, self._kept_lists = kept, len(kept)
+
+    def forget_leaf_targets(self) -> None:
+        """A new batch: the calls this thread gave the leaves in the last one are done with (its
+        backward came and went, or never came: evaluation with grad on)."""
+        for targets in self.leaf_lists.values():
+            targets.clear()
+        self.leaf_lists, self._kept_lists = {}, 0
 
     def reset(self) -> None:
         """Forget the pass in progress (kept: the batch number)."""
         self.stack.clear()  # in place: the hooks hold it
         self.forward = None
         self.call_counts.clear()
+        self.first_calls.clear()
         self.tracing = False
 
     def forget_when_gone(self, frame_local) -> None:

@@ -40,6 +40,7 @@ import itertools
 import sys
 import threading
 import warnings
+import weakref
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -149,6 +150,25 @@ def _copy(t: torch.Tensor, path) -> torch.Tensor:
 
 def _versions(value) -> tuple:
     return tuple(-1 if t.is_inference() else t._version for t in _tree.tensors(value))
+
+
+class _ParametersChanged:
+    """torch's global parameter and submodule registration hook for one Sentinel, held weakly."""
+
+    __slots__ = ("sentinel",)
+
+    def __init__(self, sentinel):
+        self.sentinel = weakref.ref(sentinel)
+
+    def __call__(self, module, name, value) -> None:
+        sentinel = self.sentinel()
+        if sentinel is not None:
+            sentinel._new_parameters(module, name, value)
+
+
+def _remove_all(handles: list) -> None:
+    while handles:
+        handles.pop().remove()
 
 
 def _made_order(call: _Call) -> int:
@@ -268,6 +288,7 @@ class Sentinel:
         self._tracer = None  # a full guard watching a traced batch with all its hooks
         self._known_parameters: Optional[list] = None  # None: look them up again
         self._registration_handles: list = []  # torch's global hooks telling of new parameters
+        weakref.finalize(self, _remove_all, self._registration_handles)
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -281,9 +302,11 @@ class Sentinel:
             # optimizer steps: what wrote weights found non-finite
             self.guard._steps.start(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
-            self._registration_handles = [
-                module_hooks.register_module_parameter_registration_hook(self._new_parameters),
-                module_hooks.register_module_module_registration_hook(self._new_parameters)]
+            # Held weakly by torch's global registries: a sentinel dropped while attached goes.
+            changed = _ParametersChanged(self)
+            self._registration_handles += [
+                module_hooks.register_module_parameter_registration_hook(changed),
+                module_hooks.register_module_module_registration_hook(changed)]
         except BaseException:
             self.detach()
             raise
@@ -313,7 +336,7 @@ class Sentinel:
         self._stop_tracer()
         self._handles.clear()
         self._grad_handles.clear()
-        self._registration_handles = []
+        self._registration_handles.clear()  # in place: the finalizer holds it
         self._known_parameters = None
         self._kept_handles = 0
         self.entries.clear()
