@@ -8,6 +8,7 @@ most passes are clean and never shown, so a pass is kept as slots and host value
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Optional
 
 import torch
@@ -358,17 +359,21 @@ class RecentPasses:
 
     def __init__(self):
         self.passes: collections.deque = collections.deque()
+        self._lock = threading.Lock()  # passes of several threads end at once
 
     def remember(self, pass_: PassRecord, max_frames: int) -> None:
         """Keep the pass's last calls (it has been read back) as context for a later report."""
         pass_.release()
         calls = sorted(pass_.calls, key=lambda c: c.seq)[-max_frames:]
-        self.passes.append((pass_, calls))
-        # Keep just enough passes to fill max_frames frames of context.
-        while len(self.passes) > 1 and sum(len(c) for _, c in list(self.passes)[1:]) >= max_frames:
-            self.passes.popleft()
+        with self._lock:
+            self.passes.append((pass_, calls))
+            # Keep just enough passes to fill max_frames frames of context.
+            while len(self.passes) > 1 and sum(len(c) for _, c in list(self.passes)[1:]) >= max_frames:
+                self.passes.popleft()
 
     def frames(self, options) -> list:
         """The last `options.max_frames` frames of the kept passes."""
-        frames = [build_frame(p, c, options) for p, calls in self.passes for c in calls]
+        with self._lock:
+            kept = list(self.passes)
+        frames = [build_frame(p, c, options) for p, calls in kept for c in calls]
         return frames[-options.max_frames:]
