@@ -233,10 +233,12 @@ def test_a_fresh_input_with_requires_grad_every_step_keeps_memory_flat():
         (grad,) = torch.autograd.grad(model(x).sum(), x)
         assert torch.isfinite(grad).all()
 
+    # What is pruned once it doubles comes and goes by some 60 KB: 20,000 steps and 128 KB still
+    # catch 7 bytes a step.
     with promises_kept(model), Guard(model) as guard:
-        grown = memory_growth(step, 10_000)
+        grown = memory_growth(step, 20_000)
         assert len(guard._grad_hooks.leaf_targets) < 100
-    assert grown < 64 * 1024, f"{grown} bytes more after 10000 steps"
+    assert grown < 128 * 1024, f"{grown} bytes more after 20000 steps"
 
 
 def test_a_second_model_called_alone_with_fresh_leaves_keeps_memory_flat():
@@ -249,8 +251,8 @@ def test_a_second_model_called_alone_with_fresh_leaves_keeps_memory_flat():
         second(x).sum().backward()
 
     with promises_kept(second), Guard([first, second]):
-        grown = memory_growth(step, 5_000)
-    assert grown < 64 * 1024, f"{grown} bytes more after 5000 steps"
+        grown = memory_growth(step, 20_000)
+    assert grown < 128 * 1024, f"{grown} bytes more after 20000 steps"  # (see the test above)
 
 
 class ScaledSqrt(nn.Module):

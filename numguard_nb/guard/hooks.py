@@ -439,7 +439,7 @@ class GradHooks:
                 return known[1]
         hook = LeafHook(self.guard)
         self.leaf_targets[id(leaf)] = (leaf.register_hook(hook), hook.targets)
-        if len(self.leaf_targets) > 2 * self._kept[1] + 32:
+        if len(self.leaf_targets) > 2 * self._kept[1] + 8:
             self._drop_dead_leaves()
         return hook.targets
 

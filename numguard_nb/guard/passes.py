@@ -223,7 +223,7 @@ class PassState:
         if id(targets) in lists:
             return
         lists[id(targets)] = targets
-        if len(lists) > 2 * self._kept_lists + 64:
+        if len(lists) > 2 * self._kept_lists + 16:
             kept = {key: value for key, value in lists.items() if value}
             if len(kept) > MAX_LEAF_LISTS:
                 for key in list(kept)[:len(kept) - MAX_LEAF_LISTS // 2]:
