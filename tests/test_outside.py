@@ -26,6 +26,7 @@ import promises
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb._schema import BACKWARD, CAUSE_OUTSIDE, FORWARD, OUTSIDE_MODULE
 from numguard_nb.guard import outside
+from numguard_nb.guard.steps import STEP_NUMBER
 
 INF = float("inf")
 
@@ -286,6 +287,32 @@ def test_the_watch_is_off_the_stack_while_an_optimizer_steps_and_after(mode):
             optimizer.step()
             assert function_stack() == []  # zero_grad and the next batch's data run without it
     assert optimizer.stacks == [[], [], []]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_compiled_optimizer_step_is_not_compiled_again_and_again_under_the_guard(mode):
+    # The guard's step hooks run inside the compiled step: traced, what they read of the guard
+    # would change every step and recompile it.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = torch.compile(lambda: optimizer.step(), backend="eager")
+    compiled_after = []
+    try:
+        with Guard(model, mode=mode) as guard:
+            for _ in range(20):
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+                step()
+                optimizer.zero_grad()
+                compiled_after.append(counters["frames"]["total"])
+                assert function_stack() == []  # the hooks ran: the watch left the stack
+    finally:
+        torch._dynamo.reset()
+    assert compiled_after[2] == compiled_after[-1]
+    assert guard._steps._steps[-1][STEP_NUMBER] == 20  # every step seen, Adam's own count
 
 
 def test_a_value_still_to_be_read_is_raised_at_the_next_optimizer_step(monkeypatch):

@@ -323,6 +323,7 @@ def _release_step_hook(hold: list) -> None:
             _step_hook.pop().remove()
 
 
+@torch.compiler.disable  # run as it is in a compiled step too: traced, it would recompile
 def _step_begins(optimizer, args, kwargs) -> None:
     """torch.optim's global step pre-hook: an optimizer step ends the watched code."""
     if _thread.owner is not None:

@@ -65,6 +65,7 @@ class _StepNote:
     def __init__(self, watch: "StepWatch"):
         self.watch = weakref.ref(watch)
 
+    @torch.compiler.disable  # run as it is in a compiled step too: traced, it would recompile
     def __call__(self, optimizer, args, kwargs) -> None:
         watch = self.watch()
         if watch is None:
