@@ -62,6 +62,36 @@ def user_frame():
     return None
 
 
+class WeakStepHook:
+    """A torch.optim global step hook that calls `owner.<method>(optimizer)`, holding the owner
+    weakly (the registry is global: a hook must not keep a guard and its models alive). It runs
+    as it is inside a compiled step (traced, what it reads would recompile the step each time),
+    and its own failure never breaks the user's step: `on_error(owner)` is called instead."""
+
+    __slots__ = ("owner", "method", "on_error")
+
+    def __init__(self, owner, method: str, on_error=None):
+        import weakref
+
+        self.owner = weakref.ref(owner)
+        self.method = method
+        self.on_error = on_error
+
+    @torch.compiler.disable
+    def __call__(self, optimizer, args, kwargs) -> None:
+        owner = self.owner()
+        if owner is None:
+            return
+        try:
+            getattr(owner, self.method)(optimizer)
+        except Exception:
+            if self.on_error is not None:
+                self.on_error(owner)
+
+    def __repr__(self) -> str:
+        return f"<numguard WeakStepHook {self.method}>"
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that makes a warning its caller gives point at the user's line."""
     frame, level = sys._getframe(1), 1

@@ -30,7 +30,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .._schema import ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD
-from .._util import user_stacklevel
+from .._util import WeakStepHook, user_stacklevel
 from ..report import OptimizerStep
 
 __all__ = ["MAX_STEPS", "Origin", "StepWatch"]
@@ -57,23 +57,8 @@ class Origin(NamedTuple):
     finite_batch: Optional[int]
 
 
-class _StepNote:
-    """torch.optim's global step post-hook for one StepWatch, holding it weakly."""
-
-    __slots__ = ("watch",)
-
-    def __init__(self, watch: "StepWatch"):
-        self.watch = weakref.ref(watch)
-
-    @torch.compiler.disable  # run as it is in a compiled step too: traced, it would recompile
-    def __call__(self, optimizer, args, kwargs) -> None:
-        watch = self.watch()
-        if watch is None:
-            return
-        try:
-            watch.note_step(optimizer)
-        except Exception:  # never break the user's optimizer step (the watch then cannot tell)
-            watch.lost_after = watch.forwards
+def _cannot_tell(watch: "StepWatch") -> None:
+    watch.lost_after = watch.forwards  # a step it failed to note: what it wrote is unknown
 
 
 def _remove(handles: list) -> None:
@@ -110,7 +95,8 @@ class StepWatch:
         if not self._handles:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._handles.append(register_optimizer_step_post_hook(_StepNote(self)))
+            self._handles.append(register_optimizer_step_post_hook(
+                WeakStepHook(self, "note_step", on_error=_cannot_tell)))
 
     def stop(self) -> None:
         """Remove the global hook (on detach; idempotent)."""

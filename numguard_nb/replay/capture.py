@@ -16,30 +16,12 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from .. import _tree, callstate
-from .._util import error_line
+from .._util import WeakStepHook, error_line
 from ..callstate import CallState
 from ..errors import CaptureTooLarge, ReplayError
 from .call import CapturedCall, HostCopies
 from .location import call_site
 from .snapshot import _Snapshot, snapshot_fits
-
-
-class _OptimizerStepNote:
-    """torch.optim's global step hook for one Capture, holding it weakly."""
-
-    __slots__ = ("capture",)
-
-    def __init__(self, capture: "Capture"):
-        self.capture = weakref.ref(capture)
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        capture = self.capture()
-        if capture is None:
-            return
-        try:
-            capture.note_optimizer_step(optimizer)
-        except Exception:  # never break the user's optimizer step
-            pass
 
 
 class Capture:
@@ -78,7 +60,8 @@ class Capture:
 
         # The hook is torch's, global: it holds the capture weakly, and goes when the capture
         # does or the guard detaches, whichever comes first.
-        self._optimizer_hook = register_optimizer_step_post_hook(_OptimizerStepNote(self))
+        self._optimizer_hook = register_optimizer_step_post_hook(
+            WeakStepHook(self, "note_optimizer_step"))
         weakref.finalize(self, self._optimizer_hook.remove)
 
     def note_optimizer_step(self, optimizer) -> None:
