@@ -62,6 +62,31 @@ def user_frame():
     return None
 
 
+def cell_name(filename: Optional[str]) -> Optional[str]:
+    """'Cell In[5]' where `filename` is the file IPython compiled a notebook cell (or a terminal
+    input) under, as its tracebacks name it; None for any other file. IPython is never imported
+    here: a shell is asked only where one is running in this process already."""
+    ipython = sys.modules.get("IPython")
+    if not filename or ipython is None:
+        return None
+    try:
+        compiler = ipython.get_ipython().compile
+        format_code_name = getattr(compiler, "format_code_name", None)  # IPython 8 and later
+        if format_code_name is not None:
+            found = format_code_name(filename)
+            return " ".join(found) if found else None
+        number = getattr(compiler, "_filename_map", {}).get(filename)
+    except Exception:  # no shell running, or one without a compiler that names cells
+        return None
+    return f"Cell In[{number}]" if number is not None else None
+
+
+def code_where(filename: Optional[str], lineno) -> str:
+    """'Cell In[5], line 3' for a line of a notebook cell, else 'path/file.py:3'."""
+    cell = cell_name(filename)
+    return f"{cell}, line {lineno}" if cell else f"{filename}:{lineno}"
+
+
 class WeakStepHook:
     """A torch.optim global step hook that calls `owner.<method>(optimizer)`, holding the owner
     weakly (the registry is global: a hook must not keep a guard and its models alive). It runs

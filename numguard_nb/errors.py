@@ -14,19 +14,47 @@ def _red(name: str) -> str:
 
 
 class NonFiniteError(FloatingPointError):
-    """A non-finite value was produced; `.report` says where, and what led to it."""
+    """A non-finite value was produced; `.report` says where, and what led to it.
+
+    Its message is the verdict: the culprit, the first non-finite op and its line, and the hint,
+    so that a script, a terminal IPython and a notebook all show them where the error lands,
+    caught or not."""
 
     def __init__(self, report):
         self.report = report
-        super().__init__(f"{report.summary()} (see .report for the frames leading to it)")
+        super().__init__("\n".join(_verdict(report) + [_WHERE_THE_REPORT_IS]))
 
     def __reduce__(self):  # keeps .report across pickling (multiprocessing, torch.distributed)
         return type(self), (self.report,)
 
     def _render_traceback_(self):
-        # IPython prints this instead of a traceback through the hooks (no IPython import).
-        return [f"{_red(type(self).__name__)}: {self.report.summary()}",
-                "the frames that led to it: err.report (or guard.report)"]
+        # IPython shows these lines instead of a traceback through the hooks (no IPython import).
+        # With the extension loaded, the report is displayed first and kept as `_numguard`.
+        shown = _show_uncaught(self)
+        lines = _verdict(self.report)
+        return [f"{_red(type(self).__name__)}: {lines[0]}"] + lines[1:] + [shown or _WHERE_THE_REPORT_IS]
+
+
+_WHERE_THE_REPORT_IS = ("the whole report (its frames, .to_text(), .to_frame()): err.report after "
+                        "`except numguard_nb.NonFiniteError as err`, or guard.report")
+
+# Set by the notebook layer while the extension is loaded: shows an uncaught error's report as
+# the magics show theirs, and returns the line that says where it is kept ('' if not shown).
+_show_uncaught = lambda error: ""  # noqa: E731
+
+
+def set_uncaught_display(show) -> None:
+    """`show(error) -> str` displays the report of a NonFiniteError nobody caught (None: stop)."""
+    global _show_uncaught
+    _show_uncaught = show if show is not None else (lambda error: "")
+
+
+def _verdict(report) -> list:
+    """The summary (with the rank), then the hint, the op and the line that made the value."""
+    try:
+        return [report.summary()] + report.verdict_lines()[1:]
+    except Exception:  # a report from another version, or of another kind: its summary alone
+        return [str(getattr(report, "reason", "") or report)]
 
 
 class BatchLimitReached(RuntimeError):

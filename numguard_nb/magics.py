@@ -19,22 +19,21 @@ report is displayed above it and kept as `_numguard`.
 
 from __future__ import annotations
 
-import argparse
 import ast
-import inspect
 import re
 import sys
 from typing import Dict, List, Optional
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import MagicArgumentParser, argument, magic_arguments
-from IPython.utils.process import arg_split
+from IPython.core.magic_arguments import argument, magic_arguments
 
-from ._schema import MODE_FULL, MODE_SENTINEL
 from ._util import message_line
-from .errors import BatchLimitReached, NonFiniteError
-from .guard import GuardOptions
+from .errors import BatchLimitReached, NonFiniteError, set_uncaught_display
+from .magic_args import (
+    CELL, COMPARE, HISTORY, OFF, ON, STATUS, guard_options, parse, parse_bare,
+    positive_int, positive_number, with_usage,
+)
 from .report import Report
 from .session import (
     GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup,
@@ -42,217 +41,10 @@ from .session import (
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
 
-_LIMIT_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 _COMMANDS = ("on", "off", "status", "compare", "history")
 
 # The shells the extension is loaded in, and their magics (for unload).
 _loaded: Dict[int, "NumguardMagics"] = {}
-
-
-# ---- argument types ------------------------------------------------------------------------
-# argparse shows the message of an ArgumentTypeError raised by a `type=` function.
-_ArgError = argparse.ArgumentTypeError
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise _ArgError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _batch_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise _ArgError(f"expected a batch number >= 0, got {text!r}")
-    return value
-
-
-def _batch_list(text: str) -> List[int]:
-    """'1,3' or '149-150' (or a mix) -> sorted batch numbers."""
-    batches = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        match = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
-        if match:
-            lo, hi = int(match.group(1)), int(match.group(2))
-            if hi < lo or hi - lo > 10000:
-                raise _ArgError(f"bad batch range {part!r}: write e.g. 149-150")
-            batches.update(range(lo, hi + 1))
-        elif part.isdigit():
-            batches.add(int(part))
-        else:
-            raise _ArgError(f"expected batch numbers like 1,3 or 149-150, got {text!r}")
-    if not batches:
-        raise _ArgError(f"expected batch numbers like 1,3 or 149-150, got {text!r}")
-    return sorted(batches)
-
-
-def _identifier(text: str) -> str:
-    if not text.isidentifier():
-        raise _ArgError(f"{text!r} is not a Python variable name")
-    return text
-
-
-def _number_above(text: str, bound: float, expected: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = bound
-    if not value > bound:
-        raise _ArgError(f"expected {expected}, got {text!r}")
-    return value
-
-
-def _factor(text: str) -> float:
-    return _number_above(text, 1.0, "a factor > 1 such as 10")
-
-
-def _positive_number(text: str) -> float:
-    return _number_above(text, 0.0, "a number > 0")
-
-
-# ---- the parsers: one per form of %numguard, each with only its own options ---------------
-# MagicHelpFormatter writes one % before each prog: "numguard on" shows as %numguard on.
-def _guard_parser(prog: str) -> MagicArgumentParser:
-    """The options of a guarded run: the cell form and `%numguard on`."""
-    parser = MagicArgumentParser(prog=prog)
-    parser.add_argument("names", nargs="*", metavar="MODEL",
-                        help="models (nn.Module or Trainer) to guard; default: all in the namespace")
-    add = parser.add_argument
-    add("--frames", type=_positive_int, default=21, metavar="N",
-        help="frames kept in the report, leading up to the culprit (default 21)")
-    add("--trace", type=_batch_list, default=None, metavar="B,B",
-        help="batch numbers to trace (every frame recorded, no stop): 1,3 or 149-150")
-    add("--abort-after", type=_batch_number, default=None, metavar="N",
-        help="stop (BatchLimitReached) when batch N+1 starts")
-    add("--no-backward", action="store_true", help="watch the forward pass only")
-    add("--sync", action="store_true",
-        help="check in every hook (slower; for when the process would crash first)")
-    add("--allow-inf", nargs="*", default=None, metavar="GLOB",
-        help="let modules produce +-inf on purpose: all of them, or those matching the globs")
-    add("--ops", action="store_true",
-        help="on a detection, name the first ATen op that turned non-finite and its source line")
-    add("--sentinel", action="store_true",
-        help="check only the models' outputs and the gradients, at almost no cost (compiled models "
-             "stay compiled); re-run a failing call with the full hooks")
-    add("--limit-dtype", choices=_LIMIT_DTYPES, default=None,
-        help="collect the values beyond this dtype's range (predicted overflow/underflow) and "
-             "show them after the cell")
-    add("--stop-at-limit", action="store_true",
-        help="with --limit-dtype: stop at the first predicted overflow instead")
-    add("--capture", dest="capture", action="store_const", const=True, default=None,
-        help="keep the last inputs to replay a call on CPU after a CUDA error "
-             "(default: on when a guarded model has a parameter on CUDA)")
-    add("--no-capture", dest="capture", action="store_const", const=False,
-        help="do not capture inputs")
-    add("--history-every", type=_positive_int, default=None, metavar="N",
-        help="keep every Nth batch's ranges per module (%%numguard history shows them)")
-    add("--scaler", default=None, metavar="NAME",
-        help="the GradScaler (or a Trainer with one) whose skipped steps are let through; "
-             "default: the one GradScaler of the namespace")
-    add("-q", "--quiet", action="store_true", help="display nothing; only store the report")
-    add("-o", "--output", type=_identifier, default=None, metavar="NAME",
-        help="also store the report in the namespace as NAME")
-    return parser
-
-
-def _bare_parser(prog: str) -> MagicArgumentParser:
-    """`%numguard off` and `status`: no options (names are collected to say they are not taken)."""
-    parser = MagicArgumentParser(prog=prog)
-    parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
-    return parser
-
-
-def _compare_parser() -> MagicArgumentParser:
-    parser = MagicArgumentParser(prog="numguard compare")
-    parser.add_argument("reports", nargs="*", metavar="REPORT",
-                        help="two reports: GOOD BAD (names, or _numguard_traces[batch])")
-    parser.add_argument("--factor", type=_factor, default=10.0, metavar="F",
-                        help="the ratio of abs max that counts as a difference (default 10)")
-    return parser
-
-
-def _history_parser() -> MagicArgumentParser:
-    parser = MagicArgumentParser(prog="numguard history")
-    parser.add_argument("--worst", type=_positive_int, default=3, metavar="N",
-                        help="modules nearest their dtype's limit to number and follow (default 3)")
-    return parser
-
-
-_CELL = _guard_parser("%numguard")
-_ON = _guard_parser("numguard on")
-_OFF = _bare_parser("numguard off")
-_STATUS = _bare_parser("numguard status")
-_COMPARE = _compare_parser()
-_HISTORY = _history_parser()
-
-
-def _magic(parser: MagicArgumentParser) -> str:
-    """'%numguard on' for the parser of `%numguard on`."""
-    return "%" + parser.prog
-
-
-def _parse(parser: MagicArgumentParser, line: str, magic: Optional[str] = None):
-    """Parse with `parser`; options and names may come in any order. Errors are one-line
-    UsageErrors that point at the magic's help."""
-    magic = magic or _magic(parser)
-    help_name = magic.split()[0]
-    try:
-        args = parser.parse_intermixed_args(arg_split(line))
-    except UsageError as error:
-        raise UsageError(f"{magic}: {message_line(error)}; see {help_name}? for the options") from None
-    except SystemExit:
-        raise UsageError(f"{magic}: cannot parse {line.strip()!r}; see {help_name}? for the options") from None
-    except ValueError as error:  # unbalanced quotes
-        raise UsageError(f"{magic}: {message_line(error)} in {line.strip()!r}") from None
-    # IPython splits like a shell but keeps the quotes: 'a b' is one word, written 'a b'.
-    for key, value in vars(args).items():
-        if isinstance(value, str):
-            setattr(args, key, _unquote(value))
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            setattr(args, key, [_unquote(v) for v in value])
-    return args
-
-
-def _parse_bare(parser: MagicArgumentParser, line: str) -> None:
-    args = _parse(parser, line)
-    if args.names:
-        raise UsageError(f"{_magic(parser)} takes no names (got {' '.join(args.names)})")
-
-
-def _unquote(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
-
-
-def _guard_options(args, capture: bool, scaler=None) -> GuardOptions:
-    """The Guard's options from the parsed options of a guarded run, checked by the engine: the
-    one place that turns options into engine settings."""
-    allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
-    return GuardOptions(
-        max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
-        backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
-        limit_dtype=args.limit_dtype, stop_at_limit=args.stop_at_limit, ops=args.ops,
-        capture=capture, history_every=args.history_every, scaler=scaler,
-        mode=MODE_SENTINEL if args.sentinel else MODE_FULL,
-    )
-
-
-def _with_usage(*parsers: MagicArgumentParser):
-    """Append each parser's usage and options to the magic's docstring (what `%numguard?` shows)."""
-    def document(func):
-        func.__doc__ = "\n\n".join([inspect.cleandoc(func.__doc__)] + [p.format_help() for p in parsers])
-        return func
-    return document
 
 
 # ---- the short error display ---------------------------------------------------------------
@@ -342,10 +134,11 @@ class NumguardMagics(Magics):
         super().__init__(shell)
         self._session = Session()  # the state of %numguard on
         self.syntax_check = _syntax_errors_as_in_a_plain_cell(shell)  # an input transformer
+        self._armed_note = ""  # what an armed %numguard on said last about its models
 
     # ---- %%numguard / %numguard ----------------------------------------------------------
     @cell_magic("numguard")
-    @_with_usage(_CELL)
+    @with_usage(CELL)
     def numguard_cell(self, line="", cell=""):
         """Guard this cell with a numguard Guard: find the first module that produces an inf or a
         nan, forward or backward.
@@ -375,7 +168,7 @@ class NumguardMagics(Magics):
         return self._guard_cell(line, cell)
 
     @line_magic("numguard")
-    @_with_usage(_ON, _COMPARE, _HISTORY)
+    @with_usage(ON, COMPARE, HISTORY)
     def numguard(self, line=""):
         """Guard every following cell, until off (a training loop split across cells), with a
         numguard Guard; say what is guarded; compare two reports.
@@ -416,7 +209,7 @@ class NumguardMagics(Magics):
 
     def _guard_cell(self, line: str, cell: str):
         __tracebackhide__ = True  # noqa: F841
-        args = _parse(_CELL, line)
+        args = parse(CELL, line)
         command = args.names[0] if args.names else None
         if command in _COMMANDS and command not in self.shell.user_ns:
             raise UsageError(f"%%numguard guards the cell below it; for '{command}' use the line "
@@ -432,22 +225,57 @@ class NumguardMagics(Magics):
         return outcome.result(run.hint)
 
     def _on(self, rest: str) -> None:
-        args = _parse(_ON, rest)
-        run = self._start_run(args, "%numguard on", show_first=self._show_session_reports)
-        self._show(self._session.start(run))
+        args = parse(ON, rest)
+        magic = "%numguard on"
+        waiting_for = self._not_defined_yet(args.names)
+        if waiting_for:
+            try:  # bad options are refused now, not when a model appears
+                guard_options(args, capture=False)
+            except (TypeError, ValueError) as error:
+                raise UsageError(f"{magic}: {message_line(error)}") from None
+            self._show(self._session.arm(lambda: self._armed_run(args, magic), waiting_for))
+        else:
+            run = self._start_run(args, magic, show_first=self._show_session_reports)
+            self._show(self._session.start(run))
         self._listen(True)
 
+    def _not_defined_yet(self, names: List[str]) -> str:
+        """What `%numguard on` must wait for, in words: 'a model' where the namespace holds none
+        and no name is given, 'model' for names not defined yet; '' where it can start now."""
+        namespace = self.shell.user_ns
+        if names:
+            missing = [name for name in names if name.partition(".")[0] not in namespace]
+            return " and ".join(missing) if len(missing) == len(names) else ""
+        try:
+            find_models(namespace, (), getattr(self.shell, "user_ns_hidden", {}))
+        except LookupError:
+            return "a model"
+        return ""
+
+    def _armed_run(self, args, magic: str) -> Optional[GuardedRun]:
+        """The run of an armed `%numguard on`, or None while its models are still missing."""
+        if self._not_defined_yet(args.names):
+            return None
+        try:
+            return self._start_run(args, magic, show_first=self._show_session_reports)
+        except UsageError as error:  # e.g. the name stands for no model: said once, and waited on
+            note = f"numguard: {message_line(error)}"
+            if note != self._armed_note:
+                print(note)
+            self._armed_note = note
+            return None
+
     def _off(self, rest: str) -> None:
-        _parse_bare(_OFF, rest)
+        parse_bare(OFF, rest)
         self._listen(False)
         print(self._session.stop())
 
     def _status(self, rest: str) -> None:
-        _parse_bare(_STATUS, rest)
+        parse_bare(STATUS, rest)
         print(self._session.status())
 
     def _compare(self, rest: str):
-        args = _parse(_COMPARE, rest)
+        args = parse(COMPARE, rest)
         if len(args.reports) != 2:
             raise UsageError(
                 "%numguard compare needs two reports: %numguard compare GOOD BAD "
@@ -457,7 +285,7 @@ class NumguardMagics(Magics):
         return good.compare(bad, factor=args.factor)
 
     def _history(self, rest: str):
-        args = _parse(_HISTORY, rest)
+        args = parse(HISTORY, rest)
         try:
             history = self._session.history(self.shell.user_ns)
         except LookupError as error:
@@ -466,12 +294,12 @@ class NumguardMagics(Magics):
 
     # ---- %numguard_dist ------------------------------------------------------------------
     @magic_arguments()
-    @argument("--nproc", type=_positive_int, default=2, metavar="N", help="processes (ranks) to start")
+    @argument("--nproc", type=positive_int, default=2, metavar="N", help="processes (ranks) to start")
     @argument("--backend", choices=("gloo", "nccl"), default=None,
               help="default: nccl when CUDA is available, else gloo")
-    @argument("--timeout", type=_positive_number, default=60.0, metavar="S",
+    @argument("--timeout", type=positive_number, default=60.0, metavar="S",
               help="seconds each rank's check may take (default 60)")
-    @argument("--size", type=_positive_number, default=None, metavar="MB",
+    @argument("--size", type=positive_number, default=None, metavar="MB",
               help="all_reduce/broadcast payload in MiB (default: distcheck's, 64)")
     @line_magic
     def numguard_dist(self, line=""):
@@ -479,7 +307,7 @@ class NumguardMagics(Magics):
         verify all_reduce and broadcast, and show one row per rank (ok, error, bandwidth,
         latency). The table is kept as `_numguard_dist`.
         """
-        args = _parse(self.numguard_dist.parser, line, "%numguard_dist")
+        args = parse(self.numguard_dist.parser, line, "%numguard_dist")
         extra = {"size_mb": args.size} if args.size is not None else {}
         from . import distcheck
 
@@ -507,7 +335,7 @@ class NumguardMagics(Magics):
         as `_numguard_check`.
         """
         magic = "%numguard_check"
-        args = _parse(self.numguard_check.parser, line, magic)
+        args = parse(self.numguard_check.parser, line, magic)
         target = self._look_up(args.name, magic)
         data = () if args.data is None else (self._look_up(args.data, magic),)
         options = {"loss_fn": self._look_up(args.loss, magic)} if args.loss else {}
@@ -535,7 +363,7 @@ class NumguardMagics(Magics):
         magic = "%numguard_replay"
         if not line.strip():  # argparse would also ask for the optional MODEL
             raise UsageError(f"{magic} needs the bundle's path: {magic} PATH [MODEL ...]")
-        args = _parse(self.numguard_replay.parser, line, magic)
+        args = parse(self.numguard_replay.parser, line, magic)
         models = self._find_models(args.names, magic)
         target = next(iter(models.values())) if len(models) == 1 else models
         from . import replay
@@ -586,7 +414,7 @@ class NumguardMagics(Magics):
             print(f"numguard: no CPU replay after a CUDA error: {refused}")
         scaler_name, scaler = self._find_scaler(args, magic)
         try:
-            return GuardedRun(self.shell.user_ns, models, _guard_options(args, capture, scaler),
+            return GuardedRun(self.shell.user_ns, models, guard_options(args, capture, scaler),
                               output=args.output, quiet=args.quiet,
                               shorten=lambda error, hint: _make_short(error, hint, show_first),
                               scaler_name=scaler_name)
@@ -679,12 +507,17 @@ class NumguardMagics(Magics):
         success = getattr(result, "success", True)
         self._show(self._session.after_cell(success, getattr(result, "error_in_exec", None)))
 
-    def name_cell(self, filename: str) -> Optional[str]:
-        """'Cell In[5]' for the file IPython compiled cell 5 under, as its tracebacks name it
-        (replay locations show it); None for any other file, and before IPython 8."""
-        format_code_name = getattr(self.shell.compile, "format_code_name", None)
-        found = format_code_name(filename) if format_code_name is not None else None
-        return " ".join(found) if found else None
+    def show_uncaught(self, error: NonFiniteError) -> str:
+        """A NonFiniteError of the Python API (`with Guard(...)`) that nobody caught: its report,
+        shown and kept as a %%numguard cell's is. The line that says where it is kept."""
+        from .render.widget import display_report
+        from .session import REPORT_NAME
+
+        if not getattr(error, "_numguard_shown", False):  # shown again (%tb): the error alone
+            display_report(error.report)
+            self.shell.user_ns[REPORT_NAME] = error.report
+            error._numguard_shown = True
+        return f"numguard: the frames that led to it are in {REPORT_NAME}"
 
     def close(self) -> None:
         """Turn `%numguard on` off and remove its event handlers (for %unload_ext)."""
@@ -718,9 +551,7 @@ def load(ipython) -> None:
     magics = NumguardMagics(ipython)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.append(magics.syntax_check)
-    from .replay import location
-
-    location.add_cell_namer(magics.name_cell)
+    set_uncaught_display(magics.show_uncaught)
     _loaded[id(ipython)] = magics
 
 
@@ -732,9 +563,7 @@ def unload(ipython) -> None:
     magics.close()
     if magics.syntax_check in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(magics.syntax_check)
-    from .replay import location
-
-    location.remove_cell_namer(magics.name_cell)
+    set_uncaught_display(next(reversed(_loaded.values())).show_uncaught if _loaded else None)
     manager = ipython.magics_manager
     for kind, table in magics.magics.items():
         for name in table:

@@ -321,6 +321,13 @@ class Report:
 
         return report_text(self)
 
+    def verdict_lines(self) -> list:
+        """The reason, the hint, the first non-finite op and the line that made it ([] when
+        nothing is wrong): what a NonFiniteError says."""
+        from .render.text import verdict_lines
+
+        return verdict_lines(self)
+
     def to_frame(self):
         """A pandas DataFrame with one row per tensor of every frame."""
         from .render.table import report_frame

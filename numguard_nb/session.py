@@ -428,6 +428,29 @@ class Session:
     def __init__(self):
         self.run: Optional[GuardedRun] = None
         self._stepped_aside = False  # the current cell is a %%numguard cell
+        # Armed before any model exists: (make the run, or None while its models are missing;
+        # what it waits for, in words).
+        self._armed: Optional[Tuple[Callable[[], Optional[GuardedRun]], str]] = None
+
+    def arm(self, make_run: Callable[[], Optional[GuardedRun]], waiting_for: str) -> ToShow:
+        """`%numguard on` before the models exist: before each cell, `make_run()` is tried again
+        (None while its models are missing); the first run it makes guards that cell and every
+        following one. `waiting_for` says what is awaited ('a model', 'model')."""
+        self.stop()
+        self._armed = (make_run, waiting_for)
+        return ToShow(lines=[f"numguard: on; no {waiting_for} yet: guarding starts with the first cell "
+                             f"run after {waiting_for} exists (the cell that creates it is not guarded)"])
+
+    def _start_armed(self) -> List[str]:
+        """Make the armed run if its models exist now: the line that says so, else []."""
+        make_run, _ = self._armed
+        run = make_run()
+        if run is None:
+            return []
+        self._armed = None
+        self.run = run
+        return [] if run.quiet else [f"numguard: guarding {run.describe()} from this cell on, until "
+                                     f"%numguard off{run.scaling()}"]
 
     def start(self, run: GuardedRun) -> ToShow:
         """Guard every following cell with `run` (in place of the current one, if any)."""
@@ -443,7 +466,8 @@ class Session:
         """Unhook the models; the line that says what was guarded."""
         run, self.run = self.run, None
         if run is None:
-            return "numguard: already off"
+            armed, self._armed = self._armed, None
+            return "numguard: off (no model was guarded)" if armed else "numguard: already off"
         run.guard.detach()
         if run.guard.history_every is not None:  # %numguard history still shows it
             run.namespace[HISTORY_NAME] = run.guard.history
@@ -452,6 +476,8 @@ class Session:
     def status(self) -> str:
         """What is guarded now (as the last step found it), at which batch, and what was found."""
         run = self.run
+        if run is None and self._armed is not None:
+            return f"numguard: on, waiting for {self._armed[1]}: none is guarded yet"
         if run is None:
             return "numguard: off (%numguard on [MODEL ...] guards every following cell)"
         guard = run.guard
@@ -476,6 +502,7 @@ class Session:
 
     def before_cell(self, source: str) -> ToShow:
         """Before a cell runs (pre_run_cell): follow the names and hook what they stand for."""
+        started = self._start_armed() if self.run is None and self._armed is not None else []
         run = self.run
         if run is None:
             return ToShow()
@@ -483,8 +510,10 @@ class Session:
         if self._stepped_aside:
             # That cell brings its own guard: two guards on one model would double every hook.
             run.guard.detach()
-            return ToShow()
-        return run.step()
+            return ToShow(lines=started)
+        shown = run.step()
+        shown.lines[:0] = started
+        return shown
 
     def after_cell(self, success: bool, error: Optional[BaseException]) -> ToShow:
         """After a cell (post_run_cell): what the guard reported during it, and what the cell

@@ -27,8 +27,8 @@ ALLOWED = {
     "explain": LEAVES | {"report"},  # hints read a report, nothing of the engine
 }
 # The notebook and integration layers sit on top: nothing below imports them.
-TOP = {"magics", "session", "integrations", "compat", "demo"}
-IPYTHON_ALLOWED = {"magics", "render.widget"}
+TOP = {"magics", "magic_args", "session", "integrations", "compat", "demo"}
+IPYTHON_ALLOWED = {"magics", "magic_args", "render.widget"}
 _HTML = re.compile(r"<(div|span|details|summary|table|tr|td|th|pre|code|style|svg|b|p|ul|li)[\s>/]")
 
 

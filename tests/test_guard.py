@@ -1051,3 +1051,25 @@ def test_retarget_points_a_detached_guard_at_a_rebuilt_model_and_keeps_its_count
     assert caught.value.report.batch_number == 1
     with pytest.raises(TypeError, match="torch.nn.Module"):
         guard.retarget("model")
+
+
+def test_an_uncaught_error_in_a_script_says_the_op_the_line_and_the_hint(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nimport numguard_nb as ng\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "with ng.Guard(model, ops=True):\n"
+        "    loss = torch.log(model(torch.ones(2, 4)) - 100).mean()\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 1
+    said = run.stderr[run.stderr.index("NonFiniteError: "):]
+    assert said.startswith("NonFiniteError: code outside the guarded modules produced a non-finite value")
+    assert "hint: " in said and "Clamp the argument" in said
+    assert "first non-finite op: aten.log.default" in said
+    assert f"called from: {script}:5: loss = torch.log(model(torch.ones(2, 4)) - 100).mean()" in said
+    assert "err.report after `except numguard_nb.NonFiniteError as err`" in said

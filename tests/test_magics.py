@@ -684,3 +684,33 @@ def test_capture_that_would_not_fit_in_host_memory_is_a_usage_error(ip, monkeypa
     line = usage_error_line(captured)
     assert "--capture refused: the weights' host copy (116 B) would take more than half of the 100 B" in line
     assert "net" in ip.user_ns and hook_count(ip.user_ns["net"]) == 0
+
+
+@pytest.mark.parametrize("names", ["", " model"])
+def test_numguard_on_before_the_model_exists_guards_it_once_it_does(ip, names):
+    ip.reset(new_session=False)
+    result, armed = run(ip, f"%numguard on{names}")
+    assert result.success
+    waiting = "model" if names else "a model"
+    assert armed.stdout.strip() == (f"numguard: on; no {waiting} yet: guarding starts with the first cell run "
+                                    f"after {waiting} exists (the cell that creates it is not guarded)")
+    assert run(ip, "%numguard status")[1].stdout.startswith(f"numguard: on, waiting for {waiting}")
+    assert run(ip, "y = 1")[1].stdout == ""  # nothing said again while it waits
+    assert run(ip, SETUP.replace("net", "model"))[0].success
+    result, started = run(ip, "model(xs[0]).float().sum().backward()")
+    assert result.success and hook_count(ip.user_ns["model"]) > 0
+    assert started.stdout.splitlines()[0] == ("numguard: guarding model (Sequential) from this cell on, "
+                                              "until %numguard off")
+    result, caught = run(ip, LOOP.replace("net", "model"))
+    assert isinstance(result.error_in_exec, NonFiniteError) and len(reports_displayed(caught)) == 1
+    assert "numguard: off (guarded model" in run(ip, "%numguard off")[1].stdout
+    assert hook_count(ip.user_ns["model"]) == 0 and event_handlers(ip) == []
+
+
+def test_an_armed_numguard_on_refuses_bad_options_at_once_and_turns_off_cleanly(ip):
+    ip.reset(new_session=False)
+    result, captured = run(ip, "%numguard on --frames 0")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert run(ip, "%numguard on")[0].success
+    assert run(ip, "%numguard off")[1].stdout.strip() == "numguard: off (no model was guarded)"
+    assert event_handlers(ip) == []

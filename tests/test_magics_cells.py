@@ -11,7 +11,8 @@ from IPython.utils.capture import capture_output
 from numguard_nb import NonFiniteError
 from numguard_nb import magics as ng_magics
 from numguard_nb.render.replay import replay_result_text
-from numguard_nb.replay.location import CALL_SITE, RAISED, Location, cell_name
+from numguard_nb._util import cell_name
+from numguard_nb.replay.location import CALL_SITE, RAISED, Location
 
 # A float16 Linear whose output overflows 65504 on its first call.
 SETUP = """
@@ -143,19 +144,87 @@ def test_replay_locations_name_cells_as_ipython_does(ip):
                        store_history=True).success
     made_at = f"Cell In[{capture_cell}], line 5" if name else ">:5"  # <ipython-input-...>:5
     assert made_at in repr(ip.user_ns["_g"].capture)
-    # a file is named by its path; without the extension, cells are too
+    # a file is named by its path; a cell as IPython names it, with the extension loaded or not
     assert Location.of(__file__, 1).where == f"{__file__}:1"
     ip.run_cell("%unload_ext numguard_nb")
-    assert cell_name(filename) is None and raised.where == f"{filename}:3"
+    assert cell_name(filename) == name and raised.where == where
     ip.run_cell("%load_ext numguard_nb")
 
 
-def test_unload_leaves_no_transformer_and_no_namer(ip):
+def test_unload_leaves_no_transformer(ip):
     magics = ng_magics._loaded[id(ip)]
     assert magics.syntax_check in ip.input_transformers_cleanup
     ip.run_cell("%unload_ext numguard_nb")
     assert magics.syntax_check not in ip.input_transformers_cleanup
-    from numguard_nb.replay import location
-
-    assert magics.name_cell not in location._cell_namers
     ip.run_cell("%load_ext numguard_nb")
+
+
+# ---- an uncaught NonFiniteError of the Python API ------------------------------------------
+API_CELL = """import numguard_nb as ng
+with ng.Guard(net, ops=True):
+    out = net(x)
+"""
+
+
+class _Traceback:
+    """The lines the shell shows for the error of the last cell."""
+
+    def __init__(self, shell, monkeypatch):
+        self.lines = []
+        show_traceback = shell._showtraceback
+
+        def shown(etype, evalue, stb):
+            self.lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in stb]
+            return show_traceback(etype, evalue, stb)
+
+        monkeypatch.setattr(shell, "_showtraceback", shown)
+
+
+def test_an_uncaught_error_of_the_python_api_shows_its_report_and_is_kept(ip, monkeypatch):
+    shown, traceback = _Shown(ip, monkeypatch), _Traceback(ip, monkeypatch)
+    ip.user_ns.pop("_numguard", None)
+    cell_number = ip.execution_count
+    result = ip.run_cell(API_CELL, store_history=True)
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError)
+    assert shown.seen == ["report", "error"]  # the report, as a %%numguard cell shows it
+    assert ip.user_ns["_numguard"] is error.report
+    text = "\n".join(traceback.lines)
+    assert traceback.lines[0].startswith("NonFiniteError: 0 (Linear) produced a non-finite value")
+    assert "hint: " in text and "first non-finite op: aten.addmm.default" in text
+    assert f"called from: Cell In[{cell_number}], line 3: out = net(x)" in text
+    assert "numguard: the frames that led to it are in _numguard" in text
+    shown.seen.clear()
+    ip.showtraceback((NonFiniteError, error, None))  # %tb: no second report
+    assert shown.seen == ["error"]
+
+
+def test_without_the_extension_an_uncaught_error_still_shows_the_op_the_line_and_the_hint(
+        ip, monkeypatch):
+    ip.run_cell("%unload_ext numguard_nb")
+    try:
+        shown, traceback = _Shown(ip, monkeypatch), _Traceback(ip, monkeypatch)
+        ip.user_ns.pop("_numguard", None)
+        cell_number = ip.execution_count
+        result = ip.run_cell(API_CELL, store_history=True)
+        assert isinstance(result.error_in_exec, NonFiniteError)
+        assert shown.seen == ["error"] and "_numguard" not in ip.user_ns
+        text = "\n".join(traceback.lines)
+        assert "hint: " in text and "first non-finite op: aten.addmm.default" in text
+        assert f"called from: Cell In[{cell_number}], line 3: out = net(x)" in text
+        assert "err.report after `except numguard_nb.NonFiniteError as err`" in text
+    finally:
+        ip.run_cell("%load_ext numguard_nb")
+
+
+@pytest.mark.parametrize("guarded", ["%%numguard net\n", "import numguard_nb as ng\nwith ng.Guard(net):\n"])
+def test_a_users_error_shows_no_frame_of_the_guard(ip, monkeypatch, guarded):
+    traceback = _Traceback(ip, monkeypatch)
+    body = "import torch.nn.functional as F\nF.cross_entropy(net(x * 0).float(), torch.tensor([7, 7, 7]))\n"
+    if guarded.startswith("import"):
+        body = "".join("    " + line for line in body.splitlines(True))
+    result = ip.run_cell(guarded + body)
+    assert isinstance(result.error_in_exec, IndexError)
+    text = "\n".join(traceback.lines)
+    assert "F.cross_entropy(net(x * 0).float(), torch.tensor([7, 7, 7]))" in text  # the user's line
+    assert "numguard_nb" not in text, text

@@ -13,10 +13,13 @@ from __future__ import annotations
 import gc
 import linecache
 import re
+import sys
 import threading
 import tracemalloc
+import types
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,7 +123,7 @@ def test_a_composite_loss_is_named_by_the_aten_op_inside_it_that_made_the_value(
     assert culprit.op == "aten.nll_loss_forward.default"
 
 
-def test_a_loss_computed_in_a_notebook_cell_is_named_by_the_cell():
+def test_a_loss_computed_in_a_notebook_cell_is_named_by_the_cell(monkeypatch):
     model = mlp()
 
     class Compiler:
@@ -133,8 +136,9 @@ def test_a_loss_computed_in_a_notebook_cell_is_named_by_the_cell():
     filename = "<ipython-input-5-0123456789ab>"
     Compiler._filename_map[filename] = 5
     linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
-    namespace = {"torch": torch, "model": model, "x": torch.randn(2, 4),
-                 "get_ipython": lambda: Shell()}
+    namespace = {"torch": torch, "model": model, "x": torch.randn(2, 4)}
+    # the shell running this process, as a notebook kernel's (IPython 7: no format_code_name)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=Shell))
     try:
         with pytest.raises(NonFiniteError) as caught, Guard(model):
             exec(compile(cell, filename, "exec"), namespace)

@@ -10,6 +10,7 @@ import re
 from html.parser import HTMLParser
 
 import ipywidgets
+import pandas as pd
 import pytest
 
 from numguard_nb.compare import compare_reports
@@ -417,3 +418,22 @@ def test_compare_counts_a_value_turning_non_finite_and_unmatched_frames():
         compare_reports(a, b, factor=1)
     with pytest.raises(TypeError):
         compare_reports(a, "not a report")
+
+
+def test_a_tiny_share_of_the_dtype_max_reads_as_small_not_as_noise():
+    assert ng_html.fmt_share(3.51e-39) == "<0.01%"  # 3.51e-37 %
+    assert ng_html.fmt_share(0.0) == "0%"
+    assert ng_html.fmt_share(0.107) == "10.7%" and ng_html.fmt_share(1e-4) == "0.01%"
+    tiny = Report(frames=[Frame("m", "Linear", FORWARD, 0, 0, [row("output", OUTPUT, dtype="float32", hi=1.2e-36)])])
+    assert "e-37%" not in ng_html.report_html(tiny) and "&lt;0.01%" in ng_html.report_html(tiny)
+
+
+def test_the_table_shows_a_missing_statistic_as_missing_and_a_nan_as_nan():
+    table = detection_report().to_frame()
+    (index,) = table.index[table.role == "input[<mask>]"]
+    assert table.kind[index] == "none"
+    assert table.abs_max[index] is pd.NA and table.abs_min[index] is pd.NA
+    nan = Report(frames=[Frame("m", "Linear", FORWARD, 0, 0, [row("output", OUTPUT, lo=math.nan, hi=math.nan, nan=True)])])
+    value = nan.to_frame().abs_max.iloc[0]
+    assert value is not pd.NA and math.isnan(value)
+    assert str(table.abs_max.dtype) == "Float64"

@@ -253,6 +253,11 @@ class _OutsideMode(TorchFunctionMode):
     """The one mode every watch shares, so that it is on a thread's stack at most once."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
+        # IPython (and pytest) leave frames holding this out of tracebacks: an error of the
+        # user's own call shows the user's line, then torch's. Plain Python shows the two frames
+        # of the watch (this one and run_function): a frame cannot leave a traceback it raised
+        # through.
+        __tracebackhide__ = True  # noqa: F841
         if kwargs is None:
             kwargs = {}
         state = _thread
@@ -414,6 +419,7 @@ class OutsideWatch:
     # ---- forward --------------------------------------------------------------------------------
     def run_backward(self, state: _ThreadState, func, args, kwargs):
         """`.backward()`: check what the loss made first, then run the backward unwatched."""
+        __tracebackhide__ = True  # noqa: F841
         state.active = False  # the mode passes everything through until it can leave the stack
         self._settle(state)
         return func(*args, **kwargs)
@@ -421,6 +427,7 @@ class OutsideWatch:
     def run_function(self, state: _ThreadState, func, args, kwargs):
         """Run one torch function and check its floating-point outputs (a function giving none
         costs a type check)."""
+        __tracebackhide__ = True  # noqa: F841
         before = None
         if _is_inplace(func) and args and type(args[0]) in _PLAIN and args[0].is_floating_point():
             if not self.watching():

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _tree
 from .._schema import PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_POSINF
-from .._util import is_internal_file, user_frame
+from .._util import code_where, is_internal_file, user_frame
 from .passes import FINE
 
 __all__ = ["function_name", "user_where", "in_optimizer", "source_of", "scalar_kinds", "Meta",
@@ -56,9 +56,9 @@ def _name_of(func) -> str:
 
 # ---- where: the user's line -------------------------------------------------------------------
 def user_where() -> Optional[tuple]:
-    """(filename, line number, globals) of the user's line running now, or None."""
+    """(filename, line number) of the user's line running now, or None."""
     frame = user_frame()
-    return (frame.f_code.co_filename, frame.f_lineno, frame.f_globals) if frame is not None else None
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
 
 def in_optimizer() -> bool:
@@ -78,23 +78,12 @@ def in_optimizer() -> bool:
 _OPTIM_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.optim.__file__)), "")
 
 
-def _cell_label(filename: str, lineno: int, namespace) -> Optional[str]:
-    """'Cell In[5], line 3' for a line of a notebook cell, as IPython writes it; else None. The
-    shell is found through the cell's own globals (IPython puts `get_ipython` there)."""
-    get_ipython = namespace.get("get_ipython") if isinstance(namespace, dict) else None
-    try:
-        number = get_ipython().compile._filename_map.get(filename)
-    except Exception:  # not a cell, or an IPython without the map
-        return None
-    return f"Cell In[{number}], line {lineno}" if number is not None else None
-
-
 def source_of(where: Optional[tuple]) -> Optional[str]:
     """'file.py:12: code' or 'Cell In[5], line 3: code' of a `user_where` triple."""
     if where is None:
         return None
-    filename, lineno, namespace = where
-    label = _cell_label(filename, lineno, namespace) or f"{filename}:{lineno}"
+    filename, lineno = where
+    label = code_where(filename, lineno)
     code = linecache.getline(filename, lineno).strip()
     return f"{label}: {code}" if code else label
 

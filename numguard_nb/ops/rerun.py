@@ -22,7 +22,7 @@ import torch
 
 from .. import _tree
 from .._schema import BACKWARD
-from .._util import error_line
+from .._util import code_where, error_line
 from ..callstate import CallState, enter_autocast, take as take_call_state
 from .mode import RerunMode, kinds_phrase, nonfinite_kinds
 
@@ -48,7 +48,7 @@ class OpLocation:
         """"file:line: code" of the Python line, or None when unknown."""
         if self.filename is None:
             return None
-        where = f"{self.filename}:{self.lineno}"
+        where = code_where(self.filename, self.lineno)
         return f"{where}: {self.line}" if self.line else where
 
 
@@ -226,7 +226,7 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
     where = ""
     if found is not None:
         line = _code_line(found["filename"], found["lineno"])
-        where = f" at {found['filename']}:{found['lineno']}" if found["filename"] else ""
+        where = f" at {code_where(found['filename'], found['lineno'])}" if found["filename"] else ""
     bound = f" or values beyond {limit:g}" if limit is not None else ""
 
     if not backward:

@@ -202,6 +202,8 @@ def fmt_share(share: Optional[float]) -> str:
         return ""
     if math.isinf(share):
         return "inf"
+    if 0 < share < 1e-4:  # a share too small to matter reads as small, not as 3.51e-37%
+        return "<0.01%"
     return f"{share * 100:.3g}%"
 
 
@@ -277,10 +279,10 @@ def tensor_table_html(rows: List[TensorRow]) -> str:
             heat = share_class(row)
             if heat:
                 stats += (f'<td class="ng-max {heat}" style="{_HEAT[heat]}">{fmt_value(row.abs_max)}</td>'
-                          f'<td class="ng-share {heat}" style="{_HEAT[heat]}">{fmt_share(shown_share(row))}</td>')
+                          f'<td class="ng-share {heat}" style="{_HEAT[heat]}">{esc(fmt_share(shown_share(row)))}</td>')
             else:
                 stats += (f'<td class="ng-max">{fmt_value(row.abs_max)}</td>'
-                          f'<td class="ng-share">{fmt_share(shown_share(row))}</td>')
+                          f'<td class="ng-share">{esc(fmt_share(shown_share(row)))}</td>')
         else:
             stats = f'<td class="ng-min" colspan="3">{esc(row.kind)}</td>'
         parts.append(
@@ -367,7 +369,7 @@ def node_info_html(node: ModuleNode, limit_note: str = "") -> str:
     # A module that was not called itself (a container) says how close its calls came to the limit.
     shown = node.worst_share is not None and (node.worst_share >= 0.001 or not node.frames)
     if shown and not node.nonfinite:
-        parts.append(f'<span class="ng-badge">max {fmt_share(node.worst_share)} of dtype max</span>')
+        parts.append(f'<span class="ng-badge">max {esc(fmt_share(node.worst_share))} of dtype max</span>')
     own = len(node.frames)
     count = own or node.subtree_frames
     info = f"{count} call{'s' if count != 1 else ''}" + ("" if own else " inside")

@@ -33,4 +33,21 @@ def report_frame(report: Report):
                 row.nonzero_abs_min, row.predicted_overflow, row.predicted_underflow,
                 row.flagged,
             ))
-    return pd.DataFrame.from_records(records, columns=COLUMNS)
+    table = pd.DataFrame.from_records(records, columns=COLUMNS)
+    for column in _NUMBERS:
+        values = [record[COLUMNS.index(column)] for record in records]
+        table[column] = pd.Series(_numbers_or_missing(pd, values), index=table.index, name=column)
+    return table
+
+
+# Statistics a row may lack (a None output, an empty tensor): <NA>, never NaN, which would read as
+# a tensor holding nan.
+_NUMBERS = ("abs_min", "abs_max", "range_share", "nonzero_abs_min")
+
+
+def _numbers_or_missing(pd, values: list):
+    import numpy as np
+
+    missing = np.array([value is None for value in values], dtype=bool)
+    numbers = np.array([0.0 if value is None else value for value in values], dtype=np.float64)
+    return pd.arrays.FloatingArray(numbers, missing)

@@ -6,40 +6,15 @@ import linecache
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Optional
 
-from .._util import is_internal_file, user_frame
+from .._util import code_where, is_internal_file, user_frame
 
 # numguard_nb itself: its frames at the top of a replayed traceback are the replay's, not the user's.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 RAISED = "raised"  # a frame of the error
 CALL_SITE = "call site"  # the line calling the module (an error raised inside torch's own code)
-
-# Names of code that is no file of its own: a notebook's cells. IPython compiles each cell under a
-# file name (ipykernel's: /tmp/ipykernel_<pid>/<hash>.py) and calls it "Cell In[5]"; the notebook
-# layer (numguard_nb.magics) adds its shell's naming here, the replay knows nothing of IPython.
-_cell_namers: List[Callable[[str], Optional[str]]] = []
-
-
-def add_cell_namer(namer: Callable[[str], Optional[str]]) -> None:
-    """Name code by `namer(filename)` ('Cell In[5]', or None where it does not know the file)."""
-    _cell_namers.append(namer)
-
-
-def remove_cell_namer(namer: Callable[[str], Optional[str]]) -> None:
-    if namer in _cell_namers:
-        _cell_namers.remove(namer)
-
-
-def cell_name(filename: str) -> Optional[str]:
-    """'Cell In[5]' where `filename` holds a notebook cell's code, else None."""
-    for namer in reversed(_cell_namers):
-        name = namer(filename)
-        if name:
-            return name
-    return None
-
 
 @dataclass
 class Location:
@@ -54,8 +29,7 @@ class Location:
     @property
     def where(self) -> str:
         """'Cell In[5], line 11' in a notebook cell (as IPython says it), else 'path/file.py:11'."""
-        cell = cell_name(self.filename)
-        return f"{cell}, line {self.lineno}" if cell else f"{self.filename}:{self.lineno}"
+        return code_where(self.filename, self.lineno)
 
     def __str__(self) -> str:
         where = self.where + (f" in {self.function}" if self.function else "")
