@@ -2,6 +2,10 @@
 
     python benchmarks/overhead.py [--steps 30] [--device cpu|cuda] [--train]
                                   [--models t5,gpt2,mlp,deep,t5-compiled]
+    python benchmarks/overhead.py --quick     # T5 and the MLP, 8 steps: a first look
+
+On this project's 2-core CPU the whole run takes about 25 minutes (T5 under inductor compiles
+for minutes; each of the other models takes 3-5); --quick takes about a minute and a half.
 
 With --train each timed step is a whole training step: forward, backward, an AdamW step and
 zero_grad (what a training loop pays; code that runs between the backward and the next forward
@@ -188,13 +192,21 @@ def warnings_silenced():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; 8 with --quick)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", default="t5,gpt2,mlp,deep,t5-compiled")
+    parser.add_argument("--models", default=None,
+                        help="default t5,gpt2,mlp,deep,t5-compiled; t5,mlp with --quick")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--train", action="store_true",
                         help="time whole training steps: with an AdamW step and zero_grad")
+    parser.add_argument("--quick", action="store_true",
+                        help="a first look: T5 and the MLP, 8 steps (unless --models/--steps say otherwise)")
     args = parser.parse_args()
+    if args.models is None:
+        args.models = "t5,mlp" if args.quick else "t5,gpt2,mlp,deep,t5-compiled"
+    if args.steps is None:
+        args.steps = 8 if args.quick else 30
+    started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -205,6 +217,7 @@ def main():
     for name in args.models.split(","):
         for key, ms, ratio, mean in bench(name, device, args.steps, train=args.train):
             print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x | {mean:.2f}x |", flush=True)
+    print(f"\n({time.perf_counter() - started:.0f} s in all)")
 
 
 if __name__ == "__main__":

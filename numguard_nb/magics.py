@@ -439,6 +439,18 @@ class NumguardMagics(Magics):
         return obj
 
     # ---- running a guarded cell ----------------------------------------------------------
+    def _running_cell_number(self) -> int:
+        """The number IPython gave the cell running now (`In[5]`): that of the code that called
+        the magic. (IPython 9 counts `execution_count` up before a cell runs, 7 after it.)"""
+        numbers = getattr(self.shell.compile, "_filename_map", {})
+        frame = sys._getframe(1)
+        while frame is not None:
+            number = numbers.get(frame.f_code.co_filename)
+            if number is not None:
+                return number
+            frame = frame.f_back
+        return self.shell.execution_count
+
     def _compile_cell(self, cell: str) -> list:
         """The cell's code, one top-level statement at a time (the last one, an expression,
         compiled to give the cell's value), compiled the way IPython compiles a cell: all of it
@@ -446,7 +458,7 @@ class NumguardMagics(Magics):
         shell = self.shell
         # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
         source = "\n" + shell.transform_cell(cell)
-        filename = shell.compile.cache(source, shell.execution_count)
+        filename = shell.compile.cache(source, self._running_cell_number())
         tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
         code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
         if tree.body and isinstance(tree.body[-1], ast.Expr):

@@ -47,14 +47,29 @@ def _result_body(result) -> Lines:
                 lines.append(("code", location.line))
         if result.module:
             lines.append(("info", f"raised in module {result.module}"))
+        function = getattr(result, "function", None)
+        if function is not None:
+            lines.append(("info", f"raised in {function.name}, run outside the guarded modules"))
     else:
-        lines.append(("info", f"it returned {value_outline(result.output)}; the problem is elsewhere: "
-                              "an earlier call, or code outside the guarded modules"))
+        lines.append(("info", _clean_words(result)))
     if result.replayed:
         lines.append(("info", f"replayed: {result.replayed}"))
     for note in result.notes:
         lines.append(("note", f"note: {note}"))
     return lines
+
+
+def _clean_words(result) -> str:
+    """Where the problem is when the replay ran clean: beyond what was recorded."""
+    returned = f"it returned {value_outline(result.output)}"
+    records = getattr(result.call, "outside", None)
+    if not records:
+        return (f"{returned}; the problem is elsewhere: an earlier call, or code outside the guarded "
+                "modules")
+    last = records[-1]
+    return (f"{returned}, and the {len(records)} torch functions recorded after it ran clean too, the "
+            f"last {last.name} at {last.where}; the problem is beyond what was recorded: in the "
+            "backward, the optimizer step, or code run before the model call")
 
 
 def _result_lines(result) -> Lines:

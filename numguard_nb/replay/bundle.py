@@ -22,6 +22,7 @@ from .._util import dtype_name, error_line, first_line
 from .._version import __version__
 from ..callstate import CallState
 from ..errors import ReplayError
+from . import outside
 from .location import CALL_SITE, Location
 from .snapshot import TORCH_LOSSES, _Snapshot, named_tensors, qualified_name
 
@@ -94,6 +95,7 @@ def _call_entry(call) -> dict:
         "training": call.training,
         "autocast": {device: [True, dtype_name(dtype)] for device, dtype in call.state.autocast},
         "weights_changed": call.weights_changed,
+        "outside": outside.encode(call.outside), "outside_full": call.outside_full,
         "input_devices": list(call.input_devices),
         "input_dtypes": sorted({dtype_name(t.dtype) for t in _tree.tensors((args, kwargs))}),
         "call_site": None if site is None else

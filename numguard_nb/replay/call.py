@@ -105,6 +105,10 @@ class CapturedCall:
         self._events = list(events)
         self.copy_note: Optional[str] = None  # set when the copies could not be confirmed
         self.extra_notes: List[str] = []  # e.g. a bundle saved with another torch version
+        # The torch functions run after the call, outside the guarded modules, up to the next
+        # top-level call (replay.outside): the loss code; and why the list stops early, if it does.
+        self.outside: list = []
+        self.outside_full = ""
 
     @property
     def name(self) -> str:
@@ -135,6 +139,10 @@ class CapturedCall:
             [f"{k}={value_outline(v)}" for k, v in self.kwargs.items()]
         where = f" at {self.call_site.where}" if self.call_site else ""
         return f"<numguard CapturedCall {self.index}: {self.label}({', '.join(inputs)}){where}>"
+
+    def add_copy_events(self, events: list) -> None:
+        """Events recorded after more host copies were queued (those of the code after it)."""
+        self._events.extend(events)
 
     def wait_for_copies(self) -> None:
         """Wait until the asynchronous host copies of CUDA inputs are done (once)."""

@@ -21,6 +21,7 @@ from ..callstate import CallState
 from ..errors import CaptureTooLarge, ReplayError
 from .call import CapturedCall, HostCopies
 from .location import call_site
+from .outside import OutsideRecorder
 from .snapshot import _Snapshot, snapshot_fits
 
 
@@ -82,6 +83,14 @@ class Capture:
                 "or free host memory"
             )
         self.snapshots = {name: _Snapshot.take(module) for name, module in self.models.items()}
+        # The code after a call finds the guarded weights it uses by name (a tied head, a
+        # regularizer), not by a copy.
+        params = {id(p): (weakref.ref(p), root, name) for root, module in self.models.items()
+                  for name, p in module.named_parameters()}
+        recorder = getattr(self, "recorder", None)
+        self.recorder = OutsideRecorder(params)
+        if recorder is not None:
+            self.recorder.call = recorder.call
 
     @property
     def latest(self) -> Optional[CapturedCall]:
@@ -118,13 +127,23 @@ class Capture:
         try:
             if state is None:
                 state = callstate.take()
-            return self._record(root_name, module, args, kwargs, state)
+            call = self._record(root_name, module, args, kwargs, state)
+            self.recorder.start_call(call)
+            return call
         except Exception as error:  # capturing must never break the run it watches
+            self.recorder.start_call(None)  # what follows belongs to no call kept
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"numguard: could not capture a call of {type(module).__name__} for "
                               f"replay: {error_line(error)}", RuntimeWarning, stacklevel=3)
             return None
+
+    def note_output(self, output) -> None:
+        """The output of the latest top-level call (the code after it reads it)."""
+        try:
+            self.recorder.note_output(self.recorder.call, output)
+        except Exception:  # capturing must never break the run it watches
+            pass
 
     def _root_for(self, root_name: str, module: nn.Module) -> str:
         for name, root in self.models.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from . import bundle
+from . import bundle, outside
 from .call import CapturedCall
 
 
@@ -28,9 +28,12 @@ def load_capture(path, model) -> CapturedCall:
     models = bundle.modules_for(path, model, roots, snapshots)
     source = bundle.BundleSource(models, snapshots, roots)
     for entry in data["calls"]:
-        source.calls.append(CapturedCall(
+        call = CapturedCall(
             source, entry["root"], entry["module_class"], int(entry["index"]),
-            tuple(entry["args"]), dict(entry["kwargs"]), **bundle.call_fields(entry)))
+            tuple(entry["args"]), dict(entry["kwargs"]), **bundle.call_fields(entry))
+        call.outside = outside.decode(entry.get("outside", []))  # the code run after it
+        call.outside_full = str(entry.get("outside_full", ""))
+        source.calls.append(call)
     target = source.calls[int(data.get("target", len(source.calls) - 1))]
     target.extra_notes.extend(bundle.version_notes(data, models, snapshots))
     return target

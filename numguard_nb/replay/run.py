@@ -18,7 +18,8 @@ from torch import nn
 
 from .. import _tree
 from .._util import dtype_name, error_line
-from .location import Location, error_location, format_traceback, with_source_line
+from .location import CALL_SITE, Location, error_location, format_traceback, with_source_line
+from .outside import Unreplayable, replay_records
 from .snapshot import LOW_PRECISION, build_module
 
 # Messages of CPU kernels that do not exist for half precision (the upcast is retried on these).
@@ -53,6 +54,8 @@ class ReplayResult:
     replayed: str = ""
     notes: List[str] = field(default_factory=list)
     upcast: bool = False
+    # The torch function run outside the guarded modules that raised (replay.outside), if one did.
+    function: Any = None
 
     @property
     def ok(self) -> bool:
@@ -258,11 +261,13 @@ def _run_chain(chain: list, device: torch.device, upcast: bool) -> ReplayResult:
     notes: List[str] = []
     modules: Dict[str, nn.Module] = {}
     produced: list = []  # (call name, output) of calls already replayed
+    outputs: dict = {}  # call index, or (call index, function number) -> output
     steps: List[str] = []
     tracker = _ModuleTracker()
     caller_rng = _CallerRNG()
     exception = None
     failed = None
+    function = None
     output = None
     try:
         for position, call in enumerate(chain):
@@ -285,27 +290,65 @@ def _run_chain(chain: list, device: torch.device, upcast: bool) -> ReplayResult:
             try:
                 with torch.set_grad_enabled(call.state.grad_enabled), context:
                     result = module(*args, **kwargs)
+                    outputs[call.index] = result
+                    function, exception = _run_outside(call, device, upcast, outputs, modules,
+                                                       source, steps, notes)
             except Exception as error:  # the point of the replay: keep it, do not raise it
-                exception, failed = error, call
+                exception = error
+            if exception is not None:
+                failed = call
                 steps.extend(f"{later.label} call {later.index} was not run"
                              for later in chain[position + 1:])
                 break
             produced.append((call.name, result))
+            produced.extend((f"{call.name}'s code", out) for key, out in outputs.items()
+                            if isinstance(key, tuple) and key[0] == call.index)
             output = result
     finally:
         caller_rng.restore()
 
     notes.extend(_chain_notes(chain, modules, device))
     location = None
-    if exception is not None:
+    if function is not None:  # a torch function: the line that called it is the real one
+        location = Location.of(function.filename, function.lineno, "", CALL_SITE,
+                               line=function.source_line)
+    elif exception is not None:
         location = error_location(exception) or with_source_line(failed.call_site)
     return ReplayResult(
         call=failed or chain[-1], device=str(device), exception=exception,
         traceback=format_traceback(exception) if exception is not None else "",
-        location=location, module=tracker.innermost() if exception is not None else None,
+        location=location,
+        module=tracker.innermost() if exception is not None and function is None else None,
         output=output if exception is None else None,
-        replayed="; then ".join(steps), notes=_unique(notes), upcast=False,
+        replayed="; then ".join(steps), notes=_unique(notes), upcast=False, function=function,
     )
+
+
+def _run_outside(call, device, upcast, outputs, modules, source, steps: list, notes: list):
+    """Run the code recorded after `call` (replay.outside): (the function that raised, its
+    exception), or (None, None). Says what ran in `steps`, and where the record stops in `notes`."""
+    records = call.outside
+    if not records:
+        return None, None
+    try:
+        function, error = replay_records(call, records, device, upcast, outputs, modules,
+                                         source.snapshots)
+    except Unreplayable as why:
+        notes.append(f"the code after {call.label} call {call.index} was not replayed: it reads "
+                     f"{why}")
+        return None, None
+    if function is not None:
+        done = records.index(function)
+        steps.append(f"the code after it, {done + 1} of {len(records)} recorded torch functions, "
+                     f"up to {function.name} at {function.where}")
+        return function, error
+    last = records[-1]
+    steps.append(f"the code after it: {len(records)} recorded torch functions, the last {last.name} "
+                 f"at {last.where}")
+    if call.outside_full:
+        notes.append(f"the code after {call.label} call {call.index} was recorded in part: "
+                     f"{call.outside_full}")
+    return None, None
 
 
 def _chain_notes(chain: list, modules: Dict[str, nn.Module], device: torch.device) -> List[str]:
