@@ -210,6 +210,9 @@ def guard_options(args, capture: bool, scaler=None) -> GuardOptions:
     """The Guard's options from the parsed options of a guarded run, checked by the engine: the
     one place that turns options into engine settings."""
     allow_inf = False if args.allow_inf is None else (args.allow_inf or True)
+    if args.stop_at_limit and args.limit_dtype is None:  # said with the magic's own flags
+        raise ValueError(f"--stop-at-limit needs --limit-dtype ({', '.join(LIMIT_DTYPES)}): the "
+                         "narrower format whose first overflow it stops at")
     return GuardOptions(
         max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,

@@ -175,25 +175,36 @@ def _as_is(error: BaseException, hint: str) -> BaseException:
 # ---- what the hooks go on -------------------------------------------------------------------
 def _layout(model: nn.Module) -> list:
     """What a guard hooks in `model`: each module and parameter by name, and whether the
-    parameter takes gradients (only those get a gradient hook)."""
+    parameter takes gradients (only those get a gradient hook); (name, module, None) for a
+    module, (name, its module, parameter, flag) for a parameter."""
     entries = []
     for name, module in model.named_modules():
         entries.append((name, module, None))
         for pname, param in module.named_parameters(recurse=False):
-            entries.append((f"{name}.{pname}", param, param.requires_grad))
+            entries.append((f"{name}.{pname}", module, param, param.requires_grad))
     return entries
 
 
 class _HeldLayout:
-    """A layout held by weak references: it keeps no replaced module alive."""
+    """A layout held by weak references to its modules: it keeps no replaced module alive. A
+    parameter is held by its module and id (a weak reference to a tensor would make
+    `torch.utils.swap_tensors`, and so `load_state_dict` in swap mode, refuse it)."""
 
     def __init__(self, entries: list):
-        self.entries = [(name, weakref.ref(obj), flag) for name, obj, flag in entries]
+        self.entries = [(entry[0], weakref.ref(entry[1])) + tuple(
+            (id(entry[2]), entry[3]) if len(entry) == 4 else (None, None)) for entry in entries]
 
     def matches(self, entries: list) -> bool:
-        return len(entries) == len(self.entries) and all(
-            name == held_name and obj is ref() and flag == held_flag
-            for (name, obj, flag), (held_name, ref, held_flag) in zip(entries, self.entries))
+        if len(entries) != len(self.entries):
+            return False
+        for entry, (name, module_ref, param_id, flag) in zip(entries, self.entries):
+            if entry[0] != name or entry[1] is not module_ref():
+                return False
+            if len(entry) == 4 and (id(entry[2]) != param_id or entry[3] != flag):
+                return False
+            if (len(entry) == 4) != (param_id is not None):
+                return False
+        return True
 
 
 # ---- one guard and what it reported ---------------------------------------------------------

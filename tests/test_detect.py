@@ -41,9 +41,9 @@ class Recording:
         self.pass_.values.append(row)
         return (role, category, VALUE_TENSOR, dtype, (2, 2), index, next(self.pass_.seq))
 
-    def forward_call(self, name, slots, parent=None):
+    def forward_call(self, name, slots, parent=None, module_class="Module"):
         """A forward call, closed now (children close before their parent)."""
-        call = CallRecord(next(_module_ids), name, "Module", FORWARD, 0, 0, parent is None)
+        call = CallRecord(next(_module_ids), name, module_class, FORWARD, 0, 0, parent is None)
         call.slots.extend(slots)
         if parent is not None:
             call.parent = parent
@@ -133,6 +133,39 @@ def test_a_carrier_passing_a_minus_inf_mask_through_is_no_culprit_but_a_new_plus
     call, bad, cause = detect.forward_culprit(rec.pass_, rec.pass_.calls, RULES)
     assert (call, cause) == (add_mask, CAUSE_FORWARD) and [s[0] for s in bad] == ["output[1]"]
     assert detect.mask_maker(rec.pass_, add_mask, None) is build
+
+
+def test_a_minus_inf_made_by_a_linear_map_is_an_overflow_never_a_mask():
+    # float16 T5 feed-forward: `wo` overflows to -inf only; the Dropout after it scales the values
+    # near 65504 past it (+inf). The first producer is the matmul's, whatever the -inf's sign.
+    rec = Recording()
+    root = CallRecord(next(_module_ids), "", "T5", FORWARD, 0, 0, True)
+    root.slots.append(rec.slot("input[0]", INPUT, FINITE))
+    wo = rec.forward_call("ff.wo", [rec.slot("weight", PARAM, FINITE), rec.slot("input[0]", INPUT, FINITE),
+                                    rec.slot("output", OUTPUT, NEGINF_DATA)], parent=root, module_class="Linear")
+    rec.forward_call("ff.dropout", [rec.same(wo.slots[2], "input[0]", INPUT),
+                                    rec.slot("output", OUTPUT, [0.0, math.inf, math.inf])], parent=root,
+                     module_class="Dropout")
+    close(rec, root, [rec.slot("output", OUTPUT, POSINF)])
+    call, bad, cause = detect.find_in_forward(rec.pass_, RULES)
+    assert (call, cause) == (wo, CAUSE_FORWARD) and [slot[0] for slot in bad] == ["output"]
+    # the same -inf made by a module that is no linear map is a mask, as before
+    reset(rec)
+    wo.module_class = "BuildMask"
+    assert detect.find_in_forward(rec.pass_, RULES)[0] is not wo
+
+
+def test_an_fp16_t5_whose_feed_forward_overflows_to_minus_inf_names_wo():
+    from numguard_nb import Guard, NonFiniteError
+    from numguard_nb.demo import build_overflowing_t5
+
+    model, batch = build_overflowing_t5(seed=7)  # wo's matmul overflows to -inf only here
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        model(**batch).loss.backward()
+    report = caught.value.report
+    assert report.first_nonfinite.module_name == "encoder.block.1.layer.1.DenseReluDense.wo"
+    assert report.first_nonfinite.flagged_rows[0].nonfinite_words == "-inf"
+    assert "reaches the model's output" not in report.reason and "passed float16's largest value" in report.hint
 
 
 def test_the_mask_maker_is_found_through_the_calls_that_carried_its_minus_inf():

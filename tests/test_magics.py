@@ -709,8 +709,8 @@ def test_numguard_on_before_the_model_exists_guards_it_once_it_does(ip, names):
 
 def test_an_armed_numguard_on_refuses_bad_options_at_once_and_turns_off_cleanly(ip):
     ip.reset(new_session=False)
-    result, captured = run(ip, "%numguard on --frames 0")
-    assert isinstance(result.error_in_exec, UsageError)
+    result, captured = run(ip, "%numguard on --stop-at-limit")  # refused by the options' check
+    assert "--stop-at-limit needs --limit-dtype" in usage_error_line(captured)
     assert run(ip, "%numguard on")[0].success
     assert run(ip, "%numguard off")[1].stdout.strip() == "numguard: off (no model was guarded)"
     assert event_handlers(ip) == []

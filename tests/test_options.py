@@ -56,9 +56,14 @@ def test_guard_rejects_a_switch_that_is_not_a_bool_before_hooking_anything():
     (dict(allow_inf=3), "allow_inf must be True/False or module-name globs like ['*.attn*'], got 3"),
     (dict(allow_inf=["a", 1]), "allow_inf globs must be strings, got ['a', 1]"),
     (dict(limit_dtype="int8"), "limit_dtype 'int8' is not a float dtype numguard knows: use float16 (fp16, "
-     "half), bfloat16 (bf16), float32 (fp32, float), float64 (fp64, double), float8_e4m3fn (fp8_e4m3fn, "
-     "fp8_e4m3, e4m3), float8_e5m2 (fp8_e5m2, e5m2), float8_e4m3fnuz (fp8_e4m3fnuz), float8_e5m2fnuz "
-     "(fp8_e5m2fnuz)"),
+     "half), bfloat16 (bf16), float8_e4m3fn (fp8_e4m3fn, fp8_e4m3, e4m3), float8_e5m2 (fp8_e5m2, e5m2), "
+     "float8_e4m3fnuz (fp8_e4m3fnuz), float8_e5m2fnuz (fp8_e5m2fnuz)"),
+    (dict(limit_dtype="fp64"), "limit_dtype is the narrower format a float32 run may move to, whose "
+     "overflow and underflow the guard predicts: use float16 (fp16, half), bfloat16 (bf16), float8_e4m3fn "
+     "(fp8_e4m3fn, fp8_e4m3, e4m3), float8_e5m2 (fp8_e5m2, e5m2), float8_e4m3fnuz (fp8_e4m3fnuz), "
+     "float8_e5m2fnuz (fp8_e5m2fnuz); got 'fp64'"),
+    (dict(stop_at_limit=True), "stop_at_limit needs limit_dtype, the narrower format whose overflow it "
+     "stops at: add limit_dtype=torch.float16 (or bfloat16, float8_e4m3fn), or drop stop_at_limit"),
     (dict(limit_dtype=torch.int8), "limit_dtype must be a floating torch dtype such as torch.float16, got torch.int8"),
 ])
 def test_bad_values_are_one_line_value_errors_naming_the_option(keywords, message):

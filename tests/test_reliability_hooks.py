@@ -83,8 +83,9 @@ def promises_kept(*modules, optimizers=(), tensors=()):
         assert hooks_left(*modules, optimizers=optimizers, tensors=tensors) == before
 
 
-def one_line(error: BaseException) -> bool:
-    return "\n" not in str(error)
+def leads_with_the_culprit(error: BaseException) -> bool:
+    """The message starts with the one-line verdict (then the op, the line and the hint)."""
+    return str(error).splitlines()[0] == error.report.summary()
 
 
 def culprit(error: NonFiniteError):
@@ -128,7 +129,7 @@ def test_a_copy_made_inside_the_guard_comes_out_unwatched(how):
             clone(x * 1000)  # overflows, but the copy is not watched: nothing raised
             with pytest.raises(NonFiniteError) as caught:
                 model(x * 1000)  # the original still is
-            assert culprit(caught.value)[0] == "1" and one_line(caught.value)
+            assert culprit(caught.value)[0] == "1" and leads_with_the_culprit(caught.value)
     assert hooks_left(clone) == []
     train_step(twin, x)
     reference = make_copy(twin)  # the same copy, made without a guard
@@ -327,6 +328,20 @@ def test_guards_dropped_while_attached_go_with_their_models_and_global_hooks(mod
     assert hooks_left() == before
 
 
+@pytest.mark.parametrize("options", [{}, {"capture": True, "ops": True}, {"mode": "sentinel"}],
+                         ids=["full", "capture-ops", "sentinel"])
+def test_a_guard_dropped_right_after_a_step_frees_its_model_at_once(options):
+    # A notebook cell re-run with nothing guarded after it: the model must not wait for a later
+    # guarded call to be freed (in a notebook, its GPU memory with it).
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    held = weakref.ref(model)
+    guard = Guard(model, **options).attach()
+    model(torch.randn(2, 4)).sum().backward()
+    del model, guard
+    gc.collect()
+    assert held() is None
+
+
 class Queries(nn.Module):
     """DETR-style: learned queries (a leaf) fed to a submodule."""
 
@@ -456,7 +471,7 @@ def test_a_nan_made_in_one_thread_is_reported_in_that_thread(phase):
         results, errors = _threaded(worker, 4)
     assert list(errors) == [bad] and sorted(results) == [0, 1, 3]
     error = errors[bad]
-    assert isinstance(error, NonFiniteError) and one_line(error)
+    assert isinstance(error, NonFiniteError) and leads_with_the_culprit(error)
     assert culprit(error) == (("1", "Exp", "forward") if phase == "forward" else ("0", "Sqrt", "backward"))
 
 
@@ -556,7 +571,7 @@ def test_parameters_swapped_inside_the_guard_are_still_watched(swapping, how):
         with pytest.raises(NonFiniteError) as caught:
             out.sum().backward()
     error = caught.value
-    assert culprit(error) == ("0", "SqrtWeight", "backward") and one_line(error)
+    assert culprit(error) == ("0", "SqrtWeight", "backward") and leads_with_the_culprit(error)
     assert [row.role for row in error.report.first_nonfinite.flagged_rows] == ["w.grad"]
     assert guard.detection is error.report
 
@@ -633,7 +648,7 @@ def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind):
         with pytest.raises(NonFiniteError) as caught:
             model(x * 1000)
     # The nan is made inside the scripted part: the parent's own code, as far as hooks can see.
-    assert culprit(caught.value) == ("", "Sequential", "forward") and one_line(caught.value)
+    assert culprit(caught.value) == ("", "Sequential", "forward") and leads_with_the_culprit(caught.value)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -704,7 +719,7 @@ def test_a_model_compiled_before_attaching_is_reported_as_the_original_model(dyn
         with pytest.raises(NonFiniteError) as caught:
             compiled(x4() * 1000)
         error = caught.value
-    assert culprit(error) == ("", "LogNet", "forward") and one_line(error)
+    assert culprit(error) == ("", "LogNet", "forward") and leads_with_the_culprit(error)
     assert "ran compiled" in str(error) and "model._orig_mod" in str(error)
     assert names == {("", "LogNet"), ("first", "Linear"), ("second", "Linear")}
     assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # hooks made no recompile
@@ -1010,7 +1025,7 @@ def test_no_hook_is_left_behind_on_any_exit_path(path):
                 optimizer.step()
         assert not guard.attached
     if expected_error is NonFiniteError:
-        assert one_line(caught.value)
+        assert leads_with_the_culprit(caught.value)
     # the guard can be used again, and finds what it should
     with pytest.raises(NonFiniteError) as again, Guard(exp_net()) as guard:
         guard.models[""](x * 1000)
@@ -1033,3 +1048,96 @@ def test_a_generator_closed_inside_the_guard_leaves_no_hook():
         assert guards[0].attached
         stream.close()  # GeneratorExit inside the with block
     assert not guards[0].attached
+
+
+# ---- the torch mode stacks after on_detect detaches ------------------------------------------
+def _mode_stacks():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return (list(torch.overrides._get_current_function_mode_stack()),
+            list(_get_current_dispatch_mode_stack()))
+
+
+class _NanInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class _BackwardNan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _NanInBackward.apply(self.linear(x))
+
+
+_STEPS = {
+    "module backward": lambda model, x: model(x).pow(2).mean().backward(),
+    "loss code forward": lambda model, x: torch.log(model(x) * 0).mean().backward(),
+    "loss code backward": lambda model, x: (model(x) * 0).sqrt().sum().backward(),
+}
+
+
+@pytest.mark.parametrize("where", list(_STEPS))
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_on_detect_detaching_leaves_the_mode_stacks_as_they_were(where, mode):
+    # The training callbacks detach from on_detect; a mode left behind would double the cost of
+    # every later torch call and turn off the optimizers' foreach paths.
+    torch.manual_seed(0)
+    model = _BackwardNan() if where == "module backward" else nn.Linear(4, 4)
+    before = _mode_stacks()
+    with promises_kept(model):
+        guard = Guard(model, mode=mode, on_detect=lambda report: guard.detach())
+        guard.attach()
+        with pytest.raises(NonFiniteError):
+            _STEPS[where](model, torch.randn(2, 4))
+        assert _mode_stacks() == before  # at once, before any later call could take it off
+        guard.detach()
+    assert _mode_stacks() == before
+
+
+@pytest.fixture
+def swap_mode():
+    """`load_state_dict` swaps parameters (torch.utils.swap_tensors), as DTensor, FSDP2 and
+    float8 training make it: it refuses a parameter with a weak reference or an extra owner."""
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+@pytest.mark.parametrize("options", [{}, {"ops": True}, {"capture": True}, {"mode": "sentinel"}],
+                         ids=["full", "ops", "capture", "sentinel"])
+def test_load_state_dict_in_swap_mode_works_inside_the_guard_after_a_backward(swap_mode, options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    saved = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters())
+    with Guard(model, **options):
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        optimizer.step()
+        model.load_state_dict(saved)
+        model(torch.randn(2, 4)).pow(2).mean().backward()  # and the guard goes on watching
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_load_state_dict_in_swap_mode_works_under_numguard_on(swap_mode):
+    from numguard_nb.session import GuardedRun, Session
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    namespace = {"model": model}
+    session = Session()
+    session.start(GuardedRun(namespace, {"model": model}))
+    session.before_cell("model(x).sum().backward()")
+    model(torch.randn(2, 4)).sum().backward()
+    session.after_cell(True, None)
+    session.before_cell("model.load_state_dict(saved)")
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    session.after_cell(True, None)
+    session.stop()

@@ -29,7 +29,7 @@ from .._schema import (
 from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassRecord
 
 __all__ = [
-    "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds",
+    "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds", "is_linear_map",
     "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward",
     "find_in_backward", "find_in_trace",
 ]
@@ -127,7 +127,7 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             data = _data_culprit(pass_, call, limit_max)
             if data is not None:  # the data's inf turned into something new here
                 return data
-        if produced and not made <= MASK:
+        if produced and (not made <= MASK or is_linear_map(call.module_class)):
             return call, produced, CAUSE_FORWARD
         if call.parent is None and given & NONFINITE:
             reached = _reached_output(pass_, call, given, produced, rules)
@@ -139,6 +139,21 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             # on came from the parent, who may have made it.
             call.parent.child_kinds |= given - from_parent
     return None
+
+
+# Modules whose output is a matmul or a convolution of their input: a -inf they make from finite
+# values passed the dtype's largest value (an fp16 overflow), whatever its sign; never a mask.
+_LINEAR_MAPS = frozenset((
+    "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
+    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "LazyConv1d",
+    "LazyConv2d", "LazyConv3d", "Linear8bitLt", "Linear4bit", "ColumnParallelLinear",
+    "RowParallelLinear",
+))
+
+
+def is_linear_map(module_class: str) -> bool:
+    """Whether a module of this class computes a matmul or a convolution of its input."""
+    return module_class in _LINEAR_MAPS
 
 
 def _data_culprit(pass_: PassRecord, call, limit_max, masks_too=False):

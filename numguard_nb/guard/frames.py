@@ -168,7 +168,8 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
     if mask_from:
         return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
                 f"inputs and weights did not hold; the -inf mask it received came from {mask_from}")
-    if rows and all(row.neginf and not row.nan and not row.posinf for row in rows):
+    if rows and all(row.neginf and not row.nan and not row.posinf for row in rows) \
+            and not detect.is_linear_map(frame.module_class):  # an overflow is no mask
         return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
                 "inputs and weights did not hold, and the -inf reaches the model's output")
     return (f"{where} produced a non-finite value in forward ({call}): {what}, which its inputs "

@@ -49,8 +49,8 @@ from . import detect, frames
 from .headroom import Headroom
 from .history import History
 from .hooks import (
-    GradHook, GradHooks, ModuleHooks, ParamHook, frame_local_of_call, inert_context,
-    is_dynamo_compiling, running_calls,
+    GradHook, GradHooks, ModuleHooks, ParamHook, forward_raised, frame_local_of_call,
+    inert_context, is_dynamo_compiling, running_calls,
 )
 from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .outside import OutsideWatch
@@ -228,7 +228,7 @@ class Guard:
 
                     self._capture = None  # never an earlier attach's capture, should this one fail
                     self._capture = Capture(self.models)
-                self._outside.start()
+                self._outside.start(self._capture)
             except BaseException:
                 self.detach()
                 raise
@@ -255,8 +255,7 @@ class Guard:
             _stats.release_workspace()
 
     def retarget(self, model_or_models) -> None:
-        """Point a detached guard at other models (rebuilt in a notebook cell; an empty dict: none
-        for now), checked as in the constructor; batch count, traces and detection are kept."""
+        """Point a detached guard at other models ({}: none yet); batches, traces are kept."""
         if self._attached:
             raise RuntimeError("numguard: detach the guard before pointing it at other models")
         self.models = _normalise_models(model_or_models, allow_none=True)
@@ -278,8 +277,7 @@ class Guard:
                 self._outside.raise_found(exc_type is None)
 
     def reset(self) -> None:
-        """Forget the passes that never finished (e.g. interrupted with Ctrl-C), in every thread,
-        and an overflow let through in a step whose scaler update never came."""
+        """Forget unfinished passes (Ctrl-C) in every thread, and an unconfirmed overflow."""
         self._forget_passes()
         self._scaling.forget_step()
 
@@ -368,7 +366,7 @@ class Guard:
             return
         state = self._threads.state
         stack = state.stack
-        if output is _RAISED:  # called as (module, args, None): its forward raised
+        if output is _RAISED or forward_raised():  # its forward (or another hook) raised
             if stack and stack[-1].module_id == id(module):
                 call = stack.pop()
                 call.raised = True
@@ -379,6 +377,8 @@ class Guard:
             return
         watch_grads = self._watch_backward and torch.is_grad_enabled()
         self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
+        if self._capture is not None and not stack:
+            self._capture.note_output(output)  # the code after the call reads it
         if self._op_recorder is not None and watch_grads and not stack:
             self._op_recorder.keep_root_grads(call.module_id, output, self._grad_hooks.handles)
         self._finish_call(state, call)

@@ -17,6 +17,7 @@
   run (or run under a dispatch mode: fake tensors, FLOP counters), when the hooks do nothing.
 - `running_calls()`: the modules whose forward is running in this thread, from its frames, and
   `frame_local_of_call()`: an object that goes with the frame of a module call.
+- `forward_raised()`: whether an always-called forward hook runs because the call raised.
 
 Nothing is put on parameters but their gradient hook: no weak references outlive a pass, so
 parameters can be swapped and pickled while the guard is attached; copies of hooked modules come
@@ -40,7 +41,7 @@ from .passes import CallRecord
 
 __all__ = [
     "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
-    "frame_local_of_call", "is_dynamo_compiling",
+    "frame_local_of_call", "is_dynamo_compiling", "forward_raised",
 ]
 
 # Constant True inside code Dynamo traces, so a hook's body drops out of compiled graphs; a plain
@@ -65,6 +66,17 @@ def inert_context() -> bool:
     return (_is_compiling() or _get_tracing_state() is not None
             or _dispatch_modes() > 0
             or torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE))
+
+
+def forward_raised() -> bool:
+    """Whether the always-called forward hook asking runs on torch's error path: the module's
+    forward, or a forward hook before this one (another guard's detection), raised, and
+    `_call_impl` calls the hooks not yet called from its `except` block rather than from `inner`.
+    Torch hands them the output it has (None, or the forward's output), which must not be checked
+    as a call that returned: a detection raised there is only a warning torch prints ("...
+    silenced as another error was raised in forward"), behind the error already raised."""
+    caller = sys._getframe(2)  # 0: here, 1: the hook, 2: who called it
+    return caller.f_code is _CALL_IMPL
 
 
 def frame_local_of_call():

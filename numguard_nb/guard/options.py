@@ -37,12 +37,13 @@ OPTION_DOCS = """
         sync: read statistics in every hook and raise there (slower; for when the process would
             crash before the pass ends).
         allow_inf: True, or module-name globs, for modules that legitimately produce +-inf.
-        limit_dtype: e.g. torch.float16, torch.bfloat16 or torch.float8_e4m3fn: the run goes on,
-            and every value beyond its largest finite value (a predicted overflow) and every
-            non-zero value below its smallest (a predicted underflow) is collected in
-            `guard.headroom`; real inf/nan still stop the run.
-        stop_at_limit: with limit_dtype, stop at the first predicted overflow instead, with
-            `NonFiniteError` as for a real inf.
+        limit_dtype: a format narrower than float32 that the run may move to, e.g. torch.float16,
+            torch.bfloat16 or torch.float8_e4m3fn: the run goes on, and every value beyond its
+            largest finite value (a predicted overflow) and every non-zero value below its
+            smallest (a predicted underflow) is collected in `guard.headroom`; real inf/nan
+            still stop the run.
+        stop_at_limit: with limit_dtype (needs it), stop at the first predicted overflow instead,
+            with `NonFiniteError` as for a real inf.
         on_trace: called with each traced batch's report after each of its passes.
         on_detect: called with the report before `NonFiniteError` is raised; if it returns an
             exception, that exception is raised instead.
@@ -69,6 +70,9 @@ OPTION_DOCS = """
 LIMIT_DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# Known, and refused: a limit as wide as the float32 a run computes in would predict nothing.
+_WIDE_DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
@@ -129,6 +133,10 @@ class GuardOptions:
             raise ValueError(f'mode must be "full" or "sentinel", got {self.mode!r}')
         limit_dtype = _parse_limit_dtype(self.limit_dtype)
         set_field(self, "limit_dtype", limit_dtype)
+        if self.stop_at_limit and limit_dtype is None:
+            raise ValueError("stop_at_limit needs limit_dtype, the narrower format whose overflow it "
+                             "stops at: add limit_dtype=torch.float16 (or bfloat16, float8_e4m3fn), "
+                             "or drop stop_at_limit")
         if limit_dtype is not None:
             info = torch.finfo(limit_dtype)
             set_field(self, "limit_max", float(info.max))
@@ -250,20 +258,31 @@ def _parse_limit_dtype(limit_dtype) -> Optional[torch.dtype]:
         return None
     if isinstance(limit_dtype, str):
         key = limit_dtype.replace("torch.", "").lower()
-        if key not in LIMIT_DTYPES:
+        dtype = LIMIT_DTYPES.get(key) or _WIDE_DTYPES.get(key)
+        if dtype is None:
             raise ValueError(f"limit_dtype {limit_dtype!r} is not a float dtype numguard knows: use "
                              f"{_accepted_names()}")
-        return LIMIT_DTYPES[key]
+        return _narrower_than_float32(dtype, limit_dtype)
     if isinstance(limit_dtype, torch.dtype) and limit_dtype.is_floating_point:
         try:
             torch.finfo(limit_dtype).max
         except (TypeError, RuntimeError):  # a packed format (pairs of float4): no range of its own
             raise ValueError(f"limit_dtype {limit_dtype} has no range of its own: use "
                              f"{_accepted_names()}") from None
-        return limit_dtype
+        return _narrower_than_float32(limit_dtype, limit_dtype)
     raise ValueError(
         f"limit_dtype must be a floating torch dtype such as torch.float16, got {limit_dtype!r}"
     )
+
+
+def _narrower_than_float32(dtype: torch.dtype, given) -> torch.dtype:
+    """`dtype`, unless it is float32 or wider: a float32 run (or a narrower one) holds no finite
+    value beyond such a range, so the limit would predict nothing."""
+    if torch.finfo(dtype).bits >= 32:
+        raise ValueError(f"limit_dtype is the narrower format a float32 run may move to, whose "
+                         f"overflow and underflow the guard predicts: use {_accepted_names()}; "
+                         f"got {given!r}")
+    return dtype
 
 
 def _accepted_names() -> str:

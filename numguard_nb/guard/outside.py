@@ -9,8 +9,8 @@ optimizer step (torch.optim's global step pre-hook: any mode on the stack turns 
 optimizers' and `zero_grad`'s foreach paths, which made an AdamW step 20% slower), at the next
 top-level call of a guarded module, or at detach. From `.backward()` until then it passes
 everything through (a mode cannot take itself off the stack while it handles a call). Module
-internals never run under it; code between a backward and the next model
-call (the optimizer step, zero_grad, the next batch's data) is not checked: the data the model
+internals never run under it; code between a backward and the next model call (the optimizer
+step, zero_grad, the next batch's data) is not checked: the data the model
 gets is the data rules' (`detect`), weights an optimizer step wrote are the weights' rules'. An
 optimizer stepping where code is checked (no backward since the model's call) is not blamed
 either (`outside_ops.in_optimizer`).
@@ -33,9 +33,8 @@ either (`outside_ops.in_optimizer`).
   (else it passed on what it was given: the data's doing); it is named with the forward line
   that created it. Its gradients are checked like a function's results: at once on the host,
   at the end of the backward on a GPU.
-- The culprit's ATen op is found by running the function again on its inputs (or on meta tensors
-  of their shapes) under a recording dispatch mode (`outside_ops`), and its line is the user's,
-  a notebook cell shown as IPython does (`Cell In[5], line 3`).
+- The culprit's ATen op and the user's line are found by `outside_ops`. With capture on, each
+  function is also recorded for the CPU replay (`replay.outside`).
 
 The mode is inert while compiling, tracing, under dispatch modes (fake tensors, FLOP counters),
 inside backward and while the guard re-runs a step itself; it is never pushed above a function
@@ -52,6 +51,7 @@ from functools import partial
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from .. import _tree
@@ -61,6 +61,9 @@ from .._schema import (
 )
 from ..errors import NonFiniteError
 from . import detect, frames
+from .function_mode import handling, leave_when_put_back
+from .function_mode import pop as _pop, push as _push
+from .function_mode import stack_at as _stack_at, stack_len as _stack_len
 from .hooks import inert_context, is_dynamo_compiling
 from .outside_ops import (
     Meta, aten_ops, fallback_op, function_name, in_optimizer, likeliest, node_op, scalar_kinds,
@@ -86,10 +89,6 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _next_node_number = torch._C._autograd._get_sequence_nr
 _INF_KINDS = detect.INF_KINDS
 _MASK = detect.MASK
-_stack_len = torch._C._len_torch_function_stack
-_stack_at = torch._C._get_function_stack_at
-_push = torch._C._push_on_torch_function_stack
-_pop = torch._C._pop_torch_function_stack
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
@@ -239,11 +238,20 @@ class _ThreadState(threading.local):
     and the region's record."""
 
     def __init__(self):
-        self.owner: Optional[OutsideWatch] = None
+        self._owner = None  # a weak reference: a guard dropped while attached goes with its models
         self.active = False
         self.base = 0
         self.pass_: Optional[PassRecord] = None
         self.ops = 0  # functions recorded in the region (their call index)
+
+    @property
+    def owner(self) -> Optional["OutsideWatch"]:
+        owner = self._owner
+        return owner() if owner is not None else None
+
+    @owner.setter
+    def owner(self, watch: Optional["OutsideWatch"]) -> None:
+        self._owner = weakref.ref(watch) if watch is not None else None
 
 
 _thread = _ThreadState()
@@ -261,14 +269,30 @@ class _OutsideMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         state = _thread
+        if not state.active:  # the common case off the watched code: no owner looked up
+            return func(*args, **kwargs)
         watch = state.owner
-        if watch is None or not state.active or is_dynamo_compiling():
+        if watch is None or is_dynamo_compiling():
             return func(*args, **kwargs)
         if func in _ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
+        recorder = watch.recorder
+        if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
+            return _run_recorded(recorder, watch, state, func, args, kwargs)
         if func in _KEEPS_VALUES or type(func) is _WRAPPER:
             return func(*args, **kwargs)
         return watch.run_function(state, func, args, kwargs)
+
+
+def _run_recorded(recorder, watch, state, func, args, kwargs):
+    __tracebackhide__ = True  # noqa: F841
+    record = recorder.before(func, args, kwargs)
+    if func in _KEEPS_VALUES or type(func) is _WRAPPER:
+        out = func(*args, **kwargs)
+    else:
+        out = watch.run_function(state, func, args, kwargs)
+    recorder.after(record, out)
+    return out
 
 
 _MODE = _OutsideMode()
@@ -284,13 +308,21 @@ def outside_checking() -> bool:
     return _thread.active and outside_mode_active()
 
 
-def _withdraw(state: _ThreadState) -> None:
+def _withdraw(state: _ThreadState, detaching: bool = False) -> None:
     """Stop checking in this thread, and take the mode off its stack where it is on top (below a
-    mode of the user's, it stays, passing everything through, until a later try)."""
+    mode of the user's, it stays, passing everything through, until a later try). A detach while
+    the mode handles a call (an `on_detect` that detaches, raised from the backward the mode
+    runs) finds it off the stack until that call returns: it leaves as soon as torch puts it back
+    (no later hook of the guard would take it off)."""
     state.active = False
     count = _stack_len()
     if count and _stack_at(count - 1) is _MODE:
         _pop()
+    elif detaching and handling(_HANDLER_CODES):
+        leave_when_put_back(_MODE, _HANDLER_CODES)
+
+
+_HANDLER_CODES = frozenset((_OutsideMode.__torch_function__.__code__, _run_recorded.__code__))
 
 
 def _leave_region() -> None:
@@ -312,12 +344,12 @@ _step_hook: list = []
 _step_hook_holders = [0]
 
 
-def _hold_step_hook(hold: list, register) -> None:
+def _hold_step_hook(hold: list) -> None:
     if not hold[0]:
         hold[0] = True
         _step_hook_holders[0] += 1
         if not _step_hook:
-            _step_hook.append(register(_step_begins))
+            _step_hook.append(register_optimizer_step_pre_hook(_step_begins))
 
 
 def _release_step_hook(hold: list) -> None:
@@ -348,17 +380,18 @@ class OutsideWatch:
         self._kept_handles = 0  # live handles after the last pruning
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
+        self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
         self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
         weakref.finalize(self, _release_step_hook, self._step_hold)
 
     # ---- lifecycle (called by the Guard) ---------------------------------------------------------
-    def start(self) -> None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
+    def start(self, capture=None) -> None:
+        """Watch from now on; with a `replay.Capture`, also record the code for a CPU replay."""
+        self.recorder = capture.recorder if capture is not None else None
         self.attached = True
         self.unraised = None
         _thread.base = _stack_len()
-        _hold_step_hook(self._step_hold, register_optimizer_step_pre_hook)
+        _hold_step_hook(self._step_hold)
 
     def stop(self) -> None:
         """Remove the mode (in this thread) and the node hooks. A culprit in what was still to be
@@ -366,7 +399,7 @@ class OutsideWatch:
         state = _thread
         try:
             if state.owner is self:
-                _withdraw(state)
+                _withdraw(state, detaching=True)
                 if self.attached:
                     self.unraised = self._settle(state, raising=False)
         finally:

@@ -49,12 +49,13 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree
+from .. import stats as _stats
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Report
 from . import copies, detect, frames
-from .hooks import inert_context, is_dynamo_compiling
+from .hooks import forward_raised, inert_context, is_dynamo_compiling
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
 from .sentinel_rerun import (
     compiled_original, full_guard, gradient_frame, original_name, rerun_backward, rerun_forward,
@@ -68,6 +69,7 @@ _CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, nn.Parameter)
 _SMALL = 16384  # numbers: a CPU tensor smaller than this is summed with the other small ones
 
 
@@ -222,13 +224,26 @@ class _OutputGradient:
 
 
 # ---- the checks ----------------------------------------------------------------------------
-def _all_finite(tensors) -> bool:
+def _readable(t: torch.Tensor) -> bool:
+    """Whether `t` holds numbers to read: not a meta or fake tensor, nor one wrapped by a
+    torch.func transform. Full mode's statistics leave the same ones unread (`stats`)."""
+    if type(t) in _PLAIN:
+        return not t.is_meta and not _stats._is_functorch_wrapped(t)
+    return not (t.is_meta or isinstance(t, _stats._STAND_INS) or _stats._is_functorch_wrapped(t))
+
+
+def _all_finite(tensors, unread: Optional[list] = None) -> bool:
     """Whether every tensor is finite, read back once per device. A sum (CPU) or a norm (other
     devices: one fused kernel) is inf or nan where a tensor holds inf or nan; it can overflow for
-    huge finite values too, which `_nonfinite_of` then rules out exactly."""
+    huge finite values too, which `_nonfinite_of` then rules out exactly. Tensors with no numbers
+    to read are not watched: left out, and added to `unread`."""
     groups: Dict[tuple, list] = {}
     flags: Dict[torch.device, list] = {}
     for t in tensors:
+        if not _readable(t):
+            if unread is not None:
+                unread.append(t)
+            continue
         if t.layout != torch.strided:
             t = t.coalesce().values() if t.is_sparse else t.to_dense()
         if t.numel() and (t.is_floating_point() or t.is_complex()):
@@ -254,10 +269,13 @@ def _sums(group: list, dtype) -> list:
 
 
 def _nonfinite_of(named_tensors) -> list:
-    """The (name, tensor) pairs whose tensor holds inf or nan, checked exactly."""
+    """The (name, tensor) pairs whose tensor holds inf or nan, checked exactly (those with no
+    numbers to read left out, as in `_all_finite`)."""
     bad = []
     with torch.no_grad():
         for name, t in named_tensors:
+            if not _readable(t):
+                continue
             values = t.coalesce().values() if t.is_sparse else t
             if values.numel() and not bool(torch.isfinite(values).all()):
                 bad.append((name, t))
@@ -353,8 +371,12 @@ class Sentinel:
         options = self.guard.options
         note = (f'mode="sentinel": {self.passes_checked} passes checked (the outputs of the '
                 "model's calls, and the gradients after each backward)")
+        seen = self._recent.frames(options)
+        unwatched = frames.unwatched_note(seen)
+        if unwatched:
+            note = f"{note}; {unwatched}"
         return self.guard._scaling.noted(frames.make_report(
-            self._recent.frames(options), None, LATEST, note, "", self.guard.batch_number, options))
+            seen, None, LATEST, note, "", self.guard.batch_number, options))
 
     # ---- forward ---------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -393,7 +415,8 @@ class Sentinel:
         if local.depth:
             return
         call, local.call = local.call, None
-        if call is None or output is _RAISED or call.entry.module is not module:
+        if call is None or output is _RAISED or call.entry.module is not module \
+                or forward_raised():
             return
         if call.inputs_now_changed():  # the call itself changed them: copy from the next call on
             call.inputs_changed = call.entry.copy_inputs = True
@@ -505,11 +528,32 @@ class Sentinel:
             self.passes_checked += 1
             parameters = self._parameters()
             grads = [p.grad for p in parameters if p.grad is not None]
-            if grads and not _all_finite(grads):
+            unread: list = []
+            if grads and not _all_finite(grads, unread):
                 self._backward_problem(done, parameters)
+            if unread and done:
+                self._note_unread(done[0], parameters, unread)
         finally:
             for call in done:
                 call.grads = [None] * len(call.grads)
+
+    def _note_unread(self, call: _Call, parameters: list, unread: list) -> None:
+        """Keep the gradients that had no numbers to read (meta, fake) as rows of the report,
+        as full mode keeps them: the report says they were not watched."""
+        names, unread_ids = self._parameter_names(), {id(t) for t in unread}
+        pass_ = PassRecord()
+        record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
+                            call.batch_number, call.call_index, True)
+        for p in parameters:
+            grad = p.grad
+            if grad is not None and id(grad) in unread_ids:
+                summary = pass_.summarise(grad, None, False, self._sign_hints)
+                record.slots.append((f"{names.get(id(p), '?')}.grad", GRAD_PARAM,
+                                     summary[ENTRY_KIND], grad.dtype, summary[ENTRY_SHAPE],
+                                     summary[ENTRY_INDEX], 0))
+        pass_.calls.append(record)
+        pass_.read_back()
+        self._recent.remember(pass_, self.guard.options.max_frames)
 
     def _loss_scaling_excuses(self, call: _Call, bad: list) -> bool:
         """The one place loss scaling plugs in. With a GradScaler (the `scaler` option) inf/nan

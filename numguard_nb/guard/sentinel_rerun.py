@@ -6,7 +6,9 @@ gradients that arrived at its outputs. When a check fails it hands the call(s) h
 - `rerun_forward`: the call runs again with the same inputs, random state and weights, under a
   full guard (`Guard(models, ops=True)`, the existing engine) on the same models;
 - `rerun_backward`: the calls of the failing backward pass run forward again, then backward from
-  the gradients their outputs got, with `torch.autograd.grad` (no `.grad` is touched).
+  the gradients their outputs got, with `torch.autograd.grad` (no `.grad` is touched; under
+  torch.utils.checkpoint(use_reentrant=True), which refuses it, with `.backward()` and every
+  `.grad` set back).
 
 Either returns the full guard's report, marked `found_by="re-run"`; or, where the re-run comes out
 finite, a report that says so: the fault did not repeat (`cause="transient"`) or, for a compiled
@@ -264,8 +266,27 @@ def _backward(calls, outputs, inputs: list) -> list:
     wanted = [t for t in inputs if t.requires_grad]
     if not pairs or not wanted:
         return []
-    return list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                    allow_unused=True))
+    outputs_, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    try:
+        return list(torch.autograd.grad(outputs_, wanted, grads, allow_unused=True))
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error):
+            raise
+    return _backward_into_grad(outputs_, grads, wanted)
+
+
+def _backward_into_grad(outputs, grads, wanted: list) -> list:
+    """The gradients of `wanted` by `.backward()`, which torch.utils.checkpoint(use_reentrant=True)
+    needs (it refuses autograd.grad): each `.grad` is set aside, read after, and put back."""
+    kept = [t.grad for t in wanted]
+    try:
+        for t in wanted:
+            t.grad = None
+        torch.autograd.backward(outputs, grads)
+        return [t.grad for t in wanted]
+    finally:
+        for t, grad in zip(wanted, kept):
+            t.grad = grad
 
 
 def _has_problem(tensors, allow_inf: bool, limit: Optional[float]) -> bool:

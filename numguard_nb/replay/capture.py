@@ -19,7 +19,8 @@ from .. import _tree, callstate
 from .._util import WeakStepHook, error_line
 from ..callstate import CallState
 from ..errors import CaptureTooLarge, ReplayError
-from .call import CapturedCall, HostCopies
+from .call import CapturedCall
+from .host import HostCopies
 from .location import call_site
 from .outside import OutsideRecorder
 from .snapshot import _Snapshot, snapshot_fits
@@ -85,7 +86,7 @@ class Capture:
         self.snapshots = {name: _Snapshot.take(module) for name, module in self.models.items()}
         # The code after a call finds the guarded weights it uses by name (a tied head, a
         # regularizer), not by a copy.
-        params = {id(p): (weakref.ref(p), root, name) for root, module in self.models.items()
+        params = {id(p): (weakref.ref(module), root, name) for root, module in self.models.items()
                   for name, p in module.named_parameters()}
         recorder = getattr(self, "recorder", None)
         self.recorder = OutsideRecorder(params)

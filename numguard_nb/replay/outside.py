@@ -31,6 +31,7 @@ import torch
 
 from .. import _tree
 from .._util import code_where, error_line, user_frame
+from .host import HostCopies
 
 __all__ = ["OutsideRecord", "OutsideRecorder", "Ref", "replay_records", "encode", "decode",
            "MAX_RECORDS", "MAX_COPY_BYTES"]
@@ -92,7 +93,9 @@ class OutsideRecorder:
     the latest captured call (`call.outside`). Never raises into the user's code."""
 
     def __init__(self, params: Dict[int, tuple]):
-        self._params = params  # id(parameter) -> (weakref, root, name)
+        # id(parameter) -> (its root module, weakly; root name; parameter name): never a weak
+        # reference to the parameter itself (swap_tensors refuses a tensor that has one)
+        self._params = params
         self._known: Dict[int, tuple] = {}  # id(tensor) -> (weakref, Ref)
         self._pruned_at = 64
         self.call = None  # the captured call the functions run after
@@ -165,8 +168,10 @@ class OutsideRecorder:
         if hit is not None and hit[0]() is t:
             return hit[1]
         param = self._params.get(id(t))
-        if param is not None and param[0]() is t:
-            return Ref(_PARAM, param[1], path=param[2])
+        if param is not None:
+            module = param[0]()
+            if module is not None and _parameter(module, param[2]) is t:
+                return Ref(_PARAM, param[1], path=param[2])
         return None
 
     def _know(self, t: torch.Tensor, ref: Ref) -> None:
@@ -176,12 +181,17 @@ class OutsideRecorder:
             self._pruned_at = max(64, 2 * len(self._known))
 
 
+def _parameter(module, name: str):
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
+
+
 class _Copies:
     """The references and host copies of one recorded function's arguments."""
 
     def __init__(self, recorder: OutsideRecorder):
-        from .call import HostCopies
-
         self.recorder = recorder
         self.host = HostCopies()
         self.too_large = False

@@ -113,7 +113,7 @@ class _Snapshot:
     """Host copies of one root module's tensors, by name (tied names share one copy)."""
 
     def __init__(self, tensors, kinds, requires_grad, class_name, devices, version, settings=None,
-                 params=()):
+                 params=(), module=None):
         self.tensors: Dict[str, torch.Tensor] = tensors
         self.kinds: Dict[str, str] = kinds
         self.requires_grad: Dict[str, bool] = requires_grad
@@ -121,8 +121,10 @@ class _Snapshot:
         self.devices: List[str] = devices
         self.version: int = version
         self.settings: Dict[str, Any] = settings or {}  # plain attributes of torch.nn losses
-        # Weak references to the live parameters, to tell cheaply whether they were written since.
-        self._params = [weakref.ref(p) for p in params]
+        # The live module (weakly) and its parameters' ids, to tell cheaply whether they were
+        # written or replaced since. Never a weak reference to a parameter: swap_tensors (and so
+        # load_state_dict in swap mode) refuses a tensor that has one.
+        self._module = weakref.ref(module) if module is not None else None
         self._param_ids = frozenset(id(p) for p in params)
         # Set when a torch.optim step updated them: fused optimizers (Adam(fused=True)) write
         # parameters without bumping their version counters.
@@ -151,7 +153,7 @@ class _Snapshot:
                         and (v is None or isinstance(v, (bool, int, float, str)))}
         params = list(module.parameters())
         return cls(tensors, kinds, requires_grad, qualified_name(type(module)), devices,
-                   _version_sum(params), settings, params)
+                   _version_sum(params), settings, params, module)
 
     @property
     def is_torch_loss(self) -> bool:
@@ -170,16 +172,13 @@ class _Snapshot:
         """Whether the live parameters were written (or replaced) since the snapshot."""
         if self.optimizer_stepped:
             return True
-        total = 0
-        for ref in self._params:
-            param = ref()
-            if param is None:
-                return True
-            try:
-                total += param._version
-            except RuntimeError:  # inference tensors have no version counter
-                pass
-        return total != self.version
+        module = self._module() if self._module is not None else None
+        if module is None:
+            return self._module is not None  # the module is gone: its weights are not these
+        params = list(module.parameters())
+        if frozenset(id(p) for p in params) != self._param_ids:
+            return True  # a parameter was replaced
+        return _version_sum(params) != self.version
 
     @property
     def cuda_device(self) -> Optional[int]:

@@ -1,0 +1,64 @@
+"""A torch function mode's place on this thread's stack, and taking it off where torch itself
+puts it back.
+
+While a mode handles a call, torch holds it off the stack and pushes it back when the call
+returns (`torch.overrides._pop_mode_temporarily`, or the C++ guard for builtin functions). A
+mode that must leave from inside such a call (the guard detached by an `on_detect` raised from
+a backward the mode runs) would otherwise be pushed back for good: `leave_when_put_back` takes
+it off right after, before the user's code runs again.
+
+    >>> if handling(HANDLER_CODES):
+    ...     leave_when_put_back(MODE, HANDLER_CODES)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["stack_len", "stack_at", "push", "pop", "handling", "leave_when_put_back"]
+
+stack_len = torch._C._len_torch_function_stack
+stack_at = torch._C._get_function_stack_at
+push = torch._C._push_on_torch_function_stack
+pop = torch._C._pop_torch_function_stack
+
+
+def handling(handler_codes: frozenset) -> bool:
+    """Whether this thread runs inside a mode's handler (one of `handler_codes`): looked up by
+    frames, so only on rare paths."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in handler_codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def leave_when_put_back(mode, handler_codes: frozenset) -> None:
+    """Take `mode` off the stack as soon as torch puts it back at the end of the call its handler
+    (the outermost frame of `handler_codes`) is handling: a one-shot profile function of this
+    thread, chained to the one already set and set back after, watches for that moment. It gives
+    up when the frame that made the call returns without it (another mode stayed above)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in handler_codes:
+        frame = frame.f_back
+    while frame is not None and frame.f_code in handler_codes:
+        frame = frame.f_back
+    if frame is None:
+        return
+    caller = frame.f_back  # torch's dispatch (handle_torch_function), or the user's frame
+    previous = sys.getprofile()
+
+    def profile(frame_, event, arg):
+        if previous is not None:
+            previous(frame_, event, arg)
+        count = stack_len()
+        if count and stack_at(count - 1) is mode:
+            pop()
+            sys.setprofile(previous)
+        elif event == "return" and frame_ is caller:
+            sys.setprofile(previous)
+
+    sys.setprofile(profile)
