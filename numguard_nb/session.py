@@ -150,8 +150,8 @@ def find_scaler(namespace: Mapping, name: Optional[str] = None, hidden: Optional
     if not found:
         return None, None, ""
     names = ", ".join(key for key, _ in found.values())
-    return None, None, (f"numguard: several GradScalers ({names}): none is used; name the one the "
-                        "loop scales its loss with, --scaler NAME, to let the steps it skips through")
+    return None, None, (f"numguard: several GradScalers ({names}): the one whose scale(loss) runs is "
+                        "used; --scaler NAME names it")
 
 
 def choose_capture(requested: Optional[bool], models: Dict[str, nn.Module]) -> Tuple[bool, str]:

@@ -100,14 +100,6 @@ def test_plain_torch_skips_the_first_steps_of_the_float16_warm_up():
     assert scaler.get_scale() == 2.0 ** 12
 
 
-def test_without_the_scaler_option_the_warm_up_is_stopped_at_step_0():
-    model = mlp()
-    with pytest.raises(NonFiniteError) as raised:
-        with Guard(model):
-            warm_up(model, grad_scaler())
-    assert raised.value.report.batch_number == 0
-
-
 def test_float16_warm_up_is_let_through_and_its_skipped_steps_recorded():
     model, scaler = mlp(), grad_scaler(init_scale=2.0 ** 16)
     before = hooks_left(model)
@@ -454,7 +446,7 @@ def test_the_one_enabled_scaler_of_the_namespace_is_found():
     assert find_scaler({"off": grad_scaler(enabled=False)}) == (None, None, "")
     assert find_scaler({"_s": scaler, "s": scaler}, hidden={"s": scaler}) == (None, None, "")
     name, found, note = find_scaler({"a": scaler, "b": grad_scaler()})
-    assert found is None and note.startswith("numguard: several GradScalers (a, b): none is used")
+    assert found is None and note.startswith("numguard: several GradScalers (a, b): the one whose scale(loss) runs is used")
     assert find_scaler({"a": scaler, "b": grad_scaler()}, "b")[0] == "b"
     with pytest.raises(LookupError, match="net is a Sequential, not an enabled torch.amp.GradScaler"):
         find_scaler({"net": mlp()}, "net")
@@ -513,11 +505,11 @@ def test_numguard_cell_picks_up_the_namespaces_scaler(ip):
     assert "GradScaler skipped 4 steps (batches 0-3, scale 65536 down to 8192)" in captured.stdout
     assert "skipped 4 steps" in ip.user_ns["_numguard"].summary()
     assert not watched(ip.user_ns["scaler"])
-    # two scalers: none is used, and the cell says how to name one
+    # two scalers: the one the loop scales its loss with is found as it runs
     ip.run_cell('scaler, other = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")')
     result, captured = run_cell(ip, "%%numguard net\nwarm_up(net, scaler, steps=2)")
-    assert isinstance(result.error_in_exec, NonFiniteError)
-    assert "several GradScalers (scaler, other): none is used" in captured.stdout
+    assert result.success and result.result == [0, 1]
+    assert "several GradScalers (scaler, other): the one whose scale(loss) runs is used" in captured.stdout
     result, _ = run_cell(ip, "%%numguard net --scaler scaler\nwarm_up(net, scaler, steps=2)")
     assert result.success
     result, _ = run_cell(ip, "%%numguard net --scaler net\nwarm_up(net, scaler, steps=2)")
@@ -546,3 +538,36 @@ def test_skipped_summary_counts_and_ranges():
                                       "grad_output of fc")
     assert skipped_summary(steps[:1]).startswith("GradScaler skipped 1 step (batch 0, scale 65536)")
     assert skipped_summary([]) == ""
+
+
+# ---- a scaler the loop makes itself ---------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_scaler_made_by_the_loop_is_found_without_being_named(mode):
+    # The usual order: `with Guard(model):` around a loop that creates its own GradScaler.
+    expected = warm_up(mlp(), grad_scaler())
+    model = mlp()
+    with Guard(model, mode=mode) as guard:
+        scaler = grad_scaler()
+        skipped = warm_up(model, scaler)
+    assert skipped == expected == WARM_UP_SKIPS
+    assert [step.batch for step in guard.skipped_steps] == WARM_UP_SKIPS
+    assert not watched(scaler)
+
+
+def test_a_warm_up_from_a_large_scale_is_let_through_however_many_steps_it_skips():
+    # GradScaler(init_scale=2**40): a healthy warm-up halving the scale 20 times and more.
+    expected = warm_up(mlp(), grad_scaler(init_scale=2.0 ** 40), steps=40)
+    assert len(expected) > 16
+    model = mlp()
+    with Guard(model) as guard:
+        skipped = warm_up(model, grad_scaler(init_scale=2.0 ** 40), steps=40)
+    assert skipped == expected and [step.batch for step in guard.skipped_steps] == expected
+
+
+def test_nan_at_every_scale_from_a_found_scaler_is_raised_when_its_scale_reaches_1():
+    model = Siamese()
+    with pytest.raises(NonFiniteError) as raised, Guard(model):
+        siamese_steps(model, grad_scaler())
+    report = raised.value.report
+    assert report.batch_number == 16 and report.first_nonfinite.module_name == "distance"
+    assert "GradScaler skipped the 16 steps before (batches 0-15, scale 65536 down to 1)" in report.reason

@@ -54,12 +54,12 @@ OPTION_DOCS = """
         history_every: N to keep every Nth batch's ranges (abs min/max of each module call's
             outputs, gradients and weights) in `guard.history`, to watch a drift toward the
             dtype's limit; None (the default): no history.
-        scaler: the torch.amp.GradScaler the loop scales the loss with: a non-finite gradient
-            made in backward while its scale is above 1 is let through (the scaler skips that
-            step) and recorded in `guard.skipped_steps`, until it has skipped
-            `max_skipped_steps` steps in a row. Forward values are never let through.
-        max_skipped_steps: steps in a row the scaler may skip before the next overflowing
-            gradient is raised (16: GradScaler's halvings from 65536 down to 1).
+        scaler: the torch.amp.GradScaler the loop scales the loss with (default: the one seen
+            scaling the loss, `scaler.scale(loss)`): a non-finite gradient made in backward while
+            its scale is above 1 is let through (the scaler skips that step) and recorded in
+            `guard.skipped_steps`. Forward values are never let through.
+        max_skipped_steps: at most this many steps in a row the scaler may skip before the next
+            overflowing gradient is raised (None, the default: until its scale reaches 1).
         mode: "full" (hooks on every module call) or "sentinel" (a whole run at almost no cost:
             checks the outputs of the model's calls and the gradients after each backward; on
             the first inf/nan, re-runs that call with the full guard, see `guard.sentinel`).
@@ -107,7 +107,7 @@ class GuardOptions:
     capture: bool = False
     history_every: Optional[int] = None
     scaler: Optional[object] = None  # a torch.amp.GradScaler, or an object that works like one
-    max_skipped_steps: int = 16
+    max_skipped_steps: Optional[int] = None
     mode: str = MODE_FULL
     # Derived from limit_dtype: its largest finite value, and its smallest positive (subnormal)
     # value, below which a value flushes to 0. None without limit_dtype.
@@ -230,8 +230,8 @@ def _check_scaler(scaler, max_skipped_steps) -> None:
             f"and update()), got {type(scaler).__name__}: pass the scaler whose scale(loss) the "
             "loop backpropagates"
         )
-    if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) \
-            or max_skipped_steps < 0:
+    if max_skipped_steps is not None and (isinstance(max_skipped_steps, bool) or not isinstance(
+            max_skipped_steps, int) or max_skipped_steps < 0):
         raise ValueError(
             f"max_skipped_steps must be a number of steps >= 0, got {max_skipped_steps!r}"
         )

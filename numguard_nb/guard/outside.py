@@ -9,11 +9,10 @@ optimizer step (torch.optim's global step pre-hook: any mode on the stack turns 
 optimizers' and `zero_grad`'s foreach paths, which made an AdamW step 20% slower), at the next
 top-level call of a guarded module, or at detach. From `.backward()` until then it passes
 everything through (a mode cannot take itself off the stack while it handles a call). Module
-internals never run under it; code between a backward and the next model call (the optimizer
-step, zero_grad, the next batch's data) is not checked: the data the model
-gets is the data rules' (`detect`), weights an optimizer step wrote are the weights' rules'. An
-optimizer stepping where code is checked (no backward since the model's call) is not blamed
-either (`outside_ops.in_optimizer`).
+internals never run under it; nor does code between a backward and the next model call (the
+data is the data rules', `detect`; weights an optimizer wrote, the weights' rules'). An optimizer
+stepping where code is checked is not blamed either (`outside_ops.in_optimizer`). A GradScaler's
+`scale(loss)` seen here is the loop's scaler (`scaler`).
 
 - Each torch function the loss calls (`torch.log`, `Tensor.div`, `F.cross_entropy`) that returns
   floating-point tensors is checked. It is the culprit when its outputs hold a kind of
@@ -44,6 +43,7 @@ mode of the user's that was entered after the guard attached.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import types
 import weakref
@@ -66,8 +66,8 @@ from .function_mode import pop as _pop, push as _push
 from .function_mode import stack_at as _stack_at, stack_len as _stack_len
 from .hooks import inert_context, is_dynamo_compiling
 from .outside_ops import (
-    Meta, aten_ops, fallback_op, function_name, in_optimizer, likeliest, node_op, scalar_kinds,
-    source_of, user_where,
+    Meta, aten_ops, fallback_op, function_name, in_optimizer, input_role, likeliest, node_op,
+    scalar_kinds, source_of, user_where,
 )
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, FINE, SLOT_CATEGORY, BackwardPasses, CallRecord,
@@ -274,6 +274,8 @@ class _OutsideMode(TorchFunctionMode):
         watch = state.owner
         if watch is None or is_dynamo_compiling():
             return func(*args, **kwargs)
+        if func is _TENSOR_TO:  # in GradScaler.scale(loss)? the loop's scaler, found
+            watch.guard._scaling.note_caller(sys._getframe(1))
         if func in _ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
         recorder = watch.recorder
@@ -296,6 +298,7 @@ def _run_recorded(recorder, watch, state, func, args, kwargs):
 
 
 _MODE = _OutsideMode()
+_TENSOR_TO = torch.Tensor.to
 
 
 def outside_mode_active() -> bool:
@@ -533,7 +536,7 @@ class OutsideWatch:
         for role, value in _tree.named_leaves((args, kwargs), "input"):
             if isinstance(value, torch.Tensor):
                 if value.is_floating_point() and not (skip_first and value is args[0]):
-                    slots.append(self._slot(pass_, value, _input_role(role), INPUT))
+                    slots.append(self._slot(pass_, value, input_role(role), INPUT))
             elif type(value) is float:
                 scalars |= scalar_kinds(value)
         return slots, frozenset(scalars)
@@ -741,10 +744,3 @@ class OutsideWatch:
             raise error
         return error
 
-
-def _input_role(role: str) -> str:
-    """'input[1]' for args[1] ('input[0]' is the args tuple) and 'input[name]' for a keyword."""
-    for prefix in ("input[0]", "input[1]"):
-        if role.startswith(prefix):
-            return "input" + role[len(prefix):]
-    return role

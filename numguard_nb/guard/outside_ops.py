@@ -27,7 +27,7 @@ from .._schema import PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_POSINF
 from .._util import code_where, is_internal_file, user_frame
 from .passes import FINE
 
-__all__ = ["function_name", "user_where", "in_optimizer", "source_of", "scalar_kinds", "Meta",
+__all__ = ["function_name", "user_where", "in_optimizer", "source_of", "scalar_kinds", "Meta", "input_role",
            "aten_ops", "likeliest", "fallback_op", "node_op"]
 
 _NAN = frozenset((PROBLEM_NAN,))
@@ -253,3 +253,9 @@ def aten_ops(func, args, kwargs, on_values: bool):
     return namer.ops, namer.first_new
 
 
+def input_role(role: str) -> str:
+    """'input[1]' for args[1] ('input[0]' is the args tuple) and 'input[name]' for a keyword."""
+    for prefix in ("input[0]", "input[1]"):
+        if role.startswith(prefix):
+            return "input" + role[len(prefix):]
+    return role

@@ -8,14 +8,19 @@ healthy float16 run overflow on purpose. The guard sees gradients before the sca
 them; an inf or nan stays one when unscaled, so a non-finite gradient the guard sees makes the
 scaler skip the step once it reaches the gradient of a parameter the scaler's optimizer updates.
 
+The scaler is the `scaler` option's or, without it, the one seen scaling the loss: the loss
+watch (`outside`) notes the GradScaler whose `scale(loss)` runs while the guard watches, so a
+loop that makes its own scaler needs no option.
+
 The rule (`LossScaling.excuses`): a non-finite gradient made in backward is let through while
-the scaler is enabled, its scale is above 1 and it has skipped fewer than `max_skipped_steps`
-steps in a row (16 by default: the halvings from GradScaler's 65536 down to 1). Then the guard
-raises as it would without a scaler, naming the module whose backward made it: an overflow
-that lowering the scale does not cure (a sqrt at 0 makes nan at every scale) would otherwise
-stall training silently. Values made in forward are never let through: the scaler does not
-touch the forward pass. Nor is an overflow let through once `max_skipped_steps` batches have
-passed without `scaler.update()` (a scaler the loop does not use).
+the scaler is enabled and its scale is above 1: below that, lowering the scale is no cure (and
+`max_skipped_steps`, when set, caps the skips in a row). Then the guard raises as it would
+without a scaler, naming the module whose backward made it: an overflow that lowering the scale
+does not cure (a sqrt at 0 makes nan at every scale) would otherwise stall training silently. A
+warm-up from a large `init_scale` (2**40) is let through all the way down. Values made in
+forward are never let through: the scaler does not touch the forward pass. Nor is an overflow
+let through once 16 batches have passed without `scaler.update()` (a scaler the loop does not
+use).
 
 Whether the step was skipped: from the first let-through overflow until the guard detaches,
 the scaler's `update` is wrapped on the instance (`_UpdateWatch`). Before the real update runs
@@ -30,14 +35,22 @@ and says how many the scaler skipped.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+import torch
 
 from .._schema import BACKWARD
 from ..report import Frame, Report
 from . import detect, frames
 
 __all__ = ["SkippedStep", "LossScaling", "is_loss_scaler", "loss_scaler_of", "skipped_summary"]
+
+# Batches an overflow is let through for while the scaler's update() is not called (a scaler the
+# loop does not use), unless max_skipped_steps says fewer.
+_UPDATE_WINDOW = 16
+_SCALE_CODE = torch.amp.GradScaler.scale.__code__  # torch.cuda.amp's GradScaler inherits it
 
 # Where training objects keep their GradScaler: accelerate's Accelerator (trainer.accelerator),
 # an AcceleratedOptimizer or an older Hugging Face Trainer (.scaler), Lightning's Trainer.
@@ -163,26 +176,45 @@ class LossScaling:
         self._skipped_batches: set = set()  # every batch of a skipped step that overflowed
         self._update_watch: Optional[_UpdateWatch] = None
         self._refusal = ""  # why the last overflow was not let through ('' if it was)
+        self._found = None  # a weak reference to the scaler seen scaling the loss (`found`)
+
+    # ---- the scaler ---------------------------------------------------------------------------
+    def note_caller(self, frame) -> None:
+        """A torch function called by `frame` ran while the guard watched: where that is
+        `GradScaler.scale(loss)`, the loop scales its loss with that scaler (the one the rule
+        applies to when no `scaler` option names one)."""
+        if frame is None or frame.f_code is not _SCALE_CODE:
+            return
+        scaler = frame.f_locals.get("self")
+        if is_loss_scaler(scaler) and (self._found is None or self._found() is not scaler):
+            self._found = weakref.ref(scaler)
+
+    def scaler_of(self, options):
+        """The scaler the rule applies to: the option's, else the one found scaling the loss."""
+        if options.scaler is not None:
+            return options.scaler
+        return self._found() if self._found is not None else None
 
     # ---- the rule ---------------------------------------------------------------------------
     def excuses(self, options, pass_, call, bad_slots, cause) -> bool:
-        """Whether a backward culprit is an overflow the scaler (`options.scaler`) handles by
+        """Whether a backward culprit is an overflow the scaler (`scaler_of`) handles by
         skipping the step: record it and let it through. When not, `refusal` says why, for the
         detection about to be raised."""
-        scaler = options.scaler
+        scaler = self.scaler_of(options)
         self._refusal = ""
         if scaler is None or not scaler.is_enabled():
             return False
         pending = self._pending
         if pending is not None and self._update_watch.scaler is scaler:
-            if call.batch_number - pending.batch < options.max_skipped_steps:
+            if call.batch_number - pending.batch < (options.max_skipped_steps or _UPDATE_WINDOW):
                 self._pending_batches.add(call.batch_number)  # the same step: recorded already
                 return True
             self._refusal = (f"; {type(scaler).__name__}.update() has not been called since batch "
                              f"{pending.batch}: pass the scaler whose update() the loop calls")
             return False
         scale = float(scaler.get_scale())
-        if scale <= 1 or self.skipped_in_a_row >= options.max_skipped_steps:
+        capped = options.max_skipped_steps is not None and self.skipped_in_a_row >= options.max_skipped_steps
+        if scale <= 1 or capped:  # a scale of 1 and below can no longer be what overflows
             self._refusal = self._refusal_note(type(scaler).__name__, scale)
             return False
         self._watch(scaler)
@@ -215,7 +247,7 @@ class LossScaling:
         """Wrap `scaler.update` on the instance (once; another scaler's wrap is removed)."""
         if self._update_watch is not None and self._update_watch.scaler is scaler:
             return
-        self.detach()
+        self._unwrap()
         self._update_watch = _UpdateWatch(self, scaler)
         scaler.update = self._update_watch
         self.scaler_name = type(scaler).__name__
@@ -249,7 +281,12 @@ class LossScaling:
         self._pending_batches = set()
 
     def detach(self) -> None:
-        """Give the scaler its own `update` back; forget the step in progress."""
+        """Give the scaler its own `update` back; forget the step in progress and the scaler
+        found."""
+        self._found = None
+        self._unwrap()
+
+    def _unwrap(self) -> None:
         update_watch, self._update_watch = self._update_watch, None
         self.forget_step()
         if update_watch is None or vars(update_watch.scaler).get("update") is not update_watch:

@@ -562,7 +562,7 @@ class Sentinel:
         skipped steps and counts them) lets it through, recorded in `guard.skipped_steps`.
         `bad`: the [(parameter name, gradient)] found non-finite."""
         options = self.guard.options
-        if options.scaler is None:
+        if self.guard._scaling.scaler_of(options) is None:
             return False
         pass_ = PassRecord()
         record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
