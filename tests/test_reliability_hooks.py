@@ -720,7 +720,9 @@ def test_a_model_compiled_before_attaching_is_reported_as_the_original_model(dyn
             compiled(x4() * 1000)
         error = caught.value
     assert culprit(error) == ("", "LogNet", "forward") and leads_with_the_culprit(error)
-    assert "ran compiled" in str(error) and "model._orig_mod" in str(error)
+    # run again eagerly, as the sentinel does: the op and its line, and where it was first seen
+    assert error.report.found_by == "re-run" and error.report.first_nonfinite.op == "aten.log.default"
+    assert "first seen in compiled code (torch.compile)" in str(error)
     assert names == {("", "LogNet"), ("first", "Linear"), ("second", "Linear")}
     assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # hooks made no recompile
 

@@ -199,13 +199,25 @@ def test_a_model_compiled_in_place_is_named_as_out_of_reach(dynamo):
         Guard(model, mode="sentinel").attach().detach()
 
 
-def test_full_mode_on_a_compiled_model_names_the_original_and_points_to_the_sentinel(dynamo):
+def test_full_mode_on_a_compiled_model_re_runs_the_call_eagerly_and_names_the_submodule(dynamo):
+    expected = caught(lambda: _guarded_steps(log_model(), "full")).report
     compiled = torch.compile(log_model(), backend="eager")
     error = caught(lambda: _guarded_steps(compiled, "full"))
     text = str(error) + error.report.to_text()
-    assert culprit(error.report)[:2] == ("", "Sequential")
-    assert str(error).count('mode="sentinel"') == 1 and "OptimizedModule" not in text
-    assert "_orig_mod." not in text
+    assert culprit(error.report)[:8] == culprit(expected)[:8] and culprit(expected)[:2] == ("1", "LogNet")
+    assert error.report.reason.startswith(expected.reason)
+    assert error.report.first_nonfinite.op == expected.first_nonfinite.op == "aten.log.default"
+    assert "first seen in compiled code (torch.compile)" in str(error)
+    assert error.report.found_by == "re-run"
+    assert "OptimizedModule" not in text and "_orig_mod." not in text
+
+
+def test_full_mode_tells_what_only_compiled_code_makes(dynamo):
+    torch.manual_seed(0)
+    compiled = torch.compile(nn.Sequential(OnlyWhenCompiled()), backend="eager")
+    with pytest.raises(NonFiniteError) as raised, Guard(compiled):
+        compiled(x4())
+    assert raised.value.report.cause == "compiled-code"
 
 
 class OnlyWhenCompiled(nn.Module):

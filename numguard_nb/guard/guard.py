@@ -38,7 +38,7 @@ from torch import nn
 from .. import _tree
 from .. import stats as _stats
 from .._schema import (
-    BACKWARD, BUFFER, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
+    BACKWARD, BUFFER, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
     MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
 )
 from ..callstate import take as take_call_state
@@ -76,6 +76,33 @@ _COMPILED_NOTE = ("; it ran compiled (torch.compile), so its submodules were not
                   "re-runs a failing call eagerly")
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
+def _rerun_compiled(guard, report: Report, phase) -> Report:
+    """A detection in a model that ran compiled names only its wrapper: as the sentinel does, the
+    call is run again eagerly under a full guard, whose report names the submodule (with a note
+    that the first detection came from compiled code); else the report says how to find it."""
+    state = guard._threads.state
+    kept, state.compiled_call = state.compiled_call, None
+    if phase != FORWARD or kept is None:
+        report.reason += _COMPILED_NOTE
+        return report
+    from .sentinel_rerun import rerun_compiled_call
+
+    guard._paused = True  # the eager re-run calls the original model, never the guard's hooks
+    try:
+        found = rerun_compiled_call(guard, kept, report.first_nonfinite)
+    except Exception:  # the re-run itself failed: the detection as it is, and how to go on
+        found = None
+    finally:
+        guard._paused = False
+    if found is None or found.first_nonfinite is None:
+        report.reason += _COMPILED_NOTE
+        return report
+    if found.cause not in (CAUSE_TRANSIENT, CAUSE_COMPILED):  # those say what the re-run found
+        found.reason += ("; first seen in compiled code (torch.compile), where only the model's "
+                         "call is watched: the call was run again eagerly to name the module")
+    return found
 
 
 def _graph_task_id() -> int:
@@ -559,7 +586,7 @@ class Guard:
             batch, self._steps)
         self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
-            self.detection.reason += _COMPILED_NOTE
+            self.detection = _rerun_compiled(self, self.detection, phase)
         self.detection.reason += self._scaling.refusal()
         pass_.release()
         self._forget_pass(self._threads.state)

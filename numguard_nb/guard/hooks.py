@@ -37,6 +37,7 @@ from torch import nn
 
 from .._schema import BUFFER, FORWARD, PARAM
 from . import copies
+from ..callstate import take as take_call_state
 from .passes import CallRecord
 
 __all__ = [
@@ -261,14 +262,15 @@ class _WhenMaterialised:
 class _CompiledWeights:
     """A second forward pre-hook on a compiled model's wrapper, whose call is all the guard sees
     of the model: it gets the original model's weights and floating-point buffers, named as
-    there, first among the call's rows."""
+    there, first among the call's rows; and the call is kept (`PassState.compiled_call`: its
+    inputs and state, by reference) until the next, to re-run it eagerly on a detection."""
 
     def __init__(self, guard, original: nn.Module):
         self.guard = guard
         self.weights = [(name, PARAM, p) for name, p in original.named_parameters()] + [
             (name, BUFFER, b) for name, b in original.named_buffers() if b.is_floating_point()]
 
-    def __call__(self, module, args):
+    def __call__(self, module, args, kwargs):
         guard = self.guard
         if is_dynamo_compiling() or guard._paused:
             return
@@ -279,6 +281,8 @@ class _CompiledWeights:
         state.stack[-1].slots[0:0] = [
             pass_.weight_slot(t, name, category, (site, name), guard._nonzero_min, guard._sign_hints)
             for name, category, t in self.weights]
+        if len(state.stack) == 1:
+            state.compiled_call = (module, args, kwargs, take_call_state())
 
 
 class ModuleHooks:
@@ -342,7 +346,7 @@ class ModuleHooks:
         # Hooks added to the original model now would be ignored by its compiled code (and
         # adding them would not recompile it): the wrapper's call is what the guard can see.
         self._hook_module(guard, wrapper, name, type(original).__name__, caller, watch_backward)
-        weights = wrapper.register_forward_pre_hook(_CompiledWeights(guard, original))
+        weights = wrapper.register_forward_pre_hook(_CompiledWeights(guard, original), with_kwargs=True)
         self.handles.append(weights)
         self.hook_ids[id(wrapper)].append(weights.id)
         self.compiled.add(id(wrapper))

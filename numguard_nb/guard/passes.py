@@ -198,7 +198,7 @@ class PassState:
     into, and the batch it is running (threads calling one model each run their own batches)."""
 
     __slots__ = ("stack", "forward", "call_counts", "tracing", "batch_number", "root_frame_ref",
-                 "leaf_lists", "_kept_lists", "first_calls")
+                 "leaf_lists", "_kept_lists", "first_calls", "compiled_call")
 
     def __init__(self, batch_number: int = 0):
         self.root_frame_ref = None  # see `watch_top_level_call`
@@ -211,6 +211,9 @@ class PassState:
         # this thread's target lists of the leaves it fed to modules in its batch, by id
         self.leaf_lists: Dict[int, list] = {}
         self._kept_lists = 0  # after the last pruning
+        # The top-level call of a compiled model running now (its module, inputs and call
+        # state, by reference): re-run eagerly on a detection (`hooks._CompiledWeights`).
+        self.compiled_call: Optional[tuple] = None
 
     def note_leaf_targets(self, targets: list) -> None:
         """This thread added a call to a leaf's target list (`hooks.LeafTargets`). Bounded where

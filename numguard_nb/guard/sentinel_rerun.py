@@ -43,7 +43,7 @@ from ..report import Frame, Report, TensorRow
 from . import frames
 
 __all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
-           "rerun_backward", "gradient_frame"]
+           "rerun_backward", "rerun_compiled_call", "gradient_frame"]
 
 _INF = float("inf")
 _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
@@ -341,6 +341,29 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
             aot = _call_again(_aot_eager(call.entry.module), call, call.args, call.kwargs, False)
         captured = _has_problem(_tree.tensors(aot), allow_inf, options.stop_rules.limit_max)
         return _compiled(seen, call, options, captured)
+
+
+class _KeptCall:
+    """A compiled model's top-level call kept by a full-mode guard (`hooks._CompiledWeights`),
+    shaped as the sentinel's calls for `rerun_forward`."""
+
+    def __init__(self, entry, args, kwargs, state, batch_number: int, call_index: int):
+        self.entry, self.args, self.kwargs, self.state = entry, args, kwargs, state
+        self.batch_number, self.call_index, self.inputs_changed = batch_number, call_index, False
+
+
+class _KeptEntry:
+    def __init__(self, module: nn.Module, name: str):
+        self.module, self.name = module, name
+
+
+def rerun_compiled_call(guard, kept: tuple, seen: Frame) -> Optional[Report]:
+    """Full mode's detection in a compiled model's call (`kept`: its module, inputs and call
+    state): the call run again eagerly under a full guard, as `rerun_forward`."""
+    module, args, kwargs, state = kept
+    name = guard._module_hooks.names.get(id(module), ("",))[0]
+    return rerun_forward(guard, _KeptCall(_KeptEntry(module, name), args, kwargs, state,
+                                          seen.batch_number, seen.call_index), seen)
 
 
 def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Report]:
