@@ -538,6 +538,13 @@ def _backward_node_hint(facts: Facts) -> str:
         return (f"The gradient of std{_paren(facts)} in {where}{at} divides by the std, 0 here "
                 f"(all values equal). Use `torch.sqrt(x.var(dim) + {eps})` instead of "
                 "`x.std(dim)`.")
+    if node in ("Softmax", "LogSoftmax"):  # finite outputs and gradients give finite ones
+        return (f"The backward of softmax{_paren(facts)} in {where}{at} made nan from a finite "
+                "gradient: a row whose scores were all -inf (fully masked) gives nan in forward, "
+                "which the code hid (nan_to_num, where, masked_fill on the result) but the "
+                "backward still multiplies by. Keep such rows finite before the softmax: mask with "
+                "`torch.finfo(scores.dtype).min` instead of -inf, or leave each row one position "
+                "unmasked.")
     if node == "Log":
         return (f"The gradient of log{_paren(facts)} in {where}{at} is 1/x, infinite at x = 0. "
                 f"Clamp the argument, `torch.log(x.clamp_min(1e-7))`, or compute from logits: "

@@ -85,3 +85,34 @@ def test_ops_with_a_loss_module_guarded_alongside_the_model():
     frame = caught.value.report.first_nonfinite
     assert frame.module_name == "model.1"
     assert frame.op is not None and frame.op.startswith("SqrtBackward0")
+
+
+class HiddenNanPooling(nn.Module):
+    """Attention pooling whose fully masked rows make nan, hidden in forward by nan_to_num: the
+    nan comes back in backward through the softmax's saved output."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(4, 1)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, h, mask):
+        additive = torch.zeros_like(mask, dtype=h.dtype).masked_fill(~mask, float("-inf"))
+        w = torch.softmax(self.score(h).squeeze(-1) + additive, dim=-1)  # OP:softmax
+        w = torch.nan_to_num(w)
+        return self.proj((w.unsqueeze(-1) * h).sum(1))
+
+
+def test_a_nan_hidden_in_forward_names_the_backward_node_in_the_modules_own_code():
+    torch.manual_seed(0)
+    model = HiddenNanPooling()
+    h, mask = torch.randn(3, 5, 4), torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False  # a fully masked row
+    with pytest.raises(ng.NonFiniteError) as caught, ng.Guard(model, ops=True):
+        model(h, mask).sum().backward()
+    report = caught.value.report
+    frame = report.first_nonfinite
+    assert (frame.module_class, frame.phase, report.cause) == ("HiddenNanPooling", "backward", "backward-inline")
+    assert frame.op == "SoftmaxBackward0: aten._softmax_backward_data.default"
+    assert frame.source.endswith("w = torch.softmax(self.score(h).squeeze(-1) + additive, dim=-1)  # OP:softmax")
+    assert "fully masked" in report.hint and "torch.finfo(scores.dtype).min" in report.hint

@@ -190,6 +190,7 @@ class RerunMode(TorchDispatchMode):
         # autograd nodes created by the target call: node -> (op, filename, lineno)
         self.pending: list = []
         self.nodes: dict = {}
+        self.saved: dict = {}  # autograd node -> storage keys of what it saved in forward
         # state protection
         self.protected: dict = {}  # storage key -> [(kind, name, tensor)]
         self.buffer_keys: set = set()
@@ -439,11 +440,21 @@ class RerunMode(TorchDispatchMode):
                 return
             written_ids = {id(t) for t, _ in written}
             # tensors updated in place count with what they held before the op
-            received = held | nonfinite_kinds(
-                [v for v in tree_leaves((args, kwargs))
-                 if not (isinstance(v, torch.Tensor) and id(v) in written_ids)],
-                self.limit,
-            )
+            inputs = [v for v in tree_leaves((args, kwargs))
+                      if not (isinstance(v, torch.Tensor) and id(v) in written_ids)]
+            received = held | nonfinite_kinds(inputs, self.limit)
+            if node is not None:
+                # A value the node saved in forward is no gradient it received: a nan the forward
+                # hid (nan_to_num, where) comes back through it, and the op that mixes it into
+                # the gradient is named. An op on saved values alone that makes nothing new (a
+                # mask from them) gives saved values too.
+                saved = self._saved_keys(node)
+                grads = [v for v in inputs if isinstance(v, torch.Tensor) and _storage_key(v) not in saved]
+                if grads:
+                    received = held | nonfinite_kinds(grads, self.limit)
+                elif not produced - received - self.ignored:
+                    self.saved[node] = saved | {_storage_key(t) for t in outputs}
+                    return
         new = produced - received - self.ignored
         if not new:
             return
@@ -459,7 +470,26 @@ class RerunMode(TorchDispatchMode):
             if self.found is None:
                 self.found = found
 
+    def _saved_keys(self, node) -> frozenset:
+        """Storage keys of the tensors an autograd node saved in forward (its `_saved_*`)."""
+        keys = self.saved.get(node)
+        if keys is None:
+            found = set()
+            for name in dir(node):
+                if not name.startswith("_saved_"):
+                    continue
+                try:
+                    value = getattr(node, name)
+                except Exception:  # freed, or not a tensor attribute
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        found.add(_storage_key(t))
+            keys = self.saved[node] = frozenset(found)
+        return keys
+
     def clear(self) -> None:
+        self.saved = {}
         self.pending = []
         self.nodes = {}
         self.leaves = {}
