@@ -52,8 +52,12 @@ NLL_OPS = frozenset(("nll_loss_forward", "nll_loss", "nll_loss2d_forward", "nll_
 # and weights is an overflow.
 MATMUL_MODULES = frozenset((
     "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
-    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "LazyConv1d",
+    "LazyConv2d", "LazyConv3d", "Linear8bitLt", "Linear4bit", "ColumnParallelLinear",
+    "RowParallelLinear",
 ))
+# Recurrent modules: their backward multiplies by the recurrent weights once per time step.
+RECURRENT_MODULES = frozenset(("RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"))
 # Autograd nodes (names without "Backward<n>"): a matmul's gradient overflows; a norm's or a
 # distance's is not finite at 0.
 MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolution", "Linear",
@@ -368,6 +372,18 @@ def _data_hint(facts: Facts) -> str:
         which = "samples"
     else:
         search, which = f"`{test}.nonzero()` (x: {row.role})", "entries"
+    features = row.nonfinite_features
+    if features and row.shape and row.nonfinite_feature_count <= 3 and \
+            row.nonfinite_sample_count == row.shape[0] and row.shape[0] > 1:
+        # every sample, the same few columns: a feature broken upstream, not bad samples
+        names = " and ".join(map(str, features))
+        column = f"{'column' if len(row.shape) == 2 else 'channel'}{'s' if len(features) > 1 else ''}"
+        return (f"The batch fed to {facts.where} already holds {facts.found} in {column} {names} of "
+                f"{row.role} (dim 1 of shape {_shape(row.shape)}) for every one of its "
+                f"{row.shape[0]} samples, before any module ran: a feature the data pipeline "
+                f"broke, e.g. normalised by a std (or range) of 0 because it is constant, or "
+                f"missing everywhere. Guard the normalisation, `(x - mean) / std.clamp_min(1e-8)`, "
+                f"or drop the constant {column} ({names}).")
     if row.shape and row.shape[0] == 1:
         find = (f"It is in the batch's only sample ({row.role} has shape {_shape(row.shape)}): "
                 "fix or drop it")
@@ -620,6 +636,8 @@ def _received_hint(facts: Facts) -> str:
 
 def _module_class_hint(facts: Facts) -> str:
     module_class = facts.frame.module_class
+    if module_class in RECURRENT_MODULES and not facts.forward:
+        return _exploding_recurrence_hint(facts)
     if module_class not in MATMUL_MODULES or facts.received:
         return ""
     # transformers' Conv1D is a linear layer
@@ -628,6 +646,18 @@ def _module_class_hint(facts: Facts) -> str:
     if facts.forward:
         return _overflow_hint(facts, f"The {noun} of {facts.where}")
     return _overflow_hint(facts, f"The gradient of {facts.where}")
+
+
+def _exploding_recurrence_hint(facts: Facts) -> str:
+    """Backpropagation through time: a gradient multiplied by the recurrent weights at every
+    step grows geometrically where their largest singular value is above 1."""
+    return (f"The backward through time of {facts.where}{facts.in_op} made {facts.found} from a "
+            "finite incoming gradient: exploding gradients, the gradient multiplied by the "
+            "recurrent weights (weight_hh) once per step, growing geometrically where their "
+            f"largest singular value is above 1. Clip the gradient norm before each step (`{CLIP}`), "
+            "initialise weight_hh orthogonal (`nn.init.orthogonal_`) or smaller, and backpropagate "
+            "through fewer steps (truncated BPTT: `.detach()` the hidden state every 64-128 "
+            "steps).")
 
 
 def _general_hint(facts: Facts) -> str:

@@ -91,6 +91,9 @@ class TensorRow:
     # them, the first MAX_SAMPLES_NAMED only, and how many samples hold them; None when unknown.
     nonfinite_samples: Optional[Tuple[int, ...]] = None
     nonfinite_sample_count: Optional[int] = None
+    # The same along dim 1 (a table's columns, an image's channels): None when unknown.
+    nonfinite_features: Optional[Tuple[int, ...]] = None
+    nonfinite_feature_count: Optional[int] = None
 
     @property
     def inf(self) -> bool:

@@ -519,3 +519,52 @@ def test_reports_without_rows_or_numbers_still_get_a_hint(cause):
         report = Report(frames=[], first_nonfinite=frame, cause=cause, limit_dtype="bogus")
         hint = hint_for(report)
         assert hint and hint.count("`") % 2 == 0
+
+
+def test_exploding_recurrent_gradients_get_clipping_init_and_shorter_bptt_not_an_eps():
+    import torch.nn.functional as F
+    from torch import nn
+
+    from numguard_nb import Guard, NonFiniteError
+
+    class LanguageModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.rnn = nn.LSTM(16, 256, batch_first=True)
+            self.head = nn.Linear(256, 50)
+            with torch.no_grad():
+                self.rnn.weight_hh_l0.normal_(0, 1)  # recurrent weights far above orthogonal
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.embed(ids))[0])
+
+    torch.manual_seed(0)
+    model = LanguageModel()
+    ids = torch.randint(0, 50, (2, 512))  # backpropagation through 512 steps
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        F.cross_entropy(model(ids).reshape(-1, 50), ids.reshape(-1)).backward()
+    report = caught.value.report
+    assert (report.first_nonfinite.module_class, report.phase) == ("LSTM", "backward")
+    hint = report.hint
+    assert "exploding gradients" in hint and "clip_grad_norm_" in hint and "orthogonal" in hint
+    assert "truncated BPTT" in hint and "Add an eps" not in hint
+
+
+def test_a_feature_normalised_by_a_zero_std_is_named_by_its_column_not_as_bad_samples():
+    from torch import nn
+
+    from numguard_nb import Guard, NonFiniteError
+
+    torch.manual_seed(0)
+    x = torch.randn(100, 12)
+    x[:, 7] = 3.0  # a constant feature
+    x = (x - x.mean(0)) / x.std(0)  # column 7: 0 / 0
+    model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 1))
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        model(x)
+    report = caught.value.report
+    assert report.cause == "data"
+    assert report.first_nonfinite.flagged_rows[0].nonfinite_features == (7,)
+    assert "column 7 of input[0]" in report.hint and "every one of its 100 samples" in report.hint
+    assert "std.clamp_min(1e-8)" in report.hint and "fix or drop them" not in report.hint

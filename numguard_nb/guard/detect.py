@@ -21,6 +21,7 @@ import math
 import sys
 
 from .. import stats as _stats
+from ..explain import MATMUL_MODULES
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
     CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM,
@@ -141,19 +142,11 @@ def forward_culprit(pass_: PassRecord, calls, rules):
     return None
 
 
-# Modules whose output is a matmul or a convolution of their input: a -inf they make from finite
-# values passed the dtype's largest value (an fp16 overflow), whatever its sign; never a mask.
-_LINEAR_MAPS = frozenset((
-    "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
-    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "LazyConv1d",
-    "LazyConv2d", "LazyConv3d", "Linear8bitLt", "Linear4bit", "ColumnParallelLinear",
-    "RowParallelLinear",
-))
-
-
 def is_linear_map(module_class: str) -> bool:
-    """Whether a module of this class computes a matmul or a convolution of its input."""
-    return module_class in _LINEAR_MAPS
+    """Whether a module of this class computes a matmul or a convolution of its input: a -inf
+    it makes from finite values passed the dtype's largest value (an fp16 overflow), whatever
+    its sign; never a mask."""
+    return module_class in MATMUL_MODULES
 
 
 def _data_culprit(pass_: PassRecord, call, limit_max, masks_too=False):

@@ -229,6 +229,10 @@ def name_samples(pass_: PassRecord, call: CallRecord, flagged_ids, frame: Frame)
                 held = (bad.flatten(1).any(1) if bad.dim() > 1 else bad).nonzero().flatten()
                 row.nonfinite_samples = tuple(held[:MAX_SAMPLES_NAMED].tolist())
                 row.nonfinite_sample_count = held.numel()
+                if bad.dim() > 1:  # which columns (channels): one broken feature for every sample
+                    features = bad.transpose(0, 1).flatten(1).any(1).nonzero().flatten()
+                    row.nonfinite_features = tuple(features[:MAX_SAMPLES_NAMED].tolist())
+                    row.nonfinite_feature_count = features.numel()
         except Exception:  # a tensor subclass that cannot be read this way: samples unknown
             row.nonfinite_samples = row.nonfinite_sample_count = None
 
