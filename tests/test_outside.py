@@ -351,7 +351,7 @@ def test_nothing_is_left_behind_on_any_exit(ending, mode):
             assert function_stack()[-1] is outside._MODE  # watching the code after the call
             loss = out.pow(2).sum()
             if ending is NonFiniteError:
-                torch.log(out * 0)
+                loss = loss + torch.log(out * 0).sum()  # -inf: the loss holds it
             elif ending is not None:
                 raise ending("stop")
             loss.backward()
@@ -434,7 +434,7 @@ def test_each_thread_has_its_own_watch_and_gets_its_own_error():
         last.start()  # its backward ends the code watched in that thread only
         last.join()
         with pytest.raises(NonFiniteError):  # ... whatever the other threads did meanwhile
-            torch.log(out * 0)
+            torch.log(out * 0).sum().backward()
     assert results["good"] == ("ok", True)
     assert results["bad"] == ("error", "aten.log.default")
     assert function_stack() == []
@@ -462,7 +462,7 @@ def test_a_function_mode_of_the_users_keeps_its_place_on_the_stack():
         with _Counting() as mine:  # entered above the watch: both work
             assert function_stack() == [outside._MODE, mine]
             with pytest.raises(NonFiniteError):
-                torch.log(out * 0)
+                torch.log(out * 0).sum().backward()
         assert mine.calls > 0 and function_stack() == [outside._MODE]
     assert function_stack() == []
 
@@ -547,3 +547,33 @@ def test_a_numguard_cell_names_a_log_of_the_models_output_by_its_cell(shell, mod
                         culprit.source), culprit.source
     assert culprit.op == "aten.log.default" and error.report.cause == CAUSE_OUTSIDE
     assert function_stack() == []
+
+
+# ---- values the code discards are notes, not errors ---------------------------------------------
+def _kl_steps(model, targets, steps=3, contained=True):
+    """KL(targets || model) as training loops write it: log(0) = -inf where a target is 0, kept
+    out of the loss by `where` (contained) or not (0 * -inf = nan)."""
+    for _ in range(steps):
+        logp = torch.log_softmax(model(torch.randn(4, 4)), -1)
+        terms = targets * (torch.log(targets) - logp)  # line of the log
+        loss = (torch.where(targets > 0, terms, 0) if contained else terms).sum(-1).mean()
+        loss.backward()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_non_finite_value_the_code_discards_before_the_loss_is_a_note_not_an_error(mode):
+    torch.manual_seed(0)
+    model = mlp()
+    targets = torch.tensor([[0.0, 0.5, 0.25, 0.25]] * 4)
+    with Guard(model, mode=mode) as guard:
+        _kl_steps(model, targets)
+    assert guard.detection is None
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    summary = guard.report.summary()
+    assert "code outside the guarded modules made -inf in torch.log (aten.log.default)" in summary
+    assert "terms = targets * (torch.log(targets) - logp)" in summary and "not an error" in summary
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        _kl_steps(model, targets, contained=False)
+    culprit = caught.value.report.first_nonfinite
+    assert (culprit.module_name, culprit.op) == ("<outside>", "aten.log.default")
+    assert culprit.source.endswith("terms = targets * (torch.log(targets) - logp)  # line of the log")

@@ -331,8 +331,8 @@ class Guard:
         """The detection report if there was one, else a report of the last frames seen."""
         if self.detection is not None or self.options.mode == MODE_SENTINEL:
             return self.detection or self._sentinel.report()
-        return self._scaling.noted(frames.make_report(
-            self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options))
+        return self._outside.noted(self._scaling.noted(frames.make_report(
+            self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options)))
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):

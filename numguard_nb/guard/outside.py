@@ -199,6 +199,14 @@ def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
     call.pass_ = None
 
 
+def _contained(loss) -> bool:
+    """Whether the tensors a backward starts from are finite (a host read: a culprit is held)."""
+    try:
+        return all(_finite(t) for t in _tree.tensors(loss) if t.is_floating_point())
+    except Exception:  # values that cannot be read: judged as before, by the culprit
+        return False
+
+
 def _finite(t: torch.Tensor) -> bool:
     """Whether a tensor on the host holds only finite values, from its sum (an inf or nan in it
     makes the sum non-finite; a sum that overflows only sends the value to the full check)."""
@@ -243,6 +251,7 @@ class _ThreadState(threading.local):
         self.base = 0
         self.pass_: Optional[PassRecord] = None
         self.ops = 0  # functions recorded in the region (their call index)
+        self.held = None  # the region's first culprit, judged where it can do harm (`_settle`)
 
     @property
     def owner(self) -> Optional["OutsideWatch"]:
@@ -384,6 +393,7 @@ class OutsideWatch:
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
         self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
+        self.contained: list = []  # notes on values made non-finite and discarded (`_settle`)
         self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
         weakref.finalize(self, _release_step_hook, self._step_hold)
 
@@ -457,7 +467,7 @@ class OutsideWatch:
         """`.backward()`: check what the loss made first, then run the backward unwatched."""
         __tracebackhide__ = True  # noqa: F841
         state.active = False  # the mode passes everything through until it can leave the stack
-        self._settle(state)
+        self._settle(state, loss=args[0] if args else None)
         return func(*args, **kwargs)
 
     def run_function(self, state: _ThreadState, func, args, kwargs):
@@ -479,8 +489,8 @@ class OutsideWatch:
         if before is None and not self.watching():
             return out
         culprit = self._check(state, func, args, kwargs, out, before, first_node)
-        if culprit is not None:
-            self._raise(*culprit)
+        if culprit is not None and state.held is None:
+            state.held = culprit  # an error only if the loss is not finite (`_settle`)
         return out
 
     def _before_inplace(self, state: _ThreadState, args, kwargs):
@@ -593,15 +603,18 @@ class OutsideWatch:
     def _batch(self) -> int:
         return self.guard._threads.state.batch_number
 
-    def _settle(self, state: _ThreadState, raising: bool = True):
+    def _settle(self, state: _ThreadState, raising: bool = True, loss=None):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet; the first culprit is raised (or, without `raising`, reported and returned).
+        Before a backward (`loss`: what it starts from), a culprit whose value the code discarded
+        (`where`, a mask, `nan_to_num`: the loss is finite) is a note (`noted`), not an error.
         The next function starts a new region."""
         pass_, state.pass_ = state.pass_, None
+        held, state.held = state.held, None
         if pass_ is None or not self.attached:
             return None
         pass_.read_back()
-        inf_allowed, culprit = self._inf_allowed(), None
+        inf_allowed, culprit = self._inf_allowed(), held
         for call in pass_.calls:
             if call.checked:
                 continue
@@ -611,10 +624,29 @@ class OutsideWatch:
                 ops, _ = aten_ops(call.func, *call.meta, on_values=False)
                 call.op = likeliest(ops) or fallback_op(call.func)
                 culprit = (pass_, call, bad)
+        if culprit is not None and loss is not None and _contained(loss):
+            self._note_contained(*culprit)
+            culprit = None
         if culprit is not None:
             return self._raise(*culprit, raising=raising)
         pass_.release()
         return None
+
+    def _note_contained(self, pass_: PassRecord, call: "OutsideCall", bad) -> None:
+        kinds = " and ".join(sorted({row.nonfinite_words for row in frames.build_frame(
+            pass_, call, self.guard.options, {id(s) for s in bad}).flagged_rows} - {""}))
+        note = (f"code outside the guarded modules made {kinds or 'inf/nan'} in {call.module_class} "
+                f"({call.op}) at {source_of(call.where)}, discarded before the loss (finite): not "
+                "an error")
+        if note not in self.contained and len(self.contained) < 8:
+            self.contained.append(note)
+
+    def noted(self, report):
+        """A report of the last frames seen, saying which non-finite values the code outside the
+        guarded modules made and discarded before the loss."""
+        if self.contained:
+            report.reason = "; ".join(note for note in [report.reason] + self.contained if note)
+        return report
 
     # ---- backward -------------------------------------------------------------------------------
     def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:

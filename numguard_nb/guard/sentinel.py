@@ -375,8 +375,8 @@ class Sentinel:
         unwatched = frames.unwatched_note(seen)
         if unwatched:
             note = f"{note}; {unwatched}"
-        return self.guard._scaling.noted(frames.make_report(
-            seen, None, LATEST, note, "", self.guard.batch_number, options))
+        return self.guard._outside.noted(self.guard._scaling.noted(frames.make_report(
+            seen, None, LATEST, note, "", self.guard.batch_number, options)))
 
     # ---- forward ---------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
