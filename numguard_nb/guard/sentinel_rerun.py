@@ -34,9 +34,10 @@ from torch import nn
 
 from .. import _tree
 from .._schema import (
-    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, DETECTION, FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL,
+    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FOUND_BY_RERUN,
+    GRAD_PARAM, MODE_FULL,
 )
-from .._util import dtype_name
+from .._util import collective_in, dtype_name, without_parallel_wrapper
 from ..callstate import enter_autocast, take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
@@ -68,10 +69,8 @@ def _eager(module: nn.Module) -> nn.Module:
 def run_alone(module: nn.Module) -> nn.Module:
     """What a re-run calls for `module`: eager, and inside a (Distributed)DataParallel wrapper,
     whose forward would start collectives on this rank alone (the names stay the wrapper's)."""
-    module = _eager(module)
-    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return run_alone(module.module)
-    return module
+    module = without_parallel_wrapper(_eager(module))
+    return run_alone(module) if compiled_original(module) is not None else module
 
 
 def original_name(name: str) -> str:
@@ -311,10 +310,28 @@ def _all_parts(models: Dict[str, nn.Module]) -> list:
     return [part for root in models.values() for part in _compiled_parts(root)]
 
 
+def _collective(models: Dict[str, nn.Module]) -> Optional[str]:
+    return next(filter(None, (collective_in(run_alone(root)) for root in models.values())), None)
+
+
+def _not_rerun(seen: Frame, call, options, why: str) -> Report:
+    """A detection the re-run cannot place: re-running would start collectives on one rank."""
+    reason = (f"inf/nan in {_where(seen, call)}; not run again to name the module that made it: "
+              f"{why}")
+    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_UNATTRIBUTED,
+                                seen.batch_number, options)
+    report.hint = ("Run this rank's step again in full mode (Guard(model), every module hooked) "
+                   "to name the module, or reproduce it on one process.")
+    return report
+
+
 def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
     """Run the call again under the full guard; see the module docstring. `seen`: the frame of
     the call's outputs as the sentinel saw them, the problems flagged."""
     models, options = guard.models, guard.options
+    refused = _collective(models)
+    if refused:
+        return _not_rerun(seen, call, options, refused)
     allow_inf = options.inf_allowed(call.entry.name)
     with _kept(models):
         parts = _all_parts(models)
@@ -370,6 +387,9 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
     """Run the calls of a backward pass again, forward then backward, under the full guard.
     `parameters`: the guarded parameters, whose gradients the re-run computes (not in `.grad`)."""
     models, options = guard.models, guard.options
+    refused = _collective(models)
+    if refused:
+        return _not_rerun(seen, calls[0], options, refused)
     batch = calls[0].batch_number
     with _kept(models):
         parts = _all_parts(models)

@@ -13,6 +13,7 @@ from typing import Dict
 
 from .. import _tree
 from .._schema import CAUSE_FORWARD
+from .._util import collective_in, without_parallel_wrapper
 from ..callstate import CallState
 from .rerun import OpLocation, localise_backward, localise_forward
 
@@ -65,6 +66,10 @@ class OpRecorder:
         if recorded is None or culprit is None:
             return OpLocation(note="op localisation needs the top-level call, which was not recorded")
         root, args, kwargs, state, counts_before = recorded
+        root = without_parallel_wrapper(root)  # its own forward would start collectives
+        refused = collective_in(root)
+        if refused:
+            return OpLocation(note=f"the step was not re-run to name the op: {refused}")
         index = call_index - counts_before.get(module_id, 0)
         if cause == CAUSE_FORWARD:
             return localise_forward(root, args, kwargs, state, culprit, index, limit,
