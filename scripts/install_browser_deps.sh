@@ -3,9 +3,12 @@
 #   - Debian's Chromium at /usr/bin/chromium (Playwright's own browser download does not work here),
 #   - JupyterLab, nbconvert and the Playwright driver (the Python package; no browser download).
 # Idempotent; safe to run more than once. Needs root (or sudo) for apt-get.
-# torch is never touched: the pip step uses --upgrade-strategy only-if-needed, and none of these
-# packages depends on torch.
+# The Python packages are installed at the versions of the lock file, constraints.txt, as README's
+# commands install everything else. torch is never touched: the pip step uses
+# --upgrade-strategy only-if-needed, and none of these packages depends on torch.
+# PYTHON=... names the environment's interpreter (default: `python`).
 set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 
 SUDO=""
@@ -19,7 +22,7 @@ fi
 /usr/bin/chromium --version
 
 PY="${PYTHON:-python}"
-"$PY" -m pip install -q --upgrade-strategy only-if-needed \
+"$PY" -m pip install -q --upgrade-strategy only-if-needed -c "$REPO/constraints.txt" \
     "jupyterlab==4.6.6" \
     "nbconvert>=7.16,<8" \
     "playwright==1.65.2"

@@ -166,6 +166,14 @@ with ng.Guard(net, ops=True):
 """
 
 
+def cell_line(ip, number: int, line: int) -> str:
+    """How the line of cell `number` is written: 'Cell In[4], line 3' (IPython 8 and later), or
+    the file name IPython 7 compiles the cell under ('<ipython-input-4-...>:3')."""
+    if hasattr(ip.compile, "format_code_name"):
+        return f"Cell In[{number}], line {line}"
+    return f"<ipython-input-{number}-"
+
+
 class _Traceback:
     """The lines the shell shows for the error of the last cell."""
 
@@ -192,7 +200,7 @@ def test_an_uncaught_error_of_the_python_api_shows_its_report_and_is_kept(ip, mo
     text = "\n".join(traceback.lines)
     assert traceback.lines[0].startswith("NonFiniteError: 0 (Linear) produced a non-finite value")
     assert "hint: " in text and "first non-finite op: aten.addmm.default" in text
-    assert f"called from: Cell In[{cell_number}], line 3: out = net(x)" in text
+    assert f"called from: {cell_line(ip, cell_number, 3)}" in text and "out = net(x)" in text
     assert "numguard: the frames that led to it are in _numguard" in text
     shown.seen.clear()
     ip.showtraceback((NonFiniteError, error, None))  # %tb: no second report
@@ -211,7 +219,7 @@ def test_without_the_extension_an_uncaught_error_still_shows_the_op_the_line_and
         assert shown.seen == ["error"] and "_numguard" not in ip.user_ns
         text = "\n".join(traceback.lines)
         assert "hint: " in text and "first non-finite op: aten.addmm.default" in text
-        assert f"called from: Cell In[{cell_number}], line 3: out = net(x)" in text
+        assert f"called from: {cell_line(ip, cell_number, 3)}" in text and "out = net(x)" in text
         assert "err.report after `except numguard_nb.NonFiniteError as err`" in text
     finally:
         ip.run_cell("%load_ext numguard_nb")

@@ -421,7 +421,8 @@ class Guard:
                 self._detect(pass_, FORWARD, *culprit)
         if not state.stack:
             self._end_forward(state, raising)
-            self._outside.leave_model()
+            if not raising:  # (a forward that raised: no code of the user's follows to watch)
+                self._outside.leave_model()
 
     # ---- batches and passes ---------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -613,9 +614,8 @@ class Guard:
             self.options.on_trace(report)
 
     def __repr__(self) -> str:
-        state = "attached" if self._attached else "detached"
         names = ", ".join(type(m).__name__ for m in self.models.values())
-        return f"<numguard Guard on {names}: {state}, batch {self.batch_number}>"
+        return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
 
 
 Guard.__doc__ += OPTION_DOCS  # documented where they are checked: help(Guard) shows them

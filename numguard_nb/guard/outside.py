@@ -3,7 +3,7 @@ training loop, and the autograd nodes it creates.
 
 A loss such as `torch.log(model(x)).mean()` runs in no module, so module hooks never see it.
 While a guard is attached, each thread that ends a top-level call of a guarded module gets one
-`torch.overrides.TorchFunctionMode` (`_OutsideMode`, one shared by every guard) pushed on its
+`torch.overrides.TorchFunctionMode` (`OutsideMode`, one shared by every guard) pushed on its
 stack, checking the code that follows until `.backward()`; it leaves the stack at the next
 optimizer step (torch.optim's global step pre-hook: any mode on the stack turns off the
 optimizers' and `zero_grad`'s foreach paths, which made an AdamW step 20% slower), at the next
@@ -43,16 +43,11 @@ mode of the user's that was entered after the guard attached.
 from __future__ import annotations
 
 import math
-import sys
-import threading
-import types
 import weakref
 from functools import partial
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
 
 from .. import _tree
 from .._schema import (
@@ -61,10 +56,12 @@ from .._schema import (
 )
 from ..errors import NonFiniteError
 from . import detect, frames
-from .function_mode import handling, leave_when_put_back
-from .function_mode import pop as _pop, push as _push
-from .function_mode import stack_at as _stack_at, stack_len as _stack_len
+from .function_mode import push as _push, stack_len as _stack_len
 from .hooks import inert_context, is_dynamo_compiling
+from .outside_mode import (
+    MODE, ThreadState, hold_step_hook, leave_if_ownerless, leave_region, outside_checking,
+    outside_mode_active, release_step_hook, thread_state, withdraw,
+)
 from .outside_ops import (
     Meta, aten_ops, fallback_op, function_name, in_optimizer, input_role, likeliest, node_op,
     scalar_kinds, source_of, user_where,
@@ -92,39 +89,6 @@ _MASK = detect.MASK
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
-def _functions(owner, names) -> set:
-    return {getattr(owner, name) for name in names if hasattr(owner, name)}
-
-
-# Calls that end the watched code: the backward it leads to runs unwatched.
-_ENDS_REGION = _functions(torch.Tensor, ("backward",)) | {torch.autograd.backward}
-# Calls whose outputs hold only values their inputs held (views, copies, selections), or no new
-# values at all: never summarised. (`Tensor.to` and the casts are not among them: float16 has a
-# smaller range.)
-_KEEPS_VALUES = (
-    _functions(torch.Tensor, (
-        "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze",
-        "unsqueeze", "permute", "transpose", "t", "expand", "expand_as", "contiguous", "clone",
-        "detach", "detach_", "requires_grad_", "narrow", "select", "__getitem__", "__setitem__",
-        "split", "chunk", "unbind", "flip", "roll", "movedim", "repeat", "tile", "index_select",
-        "gather", "take", "masked_fill", "masked_fill_", "zero_", "fill_", "copy_", "retain_grad",
-        "register_hook", "cpu", "cuda", "pin_memory", "share_memory_", "__repr__", "__format__",
-        "numpy", "tolist", "item",
-    ))
-    | _functions(torch, (
-        "cat", "concat", "stack", "hstack", "vstack", "where", "flatten", "reshape", "squeeze",
-        "unsqueeze", "permute", "transpose", "narrow", "select", "split", "chunk", "unbind",
-        "flip", "roll", "index_select", "gather", "take", "masked_fill", "clone", "zeros_like",
-        "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
-    ))
-    | _functions(torch, (  # made from scalars and shapes: constants, masks, random draws
-        "tensor", "as_tensor", "asarray", "from_numpy", "scalar_tensor", "zeros", "ones", "full",
-        "empty", "empty_strided", "eye", "arange", "linspace", "logspace", "rand", "randn",
-        "randint", "randperm", "normal", "_foreach_zero_",
-    ))
-    | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
-)
-_WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
 _inplace_names: dict = {}
 
 
@@ -238,147 +202,6 @@ class _NodeHook:
         self.watch.on_node(self, grad_inputs, grad_outputs)
 
 
-# ---- the mode, and each thread's place in it -----------------------------------------------------
-class _ThreadState(threading.local):
-    """Where this thread stands: the watch whose code runs (`owner`), whether its functions are
-    checked now (`active`; False: the mode may be on the stack, passing everything through), how
-    many function modes lie below ours (`base`: the user's, entered before the guard attached),
-    and the region's record."""
-
-    def __init__(self):
-        self._owner = None  # a weak reference: a guard dropped while attached goes with its models
-        self.active = False
-        self.base = 0
-        self.pass_: Optional[PassRecord] = None
-        self.ops = 0  # functions recorded in the region (their call index)
-        self.held = None  # the region's first culprit, judged where it can do harm (`_settle`)
-
-    @property
-    def owner(self) -> Optional["OutsideWatch"]:
-        owner = self._owner
-        return owner() if owner is not None else None
-
-    @owner.setter
-    def owner(self, watch: Optional["OutsideWatch"]) -> None:
-        self._owner = weakref.ref(watch) if watch is not None else None
-
-
-_thread = _ThreadState()
-
-
-class _OutsideMode(TorchFunctionMode):
-    """The one mode every watch shares, so that it is on a thread's stack at most once."""
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        # IPython (and pytest) leave frames holding this out of tracebacks: an error of the
-        # user's own call shows the user's line, then torch's. Plain Python shows the two frames
-        # of the watch (this one and run_function): a frame cannot leave a traceback it raised
-        # through.
-        __tracebackhide__ = True  # noqa: F841
-        if kwargs is None:
-            kwargs = {}
-        state = _thread
-        if not state.active:  # the common case off the watched code: no owner looked up
-            return func(*args, **kwargs)
-        watch = state.owner
-        if watch is None or is_dynamo_compiling():
-            return func(*args, **kwargs)
-        if func is _TENSOR_TO:  # in GradScaler.scale(loss)? the loop's scaler, found
-            watch.guard._scaling.note_caller(sys._getframe(1))
-        if func in _ENDS_REGION:
-            return watch.run_backward(state, func, args, kwargs)
-        recorder = watch.recorder
-        if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
-            return _run_recorded(recorder, watch, state, func, args, kwargs)
-        if func in _KEEPS_VALUES or type(func) is _WRAPPER:
-            return func(*args, **kwargs)
-        return watch.run_function(state, func, args, kwargs)
-
-
-def _run_recorded(recorder, watch, state, func, args, kwargs):
-    __tracebackhide__ = True  # noqa: F841
-    record = recorder.before(func, args, kwargs)
-    if func in _KEEPS_VALUES or type(func) is _WRAPPER:
-        out = func(*args, **kwargs)
-    else:
-        out = watch.run_function(state, func, args, kwargs)
-    recorder.after(record, out)
-    return out
-
-
-_MODE = _OutsideMode()
-_TENSOR_TO = torch.Tensor.to
-
-
-def outside_mode_active() -> bool:
-    """Whether this thread's torch function mode stack holds the watch's mode."""
-    return any(_stack_at(i) is _MODE for i in range(_stack_len()))
-
-
-def outside_checking() -> bool:
-    """Whether the torch functions this thread calls now are checked."""
-    return _thread.active and outside_mode_active()
-
-
-def _withdraw(state: _ThreadState, detaching: bool = False) -> None:
-    """Stop checking in this thread, and take the mode off its stack where it is on top (below a
-    mode of the user's, it stays, passing everything through, until a later try). A detach while
-    the mode handles a call (an `on_detect` that detaches, raised from the backward the mode
-    runs) finds it off the stack until that call returns: it leaves as soon as torch puts it back
-    (no later hook of the guard would take it off)."""
-    state.active = False
-    count = _stack_len()
-    if count and _stack_at(count - 1) is _MODE:
-        _pop()
-    elif detaching and handling(_HANDLER_CODES):
-        leave_when_put_back(_MODE, _HANDLER_CODES)
-
-
-_HANDLER_CODES = frozenset((_OutsideMode.__torch_function__.__code__, _run_recorded.__code__))
-
-
-def _leave_region() -> None:
-    """The code watched in this thread is over: what it made is checked, and the mode leaves the
-    stack. Not inside a backward: a forward re-run there (activation checkpointing), an
-    optimizer stepped from a gradient hook."""
-    if _current_graph_task_id() != -1:
-        return
-    state = _thread
-    checking, owner = state.active, state.owner
-    _withdraw(state)
-    if checking and owner is not None:
-        owner._settle(state)
-
-
-# torch.optim's global step pre-hook (its handle), one for all the watches attached, and how many
-# hold it.
-_step_hook: list = []
-_step_hook_holders = [0]
-
-
-def _hold_step_hook(hold: list) -> None:
-    if not hold[0]:
-        hold[0] = True
-        _step_hook_holders[0] += 1
-        if not _step_hook:
-            _step_hook.append(register_optimizer_step_pre_hook(_step_begins))
-
-
-def _release_step_hook(hold: list) -> None:
-    if hold[0]:
-        hold[0] = False
-        _step_hook_holders[0] -= 1
-        if _step_hook and not _step_hook_holders[0]:
-            _step_hook.pop().remove()
-
-
-@torch.compiler.disable  # run as it is in a compiled step too: traced, it would recompile
-def _step_begins(optimizer, args, kwargs) -> None:
-    """torch.optim's global step pre-hook: an optimizer step ends the watched code."""
-    if _thread.owner is not None:
-        _leave_region()
-
-
 # ---- the watch ----------------------------------------------------------------------------------
 class OutsideWatch:
     """One guard's watch over the code outside its modules. The Guard calls `start`/`stop` on
@@ -395,7 +218,8 @@ class OutsideWatch:
         self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
         self.contained: list = []  # notes on values made non-finite and discarded (`_settle`)
         self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
-        weakref.finalize(self, _release_step_hook, self._step_hold)
+        weakref.finalize(self, release_step_hook, self._step_hold)
+        weakref.finalize(self, leave_if_ownerless)  # a guard dropped while attached
 
     # ---- lifecycle (called by the Guard) ---------------------------------------------------------
     def start(self, capture=None) -> None:
@@ -403,21 +227,21 @@ class OutsideWatch:
         self.recorder = capture.recorder if capture is not None else None
         self.attached = True
         self.unraised = None
-        _thread.base = _stack_len()
-        _hold_step_hook(self._step_hold)
+        thread_state.base = _stack_len()
+        hold_step_hook(self._step_hold)
 
     def stop(self) -> None:
         """Remove the mode (in this thread) and the node hooks. A culprit in what was still to be
         read is reported (`on_detect`) and kept for `raise_found`."""
-        state = _thread
+        state = thread_state
         try:
             if state.owner is self:
-                _withdraw(state, detaching=True)
+                withdraw(state, detaching=True)
                 if self.attached:
                     self.unraised = self._settle(state, raising=False)
         finally:
             self.attached = False
-            _release_step_hook(self._step_hold)
+            release_step_hook(self._step_hold)
             if state.owner is self:
                 state.owner, state.pass_ = None, None
             for handle in self.node_handles:
@@ -434,15 +258,15 @@ class OutsideWatch:
 
     def enter_model(self) -> None:
         """A top-level call of a guarded module starts: the code before it is over (see
-        `_leave_region`)."""
-        _leave_region()
+        `leave_region`)."""
+        leave_region()
 
     def leave_model(self) -> None:
         """A top-level call ended: watch the code after it, for this guard, in this thread (never
         above a function mode the user entered since the guard attached)."""
         if not self.attached or _current_graph_task_id() != -1:
             return
-        state = _thread
+        state = thread_state
         previous = state.owner
         if previous is not self:
             checking = state.active
@@ -454,7 +278,7 @@ class OutsideWatch:
         if not outside_mode_active():
             if _stack_len() != state.base:
                 return
-            _push(_MODE)
+            _push(MODE)
         state.active = True
 
     def watching(self) -> bool:
@@ -463,14 +287,14 @@ class OutsideWatch:
                 and not inert_context() and _current_graph_task_id() == -1)
 
     # ---- forward --------------------------------------------------------------------------------
-    def run_backward(self, state: _ThreadState, func, args, kwargs):
+    def run_backward(self, state: ThreadState, func, args, kwargs):
         """`.backward()`: check what the loss made first, then run the backward unwatched."""
         __tracebackhide__ = True  # noqa: F841
         state.active = False  # the mode passes everything through until it can leave the stack
         self._settle(state, loss=args[0] if args else None)
         return func(*args, **kwargs)
 
-    def run_function(self, state: _ThreadState, func, args, kwargs):
+    def run_function(self, state: ThreadState, func, args, kwargs):
         """Run one torch function and check its floating-point outputs (a function giving none
         costs a type check)."""
         __tracebackhide__ = True  # noqa: F841
@@ -493,7 +317,7 @@ class OutsideWatch:
             state.held = culprit  # an error only if the loss is not finite (`_settle`)
         return out
 
-    def _before_inplace(self, state: _ThreadState, args, kwargs):
+    def _before_inplace(self, state: ThreadState, args, kwargs):
         """What a function writing into its first argument must know before it runs: its input
         slots where that argument is already non-finite, or on a device (read later); () where
         it is on the host and finite (it held nothing the function could have been given)."""
@@ -501,7 +325,7 @@ class OutsideWatch:
             return ()
         return self._summarise_inputs(self._region(state), args, kwargs)
 
-    def _check(self, state: _ThreadState, func, args, kwargs, out, before, first_node: int):
+    def _check(self, state: ThreadState, func, args, kwargs, out, before, first_node: int):
         """Check one function's outputs; where they are on the host, its culprit or None. A
         finite result (the common case) costs a sum per output and, for a function autograd
         records, a hook per node it made; anything else is recorded in full."""
@@ -530,7 +354,7 @@ class OutsideWatch:
         return self.guard._watch_backward and torch.is_grad_enabled() and any(
             t.grad_fn is not None for t in outputs)
 
-    def _region(self, state: _ThreadState) -> PassRecord:
+    def _region(self, state: ThreadState) -> PassRecord:
         """The region's record (a region grown past MAX_REGION_OPS is checked and dropped)."""
         pass_ = state.pass_
         if pass_ is None or len(pass_.calls) >= MAX_REGION_OPS:
@@ -556,7 +380,7 @@ class OutsideWatch:
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX],
                 next(pass_.seq))
 
-    def _record(self, state: _ThreadState, pass_: PassRecord, func, args, kwargs, out, outputs,
+    def _record(self, state: ThreadState, pass_: PassRecord, func, args, kwargs, out, outputs,
                 before, immediate: bool, first_node: int):
         """Record one function call in full (inputs and outputs summarised); where its values
         are on the host, return its culprit or None."""
@@ -603,7 +427,7 @@ class OutsideWatch:
     def _batch(self) -> int:
         return self.guard._threads.state.batch_number
 
-    def _settle(self, state: _ThreadState, raising: bool = True, loss=None):
+    def _settle(self, state: ThreadState, raising: bool = True, loss=None):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet; the first culprit is raised (or, without `raising`, reported and returned).
         Before a backward (`loss`: what it starts from), a culprit whose value the code discarded

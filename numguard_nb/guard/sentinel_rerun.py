@@ -266,8 +266,9 @@ def _backward(calls, outputs, inputs: list) -> list:
     if not pairs or not wanted:
         return []
     outputs_, grads = [o for o, _ in pairs], [g for _, g in pairs]
-    try:
-        return list(torch.autograd.grad(outputs_, wanted, grads, allow_unused=True))
+    try:  # the graph kept: a reentrant checkpoint refuses only once the nodes after it ran
+        return list(torch.autograd.grad(outputs_, wanted, grads, allow_unused=True,
+                                        retain_graph=True))
     except RuntimeError as error:
         if "use_reentrant=True" not in str(error):
             raise
