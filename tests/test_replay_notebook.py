@@ -54,13 +54,14 @@ def test_cpu_replay_notebook_runs_and_shows_the_real_line(python3_kernel, tmp_pa
     shown = outcome_cell.outputs[0]
     plain, html = shown.data["text/plain"], shown.data["text/html"]
     assert plain.index("IndexError: Target 2 is out of bounds") < plain.index("RuntimeError: CUDA error")
-    assert "loss = loss_fn(logits, labels)" in plain
+    assert "loss = F.cross_entropy(logits, labels)" in plain
+    assert "raised in torch.nn.functional.cross_entropy, run outside the guarded modules" in plain
     assert "restart the kernel" in plain and "%numguard_replay" in plain
     assert "IndexError" in html and "<script" not in html
 
     bundles = list(tmp_path.glob("numguard_replay_*.pt"))
     assert len(bundles) == 1 and str(bundles[0]) in plain  # saved next to the notebook run
 
-    assert "-> loss = loss_fn(logits, labels)" in texts[-2]
+    assert "-> loss = F.cross_entropy(logits, labels)" in texts[-2]
     assert "IndexError: Target 2 is out of bounds" in texts[-1]  # replayed from the bundle
-    assert "loss = loss_fn(logits, labels)" in texts[-1]
+    assert "loss = F.cross_entropy(logits, labels)" in texts[-1]  # the loss code, from the bundle
