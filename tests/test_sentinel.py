@@ -770,3 +770,42 @@ def test_a_nan_in_backward_under_checkpointing_is_named_and_the_grads_are_left_a
     for (name, a), b in zip(plain.named_parameters(), guarded.parameters()):
         assert torch.equal(a.grad.isnan(), b.grad.isnan()), name
         assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num()), name
+
+
+class ClampedOverflow(nn.Module):
+    """A float16 Linear that overflows, its inf clamped away by the model's own code (as T5
+    clamps its float16 hidden states): outputs and gradients stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4).half()
+        with torch.no_grad():
+            self.lin.weight.fill_(1e4)
+
+    def forward(self, x):
+        return torch.clamp(self.lin(x), -6e4, 6e4)
+
+
+def test_a_sampled_full_pass_names_what_the_sentinels_checks_cannot_see():
+    x = torch.full((2, 4), 10.0).half()
+    model = ClampedOverflow()
+    with Guard(model, mode="sentinel") as guard:
+        for _ in range(4):
+            model(x).float().sum().backward()
+    assert guard.detection is None  # the clamp hides it from the outputs and the gradients
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode="sentinel", full_every=3):
+        for _ in range(4):
+            model(x).float().sum().backward()
+    report = caught.value.report
+    assert (report.batch_number, report.first_nonfinite.module_name) == (2, "lin")  # batch N-1
+
+
+def test_the_training_callbacks_sentinel_samples_a_full_pass_every_100_batches():
+    from numguard_nb.integrations import FULL_EVERY, _GuardedRun
+
+    assert FULL_EVERY == 100
+    assert _GuardedRun().options.full_every == FULL_EVERY
+    assert _GuardedRun(full_every=None).options.full_every is None
+    assert _GuardedRun(mode="full").options.full_every is None
+    with pytest.raises(ValueError, match="full_every samples full passes in mode=\"sentinel\""):
+        Guard(nn.Linear(2, 2), full_every=5)

@@ -21,7 +21,7 @@ from typing import Callable, FrozenSet, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .._schema import MODE_FULL, MODES
+from .._schema import MODE_FULL, MODE_SENTINEL, MODES
 from .scaler import is_loss_scaler
 
 __all__ = ["GuardOptions", "LIMIT_DTYPES", "OPTION_DOCS", "keyword_signature"]
@@ -51,6 +51,10 @@ OPTION_DOCS = """
             ATen op that turned non-finite and the source line that called it.
         capture: keep host copies of the last calls' inputs and a host snapshot of the weights,
             to replay a call on CPU after an asynchronous CUDA error (`guard.capture`).
+        full_every: with mode="sentinel", N to run every Nth batch with the full hooks, which
+            stop on what the sentinel's checks of outputs and gradients cannot see (an overflow
+            the model clamps inside itself, limit_dtype's headroom); None: never. The training
+            callbacks use 100 (see docs/sentinel.md for its cost).
         history_every: N to keep every Nth batch's ranges (abs min/max of each module call's
             outputs, gradients and weights) in `guard.history`, to watch a drift toward the
             dtype's limit; None (the default): no history.
@@ -106,6 +110,7 @@ class GuardOptions:
     ops: bool = False
     capture: bool = False
     history_every: Optional[int] = None
+    full_every: Optional[int] = None
     scaler: Optional[object] = None  # a torch.amp.GradScaler, or an object that works like one
     max_skipped_steps: Optional[int] = None
     mode: str = MODE_FULL
@@ -127,7 +132,11 @@ class GuardOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
-        _check_history_every(self.history_every)
+        _check_every("history_every", self.history_every)
+        _check_every("full_every", self.full_every)
+        if self.full_every is not None and self.mode != MODE_SENTINEL:
+            raise ValueError("full_every samples full passes in mode=\"sentinel\": full mode hooks "
+                             "every pass already; drop full_every, or add mode=\"sentinel\"")
         set_field(self, "allow_inf", _parse_allow_inf(self.allow_inf))
         if self.mode not in MODES:
             raise ValueError(f'mode must be "full" or "sentinel", got {self.mode!r}')
@@ -214,13 +223,9 @@ def _check_abort_after_batch(abort_after_batch) -> None:
         )
 
 
-def _check_history_every(history_every) -> None:
-    if history_every is not None and (
-        isinstance(history_every, bool) or not isinstance(history_every, int) or history_every < 1
-    ):
-        raise ValueError(
-            f"history_every must be None or a positive number of batches, got {history_every!r}"
-        )
+def _check_every(name: str, every) -> None:
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"{name} must be None or a positive number of batches, got {every!r}")
 
 
 def _check_scaler(scaler, max_skipped_steps) -> None:

@@ -631,16 +631,17 @@ class Sentinel:
 
     # ---- batches ---------------------------------------------------------------------------
     def _start_batch(self, batch: int, module, args, kwargs) -> None:
-        """A batch starts. One in `trace_batches`, or sampled for the history (`history_every`),
-        runs with the full hooks: a full guard is attached for it (its hooks join from the call
+        """A batch starts. One in `trace_batches`, or sampled for the history (`history_every`)
+        or for a full look (`full_every`: the last batch of each N), runs with the full hooks: a full guard is attached for it (its hooks join from the call
         that starts it), which keeps its traces, history, headroom and skipped steps in this
         guard's. When another batch starts, it is paused, and detached at the next backward's
         end or on detach: never inside a module call, whose hooks torch has already listed."""
         self._batch = batch
         self._call_counts.clear()
         guard, tracer = self.guard, self._tracer
-        every = guard.options.history_every
-        if batch not in guard.options.trace_batches and not (every and batch % every == 0):
+        every, full = guard.options.history_every, guard.options.full_every
+        sampled = (every and batch % every == 0) or (full and batch % full == full - 1)
+        if batch not in guard.options.trace_batches and not sampled:
             if tracer is not None:
                 tracer._paused = True
             return

@@ -135,6 +135,7 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
     counted by its caller, starting at `batch`, and which knows the optimizer steps the sentinel
     saw (its weights' origins are the sentinel's)."""
     options = guard.options.replace(mode=MODE_FULL, capture=False, abort_after_batch=None,
+                                    full_every=None,
                                     **changes)
     full = type(guard)(models, **options.as_kwargs())
     full._steps = _LentSteps(guard._steps)
