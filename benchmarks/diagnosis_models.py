@@ -42,10 +42,27 @@ class T5DenseReluDense(nn.Module):
         return h
 
 
-class T5LayerFF(nn.Module):
+# t5_gated_ff_fp16_minus_inf: T5 v1.1's gated-GELU feed-forward (wi_0, wi_1, wo)
+class T5DenseGatedActDense(nn.Module):
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.DenseReluDense = T5DenseReluDense(d_model, d_ff)
+        self.wi_0 = nn.Linear(d_model, d_ff, bias=False)
+        self.wi_1 = nn.Linear(d_model, d_ff, bias=False)
+        self.wo = nn.Linear(d_ff, d_model, bias=False)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, hidden_states):
+        hidden_gelu = F.gelu(self.wi_0(hidden_states), approximate="tanh")  # "gelu_new"
+        hidden_linear = self.wi_1(hidden_states)
+        hidden_states = self.dropout(hidden_gelu * hidden_linear)
+        return self.wo(hidden_states)
+
+
+class T5LayerFF(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, gated: bool = False):
+        super().__init__()
+        # T5 v1.1's gated feed-forward keeps the attribute name DenseReluDense, as transformers does
+        self.DenseReluDense = (T5DenseGatedActDense if gated else T5DenseReluDense)(d_model, d_ff)
         self.layer_norm = T5LayerNorm(d_model)
         self.dropout = nn.Dropout(0.0)
 
@@ -55,19 +72,20 @@ class T5LayerFF(nn.Module):
 
 
 class T5Block(nn.Module):
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, d_model: int, d_ff: int, gated: bool = False):
         super().__init__()
-        self.layer = nn.ModuleList([T5LayerFF(d_model, d_ff)])
+        self.layer = nn.ModuleList([T5LayerFF(d_model, d_ff, gated)])
 
     def forward(self, hidden_states):
         return self.layer[0](hidden_states)
 
 
 class TinyT5(nn.Module):
-    def __init__(self, vocab: int = 32, d_model: int = 16, d_ff: int = 32, layers: int = 2):
+    def __init__(self, vocab: int = 32, d_model: int = 16, d_ff: int = 32, layers: int = 2,
+                 gated: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, d_model)
-        self.block = nn.ModuleList([T5Block(d_model, d_ff) for _ in range(layers)])
+        self.block = nn.ModuleList([T5Block(d_model, d_ff, gated) for _ in range(layers)])
         self.final_layer_norm = T5LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
 
@@ -371,3 +389,54 @@ class CausalEncoder(nn.Module):
     def forward(self, ids):
         causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
         return self.lm_head(self.layer(self.embed(ids), causal))
+
+
+# ---- attention_pool_nan_to_num: attention pooling, additive -inf mask, then nan_to_num ------
+
+class MaskedAttentionPool(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.score = nn.Linear(dim, 1)
+
+    def forward(self, hidden, mask):
+        additive = torch.zeros_like(mask, dtype=hidden.dtype).masked_fill(mask == 0, float("-inf"))
+        weights = torch.softmax(self.score(hidden).squeeze(-1) + additive, dim=-1)
+        weights = torch.nan_to_num(weights)  # "an empty sequence pools to zeros"
+        return (weights.unsqueeze(-1) * hidden).sum(1)
+
+
+class TinyPooledClassifier(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16, classes: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.encoder = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.pool = MaskedAttentionPool(dim)
+        self.classifier = nn.Linear(dim, classes)
+
+    def forward(self, ids, mask):
+        return self.classifier(self.pool(self.encoder(self.embed(ids)), mask))
+
+
+# ---- lstm_bptt_explosion: the word-language-model layout (embedding, LSTM, decoder) ---------
+
+class TinyLSTMLM(nn.Module):
+    def __init__(self, vocab: int = 32, emb: int = 16, hidden: int = 256):
+        super().__init__()
+        self.encoder = nn.Embedding(vocab, emb)
+        self.rnn = nn.LSTM(emb, hidden, batch_first=True)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        output, _ = self.rnn(self.encoder(ids))
+        return self.decoder(output)
+
+
+# ---- constant_feature_std0: a tabular MLP on standardised continuous columns ----------------
+
+class TabularMLP(nn.Module):
+    def __init__(self, features: int = 10, hidden: int = 16):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.layers(x).squeeze(-1)

@@ -13,9 +13,19 @@ and produce nothing. Each producer is attributed to
   TorchFunctionMode labels every node a call creates with the module running at that moment,
   and `torch._C._current_autograd_node()` names the node an op runs in.
 
+In backward, a value the forward computed and autograd saved (a softmax's output, read again by
+its backward) is not an input of the backward op that reads it: the forward judged it already.
+An op of backward produces a non-finite value when the gradients and finite values it reads do
+not hold one: `_softmax_backward_data` of a finite gradient and a saved row of nan produces nan.
+An op that reads saved values and no other floating-point tensor (nan_to_num's backward testing
+its saved input) computes one more such value, not a gradient: it produces nothing.
+
 A step is corrupted when its loss is non-finite or a parameter is non-finite after it. A run
 with no corrupted step is healthy, whatever passed through it (-inf masks, loss-scaled gradients
-that GradScaler skips); otherwise the culprit is the first producer of the first corrupted step.
+that GradScaler skips); otherwise the culprit is the first producer of the first corrupted step,
+counting only producers after the forward when the step's loss is finite: whatever its forward
+made never reached the loss (a log(0) that `where` drops, a nan row that nan_to_num zeroes), and
+the step was corrupted in backward or by the optimizer.
 
 Deliberately independent of numguard_nb: nothing here imports it.
 """
@@ -67,6 +77,8 @@ class TraceResult:
     healthy: bool
     culprit: Optional[Producer]  # first producer of the first corrupted step; None if healthy
     first_producers: Dict[int, Producer] = field(default_factory=dict)  # batch -> first producer
+    # batch -> first producer in backward or the optimizer step
+    first_after_forward: Dict[int, Producer] = field(default_factory=dict)
     nonfinite_seen: bool = False  # some op output held inf/nan (a mask, a scaled gradient, ...)
     losses: List[float] = field(default_factory=list)
     crash: Optional[str] = None  # the exception that ended the run early, if one did
@@ -100,6 +112,12 @@ def _op_name(func) -> str:
     return str(func)  # "aten.mm.default"
 
 
+def _where(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's values live: the same for the forward's output and autograd's copy of it."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
 class _Tracer:
     """Module scope, node labels and op checks for one run of a case."""
 
@@ -110,6 +128,10 @@ class _Tracer:
         self.scope: List[str] = []  # qualified names of the module calls running now
         self.node_module: Dict[object, str] = {}  # autograd node -> module that created it
         self.first_producers: Dict[int, Producer] = {}
+        self.first_after_forward: Dict[int, Producer] = {}
+        # Non-finite values the step's forward computed, by where they live; kept alive for the
+        # step so that no gradient reuses their memory. Backward reads them as saved values.
+        self.forward_values: Dict[tuple, torch.Tensor] = {}
         self.nonfinite_seen = False
         self.handles: list = []
 
@@ -156,17 +178,41 @@ class _Tracer:
             pending.extend(next_node for next_node, _ in node.next_functions)
 
     # ---- what an op makes ------------------------------------------------------------------
-    def check(self, func, inputs_nan: bool, inputs_nonfinite: bool, output) -> None:
+    def inputs(self, values) -> tuple:
+        """(the leaves of an op's arguments that count as its inputs, whether it reads only values
+        the forward computed): in backward, those (saved by autograd) are left out."""
+        leaves = tree_leaves(values)
+        if self.phase != BACKWARD or not self.forward_values:
+            return leaves, False
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)
+                   and (leaf.is_floating_point() or leaf.is_complex())]
+        saved = [leaf for leaf in tensors if _where(leaf) in self.forward_values]
+        if not saved:
+            return leaves, False
+        kept = [leaf for leaf in leaves if not any(leaf is value for value in saved)]
+        return kept, len(saved) == len(tensors)
+
+    def check(self, func, inputs_nan: bool, inputs_nonfinite: bool, output,
+              recomputes: bool = False) -> None:
         out_nan, out_nonfinite = _scan(output)
         if not out_nonfinite:
             return
         self.nonfinite_seen = True
+        if self.phase == FORWARD or recomputes:
+            # a forward value, or one that backward computes from forward values alone (a
+            # nan_to_num's backward testing its saved input): not a gradient
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+                    self.forward_values[_where(leaf)] = leaf
+            if recomputes:
+                return
         made_nan = out_nan and not inputs_nan
         made_inf = out_nonfinite and not inputs_nonfinite
         name = _op_name(func)
         if not (made_nan or made_inf) or name.rsplit(".", 1)[0] in _UNINITIALISED:
             return
-        if self.batch in self.first_producers:
+        if self.batch in self.first_after_forward or (
+                self.phase == FORWARD and self.batch in self.first_producers):
             return
         node = torch._C._current_autograd_node() if self.phase == BACKWARD else None
         if node is not None:
@@ -175,9 +221,12 @@ class _Tracer:
             module = self.current_module()
         else:
             module = self.outside
-        self.first_producers[self.batch] = Producer(
+        producer = Producer(
             batch=self.batch, phase=self.phase, module=module, op=name,
             node=node.name() if node is not None else None, made="nan" if made_nan else "inf")
+        self.first_producers.setdefault(self.batch, producer)
+        if self.phase != FORWARD:
+            self.first_after_forward[self.batch] = producer
 
 
 class _LabelMode(TorchFunctionMode):
@@ -200,9 +249,10 @@ class _CheckMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Inputs are read before the op runs: an in-place op overwrites them.
-        inputs_nan, inputs_nonfinite = _scan((args, kwargs))
+        inputs, recomputes = self.tracer.inputs((args, kwargs))
+        inputs_nan, inputs_nonfinite = _scan(inputs)
         output = func(*args, **kwargs)
-        self.tracer.check(func, inputs_nan, inputs_nonfinite, output)
+        self.tracer.check(func, inputs_nan, inputs_nonfinite, output, recomputes)
         return output
 
 
@@ -217,13 +267,17 @@ def trace(case: Case) -> TraceResult:
     tracer = _Tracer()
     corrupted: List[int] = []
     losses: List[float] = []
+    finite_loss = set()  # the steps whose loss was finite
 
     def after_step(batch: int, loss: torch.Tensor) -> None:
         value = float(loss.detach().float())
         losses.append(value)
         if not math.isfinite(value) or not _all_finite(run.models):
             corrupted.append(batch)
+        if math.isfinite(value):
+            finite_loss.add(batch)
         tracer.node_module.clear()  # the step's graph is gone
+        tracer.forward_values.clear()
 
     tracer.attach(run.models)
     crash = None
@@ -236,7 +290,13 @@ def trace(case: Case) -> TraceResult:
             corrupted.append(tracer.batch)
     finally:
         tracer.detach()
-    culprit = tracer.first_producers.get(corrupted[0]) if corrupted else None
+    culprit = None
+    if corrupted:
+        # a finite loss: the forward's non-finite values never reached it (see the module's doc)
+        step = corrupted[0]
+        culprit = (tracer.first_after_forward if step in finite_loss
+                   else tracer.first_producers).get(step)
     return TraceResult(healthy=not corrupted, culprit=culprit,
                        first_producers=dict(tracer.first_producers),
+                       first_after_forward=dict(tracer.first_after_forward),
                        nonfinite_seen=tracer.nonfinite_seen, losses=losses, crash=crash)

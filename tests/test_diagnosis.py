@@ -55,6 +55,13 @@ def test_grad_scaler_trap_really_skips_steps():
     assert run.scaler.get_scale() < 2.0 ** 16  # found inf gradients and backed off
 
 
+def test_a_scaler_the_loop_makes_is_handed_to_no_detector_and_skips_its_warm_up():
+    run = CASES_BY_NAME["trap_grad_scaler_in_loop"].build()
+    assert run.scaler is None and run.make_scaler is not None  # what the harness can pass: nothing
+    run_steps(run)
+    assert run.scaler.get_scale() <= 2.0 ** 20  # 20 and more skipped steps from 2**40
+
+
 def test_scorer_gives_every_detector_a_row():
     names = ["masked_mean_empty", "distance_at_zero", "trap_padding_mask"]
     results = diagnosis.evaluate([CASES_BY_NAME[name] for name in names])

@@ -286,7 +286,7 @@ def test_the_watch_is_off_the_stack_while_an_optimizer_steps_and_after(mode):
         for _ in range(3):
             optimizer.zero_grad()
             loss = model(torch.randn(3, 4)).pow(2).mean()
-            assert function_stack() == [outside._MODE]  # the loss is watched
+            assert function_stack() == [outside.MODE]  # the loss is watched
             loss.backward()
             optimizer.step()
             assert function_stack() == []  # zero_grad and the next batch's data run without it
@@ -348,7 +348,7 @@ def test_nothing_is_left_behind_on_any_exit(ending, mode):
     with pytest.raises(ending) if ending else _no_error():
         with Guard(model, mode=mode):
             out = model(torch.randn(3, 4))
-            assert function_stack()[-1] is outside._MODE  # watching the code after the call
+            assert function_stack()[-1] is outside.MODE  # watching the code after the call
             loss = out.pow(2).sum()
             if ending is NonFiniteError:
                 loss = loss + torch.log(out * 0).sum()  # -inf: the loss holds it
@@ -460,10 +460,10 @@ def test_a_function_mode_of_the_users_keeps_its_place_on_the_stack():
         assert function_stack() == []
         out = model(torch.randn(3, 4))
         with _Counting() as mine:  # entered above the watch: both work
-            assert function_stack() == [outside._MODE, mine]
+            assert function_stack() == [outside.MODE, mine]
             with pytest.raises(NonFiniteError):
                 torch.log(out * 0).sum().backward()
-        assert mine.calls > 0 and function_stack() == [outside._MODE]
+        assert mine.calls > 0 and function_stack() == [outside.MODE]
     assert function_stack() == []
 
 

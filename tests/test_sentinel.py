@@ -809,3 +809,21 @@ def test_the_training_callbacks_sentinel_samples_a_full_pass_every_100_batches()
     assert _GuardedRun(mode="full").options.full_every is None
     with pytest.raises(ValueError, match="full_every samples full passes in mode=\"sentinel\""):
         Guard(nn.Linear(2, 2), full_every=5)
+
+
+def test_a_backward_re_run_starts_no_thread(monkeypatch):
+    # The re-run used to run its forward in a thread of its own: a process that used it then
+    # aborted at exit now and then, more often on a loaded machine ("terminate called without
+    # an active exception"). It runs in the thread whose backward found the fault.
+    import threading
+
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    big = torch.full((3, 4), 1e38)
+    model(big).sum().backward()  # gradients summed into .grad: inf in the next backward
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode="sentinel"):
+        model(big).sum().backward()
+    assert caught.value.report.found_by == "re-run" and started == []

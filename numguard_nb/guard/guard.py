@@ -214,6 +214,7 @@ class Guard:
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
         self._entered = 0  # `with` blocks this guard is in (nested, or in several threads)
         self._paused = False  # True while the guard re-runs a step itself (op localisation)
+        self.rerun_task = -1  # a sentinel's re-run: the backward whose end started it
         self._batches_counted_by_caller = False  # begin_batch() was called
         self._module_hooks = ModuleHooks()
         self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
@@ -287,9 +288,7 @@ class Guard:
             raise RuntimeError("numguard: detach the guard before pointing it at other models")
         self.models = _normalise_models(model_or_models, allow_none=True)
 
-    @property
-    def attached(self) -> bool:
-        return self._attached
+    attached = property(lambda self: self._attached)
 
     def __enter__(self) -> "Guard":
         with self._lifecycle_lock:
@@ -350,8 +349,8 @@ class Guard:
             if inert_context():
                 return  # compiled, traced or exported: not run on values the guard can read
             self._outside.enter_model()
-            # Activation checkpointing re-runs forward inside backward: no new batch then.
-            recomputing = _graph_task_id() != -1
+            # Activation checkpointing re-runs forward inside backward: no new batch (`rerun_task`)
+            recomputing = _graph_task_id() not in (-1, self.rerun_task)
             self._begin_forward(state, module_id, recomputing)
             if not recomputing:
                 # The state the call starts in (RNG, autocast, grad mode), to re-run it from.

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -146,8 +145,11 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
 
 def _rerun_guard(guard, models, batch: int):
     # No scaler: the sentinel asked the loss scaling rule before re-running (see Sentinel).
-    return full_guard(guard, models, batch, ops=True, sync=False, trace_batches=(), on_trace=None,
+    full = full_guard(guard, models, batch, ops=True, sync=False, trace_batches=(), on_trace=None,
                       on_detect=None, history_every=None, scaler=None)
+    # Started at a backward's end: its calls there are the step's, not a recomputation.
+    full.rerun_task = torch._C._current_graph_task_id()
+    return full
 
 
 # ---- what a re-run changes, put back -----------------------------------------------------------
@@ -198,31 +200,6 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
         else:
             stack.enter_context(torch.set_grad_enabled(grad))
         return module(*args, **kwargs)
-
-
-def _in_fresh_thread(run: Callable):
-    """`run()` in a thread of its own, where no autograd graph task is running (a re-run started
-    at the end of a backward pass would otherwise look like a recomputation to the full guard)."""
-    outcome: dict = {}
-    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    stream = torch.cuda.current_stream() if device is not None else None
-
-    def target():
-        try:
-            with contextlib.ExitStack() as stack:
-                if device is not None:
-                    torch.cuda.set_device(device)
-                    stack.enter_context(torch.cuda.stream(stream))
-                outcome["value"] = run()
-        except BaseException as error:  # raised again in the calling thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, name="numguard-rerun")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -399,7 +376,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             full = _rerun_guard(guard, _eager_models(models), batch)
             try:
                 with full:
-                    outputs, leaves = _in_fresh_thread(lambda: _forwards(calls, run_alone, True))
+                    outputs, leaves = _forwards(calls, run_alone, True)
                     grads = _backward(calls, outputs, parameters + leaves)
             except NonFiniteError as error:
                 return _found(error.report)
@@ -415,11 +392,11 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             return _transient(seen, calls[0], options, finite)
         if any(run_alone(call.entry.module) is not _eager(call.entry.module) for call in calls):
             return _transient(seen, calls[0], options, f"{finite}; {_NOT_COMPILED_AGAIN}")
-        outputs, _ = _in_fresh_thread(lambda: _forwards(calls, lambda m: m, True))
+        outputs, _ = _forwards(calls, lambda m: m, True)
         if not _has_problem(_backward(calls, outputs, list(parameters)), False, None):
             return _transient(seen, calls[0], options, finite + ", run compiled again too")
         with _swapped(parts, _aot_eager):
-            outputs, _ = _in_fresh_thread(lambda: _forwards(calls, _aot_eager, True))
+            outputs, _ = _forwards(calls, _aot_eager, True)
             captured = _has_problem(_backward(calls, outputs, list(parameters)), False, None)
         return _compiled(seen, calls[0], options, captured)
 
