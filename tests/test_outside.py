@@ -577,3 +577,36 @@ def test_a_non_finite_value_the_code_discards_before_the_loss_is_a_note_not_an_e
     culprit = caught.value.report.first_nonfinite
     assert (culprit.module_name, culprit.op) == ("<outside>", "aten.log.default")
     assert culprit.source.endswith("terms = targets * (torch.log(targets) - logp)  # line of the log")
+
+
+class MaskedPolicy(nn.Module):
+    """An RL policy: the logits of illegal actions are -inf (Categorical handles them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(6, 5)
+
+    def forward(self, obs, legal):
+        return self.net(obs).masked_fill(~legal, float("-inf"))
+
+
+def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss():
+    from torch.distributions import Categorical
+
+    torch.manual_seed(0)
+    policy = MaskedPolicy()
+    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
+    legal[:, 0] = True
+    optimizer = torch.optim.Adam(policy.parameters(), 1e-3)
+    with Guard(policy) as guard:
+        for _ in range(3):
+            dist = Categorical(logits=policy(obs, legal))
+            loss = -(dist.log_prob(dist.sample()) * torch.randn(8)).mean() - 0.01 * dist.entropy().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert guard.detection is None
+    assert "MaskedPolicy gave the model's output -inf (a mask), and the loss stayed finite" in guard.report.summary()
+    with pytest.raises(NonFiniteError) as caught, Guard(policy):
+        torch.softmax(policy(obs, legal), -1).log().mean().backward()  # log(0): the loss is -inf
+    assert caught.value.report.first_nonfinite.module_class == "MaskedPolicy"

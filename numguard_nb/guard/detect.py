@@ -31,6 +31,7 @@ from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassR
 
 __all__ = [
     "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds", "is_linear_map",
+    "only_minus_inf",
     "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward",
     "find_in_backward", "find_in_trace",
 ]
@@ -140,6 +141,16 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             # on came from the parent, who may have made it.
             call.parent.child_kinds |= given - from_parent
     return None
+
+
+def only_minus_inf(pass_: PassRecord, call, bad_slots, cause) -> bool:
+    """Whether a module's forward culprit made nothing but -inf, and no overflow (a matmul's): a
+    mask that reached the model's output (illegal actions' logits), harmful only if the loss is
+    not finite. (An -inf in the data is the data's at once.)"""
+    kinds = set()
+    for slot in bad_slots:
+        kinds |= value_kinds(pass_, slot, None)
+    return kinds == {PROBLEM_NEGINF} and cause == CAUSE_FORWARD and not is_linear_map(call.module_class)
 
 
 def is_linear_map(module_class: str) -> bool:

@@ -459,11 +459,14 @@ class Guard:
         pass_.read_back()
         self.history.see(pass_, state.batch_number, self.options)
         if state.tracing:
-            self._record_trace(pass_, state.batch_number)
+            _record_trace(self, pass_, state.batch_number)
             return
         if not raising and self.headroom.collect_and_check(pass_, self.options, self._locate_op):
             culprit = detect.find_in_forward(pass_, self.options.stop_rules)
-            if culprit is not None:
+            # A -inf mask reaching the model's output (illegal actions' logits) is judged by the
+            # loss, as the code after the call is (`outside`): held until then.
+            if culprit is not None and not (detect.only_minus_inf(pass_, *culprit) and
+                                             self._outside.hold(pass_, FORWARD, *culprit)):
                 self._detect(pass_, FORWARD, *culprit)
         self._recent.remember(pass_, self.options.max_frames)
 
@@ -561,7 +564,7 @@ class Guard:
             pass_.read_back()
             self.history.see(pass_, self.batch_number, self.options)
             if self._tracing:
-                self._record_trace(pass_, self.batch_number)
+                _record_trace(self, pass_, self.batch_number)
                 return
             if self.headroom.collect_and_check(pass_, self.options, self._locate_op):
                 culprit = detect.find_in_backward(pass_, self.options.stop_rules)
@@ -603,18 +606,19 @@ class Guard:
             finally:
                 self._paused = False
 
-    def _record_trace(self, pass_: PassRecord, batch: int) -> None:
-        # A trace notes where a non-finite value would have been caught, without stopping.
-        self.headroom.collect(pass_, self.options, self._locate_op)
-        culprit = detect.find_in_trace(pass_, self.options)
-        report = self.traces[batch] = frames.add_to_trace(
-            self.traces.get(batch), pass_, culprit, self.options, batch, self._steps)
-        if self.options.on_trace is not None:
-            self.options.on_trace(report)
-
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
+
+
+def _record_trace(guard: Guard, pass_: PassRecord, batch: int) -> None:
+    # A trace notes where a non-finite value would have been caught, without stopping.
+    guard.headroom.collect(pass_, guard.options, guard._locate_op)
+    culprit = detect.find_in_trace(pass_, guard.options)
+    report = guard.traces[batch] = frames.add_to_trace(
+        guard.traces.get(batch), pass_, culprit, guard.options, batch, guard._steps)
+    if guard.options.on_trace is not None:
+        guard.options.on_trace(report)
 
 
 Guard.__doc__ += OPTION_DOCS  # documented where they are checked: help(Guard) shows them

@@ -187,6 +187,15 @@ def _finite(t: torch.Tensor) -> bool:
             _set_grad_enabled(True)
 
 
+class _HeldModuleCulprit:
+    """A model's forward culprit held until the loss judges it (`OutsideWatch.hold`)."""
+
+    __slots__ = ("pass_", "phase", "call", "bad", "cause")
+
+    def __init__(self, pass_, phase, call, bad, cause):
+        self.pass_, self.phase, self.call, self.bad, self.cause = pass_, phase, call, bad, cause
+
+
 class _NodeHook:
     """The post-hook of one autograd node created outside the modules. Holds its forward call,
     never the node (a reference to it would keep its graph alive through the hook)."""
@@ -435,6 +444,11 @@ class OutsideWatch:
         The next function starts a new region."""
         pass_, state.pass_ = state.pass_, None
         held, state.held = state.held, None
+        if isinstance(held, _HeldModuleCulprit):  # made before the region's own (`hold`)
+            error = self._judge_module_culprit(held, loss, raising)
+            if error is not None:
+                return error
+            held = None
         if pass_ is None or not self.attached:
             return None
         pass_.read_back()
@@ -454,6 +468,34 @@ class OutsideWatch:
         if culprit is not None:
             return self._raise(*culprit, raising=raising)
         pass_.release()
+        return None
+
+    def hold(self, pass_: PassRecord, phase, call, bad, cause) -> bool:
+        """Hold a model's forward culprit to be judged by the loss, as this code's are: whether
+        it was (no: not watching the code after the call, which then cannot judge it)."""
+        state = thread_state
+        if not self.watching() or state.held is not None or self.guard._sync:
+            return False
+        state.held = _HeldModuleCulprit(pass_, phase, call, bad, cause)
+        return True
+
+    def _judge_module_culprit(self, held, loss, raising: bool):
+        """A held model culprit: a note where the loss is finite, else its detection (raised, or
+        returned without `raising`)."""
+        if self.attached and loss is not None and _contained(loss):
+            where = held.call.module_name or held.call.module_class
+            note = (f"{where} gave the model's output -inf (a mask), and the loss stayed finite: "
+                    "not an error")
+            if note not in self.contained and len(self.contained) < 8:
+                self.contained.append(note)
+            held.pass_.release()
+            return None
+        try:
+            self.guard._detect(held.pass_, held.phase, held.call, held.bad, held.cause)
+        except BaseException as error:
+            if raising:
+                raise
+            return error
         return None
 
     def _note_contained(self, pass_: PassRecord, call: "OutsideCall", bad) -> None:
