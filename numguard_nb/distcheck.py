@@ -104,6 +104,11 @@ def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: f
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA but torch.cuda.is_available() is False: "
                          "use backend 'gloo' or run on a machine with a GPU")
+    if backend == "nccl" and nproc > torch.cuda.device_count():
+        gpus = torch.cuda.device_count()
+        raise ValueError(f"backend 'nccl' runs one process per GPU, and {nproc} processes were asked "
+                         f"for with {gpus} GPU{'s' if gpus != 1 else ''} visible: pass nproc={gpus} "
+                         "or fewer, or backend 'gloo'")
     return backend
 
 
@@ -332,8 +337,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="each rank writes its result to DIR/rank-<rank>.json")
     args = parser.parse_args(argv)
     try:
-        # torchrun owns the process count; 1 stands for "this process" here.
-        args.backend = _check_arguments(1, args.backend, args.timeout, args.size)
+        # torchrun owns the process count: this node's, checked against its GPUs for nccl.
+        args.backend = _check_arguments(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.backend,
+                                        args.timeout, args.size)
     except ValueError as exc:
         parser.error(str(exc))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

@@ -127,10 +127,14 @@ def test_a_mask_passed_in_with_a_fully_masked_row_names_the_softmax_and_the_data
 
 
 @pytest.mark.parametrize("sync", [False, True])
-def test_a_minus_inf_reaching_the_models_output_names_its_maker(sync):
+def test_a_minus_inf_reaching_the_models_output_names_its_maker_once_the_loss_takes_it(sync):
     torch.manual_seed(0)
     keep = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    report = run(ReturnsMask(), torch.randn(2, 3, 4), keep, sync=sync)
-    assert report is not None and report.cause == "forward"
-    assert report.first_nonfinite.module_name == "build_mask"
+    model, x = ReturnsMask(), torch.randn(2, 3, 4)
+    assert run(model, x, keep, sync=sync) is None  # the loss leaves the mask out: a note
+    with pytest.raises(NonFiniteError) as caught, Guard(model, sync=sync):
+        out, mask = model(x, keep)
+        (out.sum() + mask.sum()).backward()  # the mask's -inf in the loss
+    report = caught.value.report
+    assert report.cause == "forward" and report.first_nonfinite.module_name == "build_mask"
     assert report.reason.endswith("and the -inf reaches the model's output")

@@ -241,3 +241,16 @@ def test_nccl_on_one_gpu():
     assert row["nccl"] and row["cuda"] == torch.version.cuda
     # One rank moves no data over the network: busbw is 0 by definition, algbw is not.
     assert row["busbw_gbps"] == 0 and row["algbw_gbps"] > 0 and row["latency_us"] > 0
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_more_nccl_processes_than_gpus_is_a_one_line_error_before_anything_starts(monkeypatch, gpus):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    launched = []
+    monkeypatch.setattr(distcheck.subprocess, "Popen", lambda *a, **k: launched.append(a))
+    with pytest.raises(ValueError) as raised:
+        distcheck.run(nproc=2, backend="nccl", timeout=5)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("backend 'nccl' runs one process per GPU")
+    assert f"pass nproc={gpus} or fewer, or backend 'gloo'" in message and not launched

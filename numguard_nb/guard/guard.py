@@ -463,10 +463,7 @@ class Guard:
             return
         if not raising and self.headroom.collect_and_check(pass_, self.options, self._locate_op):
             culprit = detect.find_in_forward(pass_, self.options.stop_rules)
-            # A -inf mask reaching the model's output (illegal actions' logits) is judged by the
-            # loss, as the code after the call is (`outside`): held until then.
-            if culprit is not None and not (detect.only_minus_inf(pass_, *culprit) and
-                                             self._outside.hold(pass_, FORWARD, *culprit)):
+            if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         self._recent.remember(pass_, self.options.max_frames)
 
@@ -578,8 +575,12 @@ class Guard:
                 targets.clear()
 
     # ---- reports --------------------------------------------------------------------------
-    def _detect(self, pass_: PassRecord, phase, call: CallRecord, bad_slots, cause) -> None:
-        """Build the report for a detection and raise it."""
+    def _detect(self, pass_: PassRecord, phase, call: CallRecord, bad_slots, cause, held=False) -> None:
+        """Build the report for a detection and raise it. A -inf mask reaching the model's output
+        (illegal actions' logits) is judged by the loss first, as the code after it (`outside`)."""
+        if not held and phase == FORWARD and detect.only_minus_inf(pass_, call, bad_slots, cause) \
+                and self._outside.hold(pass_, phase, call, bad_slots, cause):
+            return
         options = self.options
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})
         self._locate_op(culprit, call, cause, options.stop_rules)

@@ -276,19 +276,23 @@ class OutsideWatch:
         if not self.attached or _current_graph_task_id() != -1:
             return
         state = thread_state
-        previous = state.owner
-        if previous is not self:
-            checking = state.active
-            state.active = False
-            if previous is not None and checking:
-                previous._settle(state)
-            state.owner, state.pass_ = self, None
+        self._own(state)
         state.ops = 0
         if not outside_mode_active():
             if _stack_len() != state.base:
                 return
             _push(MODE)
         state.active = True
+
+    def _own(self, state: ThreadState) -> None:
+        """This thread's code is this watch's from now on: another's is settled first."""
+        previous = state.owner
+        if previous is not self:
+            checking = state.active
+            state.active = False
+            if previous is not None and (checking or state.held is not None):
+                previous._settle(state)
+            state.owner, state.pass_, state.held = self, None, None
 
     def watching(self) -> bool:
         guard = self.guard
@@ -474,8 +478,11 @@ class OutsideWatch:
         """Hold a model's forward culprit to be judged by the loss, as this code's are: whether
         it was (no: not watching the code after the call, which then cannot judge it)."""
         state = thread_state
-        if not self.watching() or state.held is not None or self.guard._sync:
+        if not self.watching() or _current_graph_task_id() != -1:
             return False
+        self._own(state)
+        if state.held is not None:  # held already (sync mode finds it twice), or came before
+            return isinstance(state.held, _HeldModuleCulprit) and state.held.call is call
         state.held = _HeldModuleCulprit(pass_, phase, call, bad, cause)
         return True
 
@@ -491,7 +498,7 @@ class OutsideWatch:
             held.pass_.release()
             return None
         try:
-            self.guard._detect(held.pass_, held.phase, held.call, held.bad, held.cause)
+            self.guard._detect(held.pass_, held.phase, held.call, held.bad, held.cause, held=True)
         except BaseException as error:
             if raising:
                 raise
