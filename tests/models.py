@@ -328,3 +328,15 @@ def sync(loss):
         message, _Pending.error = _Pending.error, None
         raise RuntimeError(message)  # <- sync line
     return loss.item()
+
+
+class NanGradient(torch.autograd.Function):
+    """The identity in forward; nan gradients in backward (a fault planted in backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")

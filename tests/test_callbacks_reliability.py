@@ -28,6 +28,8 @@ import transformers
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from models import NanGradient
+
 from numguard_nb.guard import NonFiniteError
 from numguard_nb.integrations import NumguardCallback
 from promises import bit_identical, hooks_left, model_state
@@ -81,16 +83,6 @@ def collected(*held: weakref.ref) -> bool:
 
 
 # ---- the planted nan ------------------------------------------------------------------------
-class _NanGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * NAN
-
-
 class _InterruptedBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -118,7 +110,7 @@ class Planted(nn.Module):
         if self.how == "forward":
             return y * NAN
         if self.how == "backward":
-            return _NanGradient.apply(y)
+            return NanGradient.apply(y)
         if self.how == "KeyboardInterrupt in forward":
             raise KeyboardInterrupt
         if self.how == "KeyboardInterrupt in backward":

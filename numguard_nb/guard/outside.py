@@ -478,8 +478,8 @@ class OutsideWatch:
         """Hold a model's forward culprit to be judged by the loss, as this code's are: whether
         it was (no: not watching the code after the call, which then cannot judge it)."""
         state = thread_state
-        if not self.watching() or _current_graph_task_id() != -1:
-            return False
+        if not self.watching() or _current_graph_task_id() != -1 or state.owner not in (None, self):
+            return False  # (the code after the call is another guard's: a sentinel re-running it)
         self._own(state)
         if state.held is not None:  # held already (sync mode finds it twice), or came before
             return isinstance(state.held, _HeldModuleCulprit) and state.held.call is call

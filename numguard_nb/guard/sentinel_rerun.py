@@ -295,12 +295,11 @@ def _collective(models: Dict[str, nn.Module]) -> Optional[str]:
 
 def _not_rerun(seen: Frame, call, options, why: str) -> Report:
     """A detection the re-run cannot place: re-running would start collectives on one rank."""
-    reason = (f"inf/nan in {_where(seen, call)}; not run again to name the module that made it: "
-              f"{why}")
-    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_UNATTRIBUTED,
-                                seen.batch_number, options)
-    report.hint = ("Run this rank's step again in full mode (Guard(model), every module hooked) "
-                   "to name the module, or reproduce it on one process.")
+    report = _seen_report(seen, options, CAUSE_UNATTRIBUTED, (
+        f"inf/nan in {_where(seen, call)}; not run again to name the module that made it: {why}"),
+        "Run this rank's step again in full mode (Guard(model), every module hooked) to name "
+        "the module, or reproduce it on one process.")
+    report.found_by = ""  # nothing was re-run
     return report
 
 
@@ -432,30 +431,32 @@ def _where(seen: Frame, call) -> str:
             f"({_holds(seen)}){changed}")
 
 
-def _transient(seen: Frame, call, options, differed: str) -> Report:
-    reason = (f"inf/nan in {_where(seen, call)}, but a re-run of the same call with the same "
-              f"inputs, weights and random state did not repeat it: {differed}")
-    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_TRANSIENT,
-                                seen.batch_number, options)
-    report.hint = ("A fault that does not repeat: a hardware error (check `nvidia-smi -q` for ECC "
-                   "errors), a communication fault, a race, or state kept outside the model's "
-                   "tensors that changed between the two runs. Keep the sentinel on to see "
-                   "whether it comes back, and on which rank.")
+def _seen_report(seen: Frame, options, cause: str, reason: str, hint: str) -> Report:
+    """A report of what the sentinel saw, and of what its re-run found (or why there was none)."""
+    report = frames.make_report([seen], seen, DETECTION, reason, cause, seen.batch_number, options)
+    report.hint = hint
     return _found(report)
+
+
+def _transient(seen: Frame, call, options, differed: str) -> Report:
+    return _seen_report(seen, options, CAUSE_TRANSIENT, (
+        f"inf/nan in {_where(seen, call)}, but a re-run of the same call with the same inputs, "
+        f"weights and random state did not repeat it: {differed}"),
+        "A fault that does not repeat: a hardware error (check `nvidia-smi -q` for ECC errors), "
+        "a communication fault, a race, or state kept outside the model's tensors that changed "
+        "between the two runs. Keep the sentinel on to see whether it comes back, and on which "
+        "rank.")
 
 
 def _compiled(seen: Frame, call, options, captured: bool) -> Report:
     which = ("non-finite too: graph capture (Dynamo's graph, AOTAutograd's decompositions) makes "
              "it" if captured else "finite: the backend's generated kernels make it")
-    reason = (f"inf/nan in {_where(seen, call)} when run compiled, again when re-run compiled, "
-              f"but not when re-run eagerly: the compiled code makes it; compiled with "
-              f'backend="aot_eager" it is {which}')
-    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_COMPILED,
-                                seen.batch_number, options)
-    report.hint = ("Run the part eagerly (torch.compiler.disable), or compile it with another "
-                   "backend, and report it to PyTorch with a minimal repro "
-                   "(TORCHDYNAMO_REPRO_AFTER=\"aot\" writes one).")
-    return _found(report)
+    return _seen_report(seen, options, CAUSE_COMPILED, (
+        f"inf/nan in {_where(seen, call)} when run compiled, again when re-run compiled, but not "
+        f'when re-run eagerly: the compiled code makes it; compiled with backend="aot_eager" it is '
+        f"{which}"),
+        "Run the part eagerly (torch.compiler.disable), or compile it with another backend, and "
+        "report it to PyTorch with a minimal repro (TORCHDYNAMO_REPRO_AFTER=\"aot\" writes one).")
 
 
 def gradient_frame(name: str, cls: str, batch: int, call_index: int, grads) -> Frame:
