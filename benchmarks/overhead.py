@@ -4,8 +4,8 @@
                                   [--models t5,gpt2,mlp,deep,t5-compiled]
     python benchmarks/overhead.py --quick     # T5 and the MLP, 8 steps: a first look
 
-On this project's 2-core CPU the whole run takes about 25 minutes (T5 under inductor compiles
-for minutes; each of the other models takes 3-5); --quick takes about a minute and a half.
+On this project's 2-core CPU --quick takes about 30 seconds, three models at 12 steps about a
+minute; the default run takes several minutes more, most of it inductor compiling T5.
 
 With --train each timed step is a whole training step: forward, backward, an AdamW step and
 zero_grad (what a training loop pays; code that runs between the backward and the next forward
