@@ -5,7 +5,8 @@
 Every case of diagnosis_cases (public bug reports reproduced small on CPU, plus traps where
 nothing is wrong) is run from scratch once per detector:
 
-- numguard: `Guard(models, ops=True)` around the whole loop (a loss module is guarded alongside
+- numguard: `Guard(models, ops=True)` around the whole loop (and, as "sentinel", `Guard(models,
+  mode="sentinel")`: its checks, and the failing step re-run with the full guard) (a loss module is guarded alongside
   the model), given the case's GradScaler as `scaler=` where the run is built with one; a loop
   that makes its own scaler when it starts (`Run.make_scaler`) hands it to nobody, and the guard
   must find it. Its report's cause places the value outside the model where it says so ("data":
@@ -48,8 +49,9 @@ from diagnosis_cases import (
 )
 from diagnosis_tracer import trace
 
-DETECTORS = ("numguard", "hf", "anomaly")
+DETECTORS = ("numguard", "sentinel", "hf", "anomaly")
 DETECTOR_TITLES = {"numguard": "numguard `Guard(ops=True)`",
+                   "sentinel": "numguard `Guard(mode=\"sentinel\")`",
                    "hf": "HF `DebugUnderflowOverflow`",
                    "anomaly": "`autograd.detect_anomaly`"}
 ANSWERS = ("module", "phase", "op", "batch")
@@ -104,13 +106,14 @@ _NUMGUARD_CAUSES = {
 }
 
 
-def run_numguard(case: Case) -> Verdict:
+def run_numguard(case: Case, **options) -> Verdict:
     from numguard_nb import Guard, NonFiniteError
 
     run = case.build()
+    options = options or {"ops": True}
     try:
         # run.scaler is None here for a loop that makes its own (Run.make_scaler)
-        with Guard(run.models, ops=True, scaler=run.scaler):
+        with Guard(run.models, scaler=run.scaler, **options):
             run_steps(run)
     except NonFiniteError as err:
         report = err.report
@@ -275,7 +278,8 @@ def run_anomaly(case: Case) -> Verdict:
     return Verdict(alarm=False, said="no detection")
 
 
-RUNNERS = {"numguard": run_numguard, "hf": run_hf, "anomaly": run_anomaly}
+RUNNERS = {"numguard": run_numguard, "sentinel": lambda case: run_numguard(case, mode="sentinel"),
+           "hf": run_hf, "anomaly": run_anomaly}
 
 
 # ---- scoring ----------------------------------------------------------------------------------
