@@ -590,7 +590,8 @@ class MaskedPolicy(nn.Module):
         return self.net(obs).masked_fill(~legal, float("-inf"))
 
 
-def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss():
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
     from torch.distributions import Categorical
 
     torch.manual_seed(0)
@@ -598,7 +599,7 @@ def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss():
     obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
     legal[:, 0] = True
     optimizer = torch.optim.Adam(policy.parameters(), 1e-3)
-    with Guard(policy) as guard:
+    with Guard(policy, mode=mode) as guard:
         for _ in range(3):
             dist = Categorical(logits=policy(obs, legal))
             loss = -(dist.log_prob(dist.sample()) * torch.randn(8)).mean() - 0.01 * dist.entropy().mean()
@@ -607,6 +608,6 @@ def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss():
             optimizer.zero_grad()
     assert guard.detection is None
     assert "MaskedPolicy gave the model's output -inf (a mask), and the loss stayed finite" in guard.report.summary()
-    with pytest.raises(NonFiniteError) as caught, Guard(policy):
+    with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
         torch.softmax(policy(obs, legal), -1).log().mean().backward()  # log(0): the loss is -inf
     assert caught.value.report.first_nonfinite.module_class == "MaskedPolicy"

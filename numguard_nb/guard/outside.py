@@ -188,12 +188,13 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 class _HeldModuleCulprit:
-    """A model's forward culprit held until the loss judges it (`OutsideWatch.hold`)."""
+    """A model's forward culprit held until the loss judges it (`OutsideWatch.hold`): `detect()`
+    raises its detection; `pass_` is released where the loss is finite."""
 
-    __slots__ = ("pass_", "phase", "call", "bad", "cause")
+    __slots__ = ("pass_", "call", "detect")
 
-    def __init__(self, pass_, phase, call, bad, cause):
-        self.pass_, self.phase, self.call, self.bad, self.cause = pass_, phase, call, bad, cause
+    def __init__(self, pass_, call, detect):
+        self.pass_, self.call, self.detect = pass_, call, detect
 
 
 class _NodeHook:
@@ -474,16 +475,17 @@ class OutsideWatch:
         pass_.release()
         return None
 
-    def hold(self, pass_: PassRecord, phase, call, bad, cause) -> bool:
-        """Hold a model's forward culprit to be judged by the loss, as this code's are: whether
-        it was (no: not watching the code after the call, which then cannot judge it)."""
+    def hold(self, pass_: PassRecord, call, detect) -> bool:
+        """Hold a model's forward culprit (`call`, its record in `pass_`) to be judged by the
+        loss, as this code's are; `detect()` raises its detection if the loss is not finite.
+        Whether it was held (no: this watch does not own the code after the call)."""
         state = thread_state
         if not self.watching() or _current_graph_task_id() != -1 or state.owner not in (None, self):
             return False  # (the code after the call is another guard's: a sentinel re-running it)
         self._own(state)
         if state.held is not None:  # held already (sync mode finds it twice), or came before
             return isinstance(state.held, _HeldModuleCulprit) and state.held.call is call
-        state.held = _HeldModuleCulprit(pass_, phase, call, bad, cause)
+        state.held = _HeldModuleCulprit(pass_, call, detect)
         return True
 
     def _judge_module_culprit(self, held, loss, raising: bool):
@@ -498,7 +500,7 @@ class OutsideWatch:
             held.pass_.release()
             return None
         try:
-            self.guard._detect(held.pass_, held.phase, held.call, held.bad, held.cause, held=True)
+            held.detect()
         except BaseException as error:
             if raising:
                 raise

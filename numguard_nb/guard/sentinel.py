@@ -50,7 +50,7 @@ from torch.nn.modules import module as module_hooks
 
 from .. import _tree
 from .. import stats as _stats
-from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT
+from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Report
@@ -460,6 +460,14 @@ class Sentinel:
                 bad[id(slot)] = (slot[SLOT_ROLE], kinds)
         if not bad:
             return False
+        if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard._outside.hold(
+                pass_, record, partial(self._rerun_forward, call, pass_, record, bad)):
+            return False  # a -inf mask in the model's output (illegal actions): the loss judges it
+        return self._rerun_forward(call, pass_, record, bad)
+
+    def _rerun_forward(self, call: _Call, pass_: PassRecord, record: CallRecord, bad: dict) -> bool:
+        """Re-run the call under the full guard; raise what it finds (True: nothing found)."""
+        options, module_id = self.guard.options, record.module_id
         seen = frames.build_frame(pass_, record, options, set(bad))
         report = self._rerun(rerun_forward, self.guard, call, seen)
         if report is not None:
