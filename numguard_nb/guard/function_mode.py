@@ -39,8 +39,9 @@ def handling(handler_codes: frozenset) -> bool:
 def leave_when_put_back(mode, handler_codes: frozenset) -> None:
     """Take `mode` off the stack as soon as torch puts it back at the end of the call its handler
     (the outermost frame of `handler_codes`) is handling: a one-shot profile function of this
-    thread, chained to the one already set and set back after, watches for that moment. It gives
-    up when the frame that made the call returns without it (another mode stayed above)."""
+    thread watches for that moment. It gives up when the frame that made the call returns
+    without it (another mode stayed above). Where a profiler or debugger set one already, it is
+    left alone: the mode, passing everything through, leaves when its watch is collected."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code not in handler_codes:
         frame = frame.f_back
@@ -49,16 +50,15 @@ def leave_when_put_back(mode, handler_codes: frozenset) -> None:
     if frame is None:
         return
     caller = frame.f_back  # torch's dispatch (handle_torch_function), or the user's frame
-    previous = sys.getprofile()
+    if sys.getprofile() is not None:
+        return  # a profiler's or a debugger's: never replaced
 
     def profile(frame_, event, arg):
-        if previous is not None:
-            previous(frame_, event, arg)
         count = stack_len()
         if count and stack_at(count - 1) is mode:
             pop()
-            sys.setprofile(previous)
+            sys.setprofile(None)
         elif event == "return" and frame_ is caller:
-            sys.setprofile(previous)
+            sys.setprofile(None)
 
     sys.setprofile(profile)
