@@ -17,6 +17,7 @@ import sys
 import threading
 import tracemalloc
 import types
+import weakref
 
 import pytest
 
@@ -610,4 +611,97 @@ def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
     assert "MaskedPolicy gave the model's output -inf (a mask), and the loss stayed finite" in guard.report.summary()
     with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
         torch.softmax(policy(obs, legal), -1).log().mean().backward()  # log(0): the loss is -inf
+    # the mask's zeros made -inf in the log: the loss code's own producer is named, not the mask
+    assert caught.value.report.first_nonfinite.module_class == "Tensor.log"
+    with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
+        policy(obs, legal).sum().backward()  # the mask itself in the loss
     assert caught.value.report.first_nonfinite.module_class == "MaskedPolicy"
+
+
+# ---- held culprits across the loops people write ---------------------------------------------------
+def _masked_steps(models, steps=2):
+    """Two model calls feed one loss (an actor's two time steps, or an actor and a critic)."""
+    from torch.distributions import Categorical
+
+    policy, value = models
+    torch.manual_seed(1)
+    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
+    legal[:, 0] = True
+    for _ in range(steps):
+        first = Categorical(logits=policy(obs, legal))
+        second = Categorical(logits=policy(obs + 0.1, legal))
+        v = value(obs).squeeze(-1)
+        loss = -(first.entropy() + second.entropy()).mean() + v.pow(2).mean()
+        loss.backward()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("guards", ["one", "two"])
+def test_a_mask_held_through_several_model_calls_is_judged_by_their_one_loss(mode, guards):
+    policy, value = MaskedPolicy(), nn.Linear(6, 1)
+    if guards == "one":
+        with Guard([policy, value], mode=mode) as guard:
+            _masked_steps((policy, value))
+        assert guard.detection is None
+    else:
+        with Guard(policy, mode=mode) as first, Guard(value, mode=mode) as second:
+            _masked_steps((policy, value))
+        assert first.detection is None and second.detection is None
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_discarded_log_of_0_in_a_loss_summed_over_two_calls_is_a_note(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid())
+    x, valid = torch.randn(8, 4), torch.rand(8, 4) > 0.5
+    with Guard(model, mode=mode) as guard:
+        total = 0
+        for _ in range(2):
+            p = model(x)
+            total = total + (torch.where(valid, torch.log(p.detach() * valid), 0.0) * p).sum()
+        total.backward()
+        model(x).sum()
+        grads = torch.autograd.grad(  # judged at torch.autograd.grad as at .backward()
+            (torch.where(valid, torch.log(model(x).detach() * valid), 0.0) * model(x)).sum(),
+            list(model.parameters()))
+    assert guard.detection is None and all(torch.isfinite(g).all() for g in grads)
+    assert "discarded before the loss (finite): not an error" in guard.report.summary()
+
+
+def test_a_guard_dropped_while_a_mask_is_held_frees_its_model_and_leaves_nothing_held():
+    policy = MaskedPolicy()
+    held = weakref.ref(policy)
+    guard = Guard(policy).attach()
+    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
+    legal[:, 0] = True
+    with torch.no_grad():
+        policy(obs, legal)  # acting: the mask is held, no backward comes
+    del policy, guard
+    gc.collect()
+    assert held() is None and function_stack() == []
+    model = nn.Linear(3, 3)
+    with Guard(model) as other:  # another guard does not inherit it
+        model(torch.randn(2, 3)).sum().backward()
+    assert other.detection is None
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_on_detect_detaching_under_a_profiler_leaves_no_mode_and_the_profiler_in_place(mode):
+    import sys
+
+    seen = []
+
+    def profiler(frame, event, arg):
+        seen.append(event)
+
+    model = mlp()
+    guard = Guard(model, mode=mode, on_detect=lambda report: guard.detach())
+    guard.attach()
+    sys.setprofile(profiler)
+    try:
+        with pytest.raises(NonFiniteError):
+            torch.log(model(torch.randn(3, 4)) * 0).mean().backward()
+        stack, profile = function_stack(), sys.getprofile()
+    finally:
+        sys.setprofile(None)
+    assert stack == [] and profile is profiler and seen

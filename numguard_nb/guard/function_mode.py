@@ -39,9 +39,10 @@ def handling(handler_codes: frozenset) -> bool:
 def leave_when_put_back(mode, handler_codes: frozenset) -> None:
     """Take `mode` off the stack as soon as torch puts it back at the end of the call its handler
     (the outermost frame of `handler_codes`) is handling: a one-shot profile function of this
-    thread watches for that moment. It gives up when the frame that made the call returns
-    without it (another mode stayed above). Where a profiler or debugger set one already, it is
-    left alone: the mode, passing everything through, leaves when its watch is collected."""
+    thread watches for that moment, calling a profile function set before it as that one was
+    called, and setting it back after. It gives up when the frame that made the call returns
+    without it (another mode stayed above). Under a C-level profiler (cProfile) nothing is done:
+    the mode, passing everything through, leaves when its watch is collected."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code not in handler_codes:
         frame = frame.f_back
@@ -50,15 +51,18 @@ def leave_when_put_back(mode, handler_codes: frozenset) -> None:
     if frame is None:
         return
     caller = frame.f_back  # torch's dispatch (handle_torch_function), or the user's frame
-    if sys.getprofile() is not None:
-        return  # a profiler's or a debugger's: never replaced
+    previous = sys.getprofile()
+    if previous is not None and not callable(previous):
+        return  # a C-level profiler (cProfile): left alone; the mode leaves with its watch
 
     def profile(frame_, event, arg):
+        if previous is not None:  # a profiler's or a debugger's, called as before
+            previous(frame_, event, arg)
         count = stack_len()
-        if count and stack_at(count - 1) is mode:
+        done = bool(count and stack_at(count - 1) is mode)
+        if done:
             pop()
-            sys.setprofile(None)
-        elif event == "return" and frame_ is caller:
-            sys.setprofile(None)
+        if (done or (event == "return" and frame_ is caller)) and sys.getprofile() is profile:
+            sys.setprofile(previous)
 
     sys.setprofile(profile)

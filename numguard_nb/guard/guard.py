@@ -579,8 +579,8 @@ class Guard:
         """Build the report for a detection and raise it. A -inf mask reaching the model's output
         (illegal actions' logits) is judged by the loss first, as the code after it (`outside`)."""
         if not held and phase == FORWARD and detect.only_minus_inf(pass_, call, bad_slots, cause) \
-                and self._outside.hold(pass_, call, partial(self._detect, pass_, phase, call,
-                                                            bad_slots, cause, held=True)):
+                and self._outside.hold(pass_, call, self, ("_detect", (pass_, phase, call,
+                                                                        bad_slots, cause, True))):
             return
         options = self.options
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})

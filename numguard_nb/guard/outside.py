@@ -187,14 +187,20 @@ def _finite(t: torch.Tensor) -> bool:
             _set_grad_enabled(True)
 
 
-class _HeldModuleCulprit:
-    """A model's forward culprit held until the loss judges it (`OutsideWatch.hold`): `detect()`
-    raises its detection; `pass_` is released where the loss is finite."""
+class _HeldCulprit:
+    """A first culprit carried to the backward that judges it by its loss (`_judge`): one the
+    code after a call made (`watch._raise`), or a -inf mask a model put in its output
+    (`detect()`). Its owner (the watch, or the guard) is held weakly: a guard dropped meanwhile
+    takes its culprit with it."""
 
-    __slots__ = ("pass_", "call", "detect")
+    __slots__ = ("owner", "pass_", "call", "bad", "detect")
 
-    def __init__(self, pass_, call, detect):
-        self.pass_, self.call, self.detect = pass_, call, detect
+    def __init__(self, owner, pass_, call, bad=None, detect=None):
+        self.owner, self.pass_, self.call, self.bad = weakref.ref(owner), pass_, call, bad
+        self.detect = detect  # (the owner's method name, its arguments): raises the detection
+
+    def alive(self):
+        return self.owner()
 
 
 class _NodeHook:
@@ -227,6 +233,7 @@ class OutsideWatch:
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
         self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
         self.contained: list = []  # notes on values made non-finite and discarded (`_settle`)
+        self.may_hold = True  # False for a sentinel's full guards: the sentinel's watch judges
         self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
         weakref.finalize(self, release_step_hook, self._step_hold)
         weakref.finalize(self, leave_if_ownerless)  # a guard dropped while attached
@@ -248,7 +255,7 @@ class OutsideWatch:
             if state.owner is self:
                 withdraw(state, detaching=True)
                 if self.attached:
-                    self.unraised = self._settle(state, raising=False)
+                    self.unraised = self._settle(state, raising=False, final=True)
         finally:
             self.attached = False
             release_step_hook(self._step_hold)
@@ -286,14 +293,15 @@ class OutsideWatch:
         state.active = True
 
     def _own(self, state: ThreadState) -> None:
-        """This thread's code is this watch's from now on: another's is settled first."""
+        """This thread's code is this watch's from now on: another's is settled first (its held
+        culprit goes on to the loss that judges it)."""
         previous = state.owner
         if previous is not self:
             checking = state.active
             state.active = False
-            if previous is not None and (checking or state.held is not None):
+            if previous is not None and checking:
                 previous._settle(state)
-            state.owner, state.pass_, state.held = self, None, None
+            state.owner, state.pass_ = self, None
 
     def watching(self) -> bool:
         guard = self.guard
@@ -328,7 +336,7 @@ class OutsideWatch:
             return out
         culprit = self._check(state, func, args, kwargs, out, before, first_node)
         if culprit is not None and state.held is None:
-            state.held = culprit  # an error only if the loss is not finite (`_settle`)
+            state.held = _HeldCulprit(self, *culprit)  # an error only if the loss is not finite
         return out
 
     def _before_inplace(self, state: ThreadState, args, kwargs):
@@ -441,84 +449,95 @@ class OutsideWatch:
     def _batch(self) -> int:
         return self.guard._threads.state.batch_number
 
-    def _settle(self, state: ThreadState, raising: bool = True, loss=None):
+    def _settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
-        checked yet; the first culprit is raised (or, without `raising`, reported and returned).
-        Before a backward (`loss`: what it starts from), a culprit whose value the code discarded
-        (`where`, a mask, `nan_to_num`: the loss is finite) is a note (`noted`), not an error.
-        The next function starts a new region."""
+        checked yet: its first culprit is held (`state.held`) and judged where it can do harm,
+        by the loss of the backward (`loss`: what it starts from; `_judge`). The next function
+        starts a new region."""
         pass_, state.pass_ = state.pass_, None
-        held, state.held = state.held, None
-        if isinstance(held, _HeldModuleCulprit):  # made before the region's own (`hold`)
-            error = self._judge_module_culprit(held, loss, raising)
-            if error is not None:
-                return error
-            held = None
-        if pass_ is None or not self.attached:
+        if pass_ is not None and self.attached:
+            pass_.read_back()
+            inf_allowed = self._inf_allowed()
+            for call in pass_.calls:
+                if call.checked:
+                    continue
+                _learn_clean(pass_, call)
+                bad = _made_new(pass_, call, inf_allowed) if state.held is None else []
+                if bad:
+                    ops, _ = aten_ops(call.func, *call.meta, on_values=False)
+                    call.op = likeliest(ops) or fallback_op(call.func)
+                    state.held = _HeldCulprit(self, pass_, call, bad)
+            if state.held is None or state.held.pass_ is not pass_:
+                pass_.release()
+        return self._judge(state, loss, raising, final)
+
+    def _judge(self, state: ThreadState, loss, raising: bool, final: bool):
+        """The held culprits, judged by the loss: a finite one makes them notes (the code
+        discarded the value: `where`, a mask); else the first the code after a call made is
+        raised (or, without `raising`, returned), before a model's -inf mask. With no backward
+        yet they wait for one, until `final` (detach, an optimizer step): the code's culprit is
+        raised then, a mask (illegal actions while acting) is a note."""
+        held, mask = state.held, state.held_mask
+        if (held is None and mask is None) or (loss is None and not final):
             return None
-        pass_.read_back()
-        inf_allowed, culprit = self._inf_allowed(), held
-        for call in pass_.calls:
-            if call.checked:
-                continue
-            _learn_clean(pass_, call)
-            bad = _made_new(pass_, call, inf_allowed) if culprit is None else []
-            if bad:
-                ops, _ = aten_ops(call.func, *call.meta, on_values=False)
-                call.op = likeliest(ops) or fallback_op(call.func)
-                culprit = (pass_, call, bad)
-        if culprit is not None and loss is not None and _contained(loss):
-            self._note_contained(*culprit)
-            culprit = None
-        if culprit is not None:
-            return self._raise(*culprit, raising=raising)
-        pass_.release()
-        return None
-
-    def hold(self, pass_: PassRecord, call, detect) -> bool:
-        """Hold a model's forward culprit (`call`, its record in `pass_`) to be judged by the
-        loss, as this code's are; `detect()` raises its detection if the loss is not finite.
-        Whether it was held (no: this watch does not own the code after the call)."""
-        state = thread_state
-        if not self.watching() or _current_graph_task_id() != -1 or state.owner not in (None, self):
-            return False  # (the code after the call is another guard's: a sentinel re-running it)
-        self._own(state)
-        if state.held is not None:  # held already (sync mode finds it twice), or came before
-            return isinstance(state.held, _HeldModuleCulprit) and state.held.call is call
-        state.held = _HeldModuleCulprit(pass_, call, detect)
-        return True
-
-    def _judge_module_culprit(self, held, loss, raising: bool):
-        """A held model culprit: a note where the loss is finite, else its detection (raised, or
-        returned without `raising`)."""
-        if self.attached and loss is not None and _contained(loss):
-            where = held.call.module_name or held.call.module_class
-            note = (f"{where} gave the model's output -inf (a mask), and the loss stayed finite: "
-                    "not an error")
-            if note not in self.contained and len(self.contained) < 8:
-                self.contained.append(note)
-            held.pass_.release()
+        state.held = state.held_mask = None
+        state.calls_held = 0
+        owners = [item for item in (held, mask) if item is not None and item.alive() is not None]
+        if (loss is not None and _contained(loss)) or (loss is None and held not in owners):
+            for item in owners:
+                self._note_held(item)
             return None
         try:
-            held.detect()
+            if held in owners:
+                if mask is not None:
+                    mask.pass_.release()
+                return held.alive()._raise(held.pass_, held.call, held.bad, raising=raising)
+            if mask in owners:
+                name, args = mask.detect
+                getattr(mask.alive(), name)(*args)
         except BaseException as error:
             if raising:
                 raise
             return error
         return None
 
-    def _note_contained(self, pass_: PassRecord, call: "OutsideCall", bad) -> None:
-        kinds = " and ".join(sorted({row.nonfinite_words for row in frames.build_frame(
-            pass_, call, self.guard.options, {id(s) for s in bad}).flagged_rows} - {""}))
-        note = (f"code outside the guarded modules made {kinds or 'inf/nan'} in {call.module_class} "
-                f"({call.op}) at {source_of(call.where)}, discarded before the loss (finite): not "
-                "an error")
+    def _note_held(self, item: _HeldCulprit) -> None:
+        """A held culprit the loss showed harmless, as a note (`noted`)."""
+        if item.detect is None:
+            self._note_contained(item.pass_, item.call, item.bad)
+        else:
+            where = item.call.module_name or item.call.module_class
+            self._note(f"{where} gave the model's output -inf (a mask), and the loss stayed finite: "
+                       "not an error")
+        item.pass_.release()
+
+    def _note(self, note: str) -> None:
         if note not in self.contained and len(self.contained) < 8:
             self.contained.append(note)
 
+    def hold(self, pass_: PassRecord, call, owner, detect: tuple) -> bool:
+        """Hold a model's forward culprit (`call`, its record in `pass_`) to be judged by the
+        loss, as this code's are: `detect` (a method name of `owner`, the guard or the sentinel,
+        held weakly, and its arguments) raises its detection if the loss is not finite. Whether
+        it was held (no: this watch will not see the code after the call)."""
+        state = thread_state
+        if not self.may_hold or not self.watching() or _current_graph_task_id() != -1 \
+                or not (outside_mode_active() or _stack_len() == state.base):
+            return False  # (a sentinel's full guard; a function mode of the user's above it)
+        self._own(state)
+        if state.held_mask is None:
+            state.held_mask = _HeldCulprit(owner, pass_, call, detect=detect)
+        return True
+
+    def _note_contained(self, pass_: PassRecord, call: "OutsideCall", bad) -> None:
+        kinds = " and ".join(sorted({row.nonfinite_words for row in frames.build_frame(
+            pass_, call, self.guard.options, {id(s) for s in bad}).flagged_rows} - {""}))
+        self._note(f"code outside the guarded modules made {kinds or 'inf/nan'} in "
+                   f"{call.module_class} ({call.op}) at {source_of(call.where)}, discarded before "
+                   "the loss (finite): not an error")
+
     def noted(self, report):
-        """A report of the last frames seen, saying which non-finite values the code outside the
-        guarded modules made and discarded before the loss."""
+        """A report of the last frames seen, with the notes on the values discarded (`_judge`)."""
         if self.contained:
             report.reason = "; ".join(note for note in [report.reason] + self.contained if note)
         return report

@@ -81,7 +81,11 @@ class ThreadState(threading.local):
         self.base = 0
         self.pass_: Optional[PassRecord] = None
         self.ops = 0  # functions recorded in the region (their call index)
-        self.held = None  # the region's first culprit, judged where it can do harm (`_settle`)
+        # The first culprits of the code after a call, and a -inf mask a model put in its
+        # output: judged by the loss of the next backward (`OutsideWatch._judge`).
+        self.held = None
+        self.held_mask = None
+        self.calls_held = 0  # model calls since they were held, with no backward
 
     @property
     def owner(self) -> Optional[object]:
@@ -117,6 +121,8 @@ class OutsideMode(TorchFunctionMode):
             watch.guard._scaling.note_caller(sys._getframe(1))
         if func in ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
+        if func is _AUTOGRAD_GRAD and (state.held is not None or state.held_mask is not None):
+            watch._settle(state, loss=args[0] if args else kwargs.get("outputs"))  # its loss
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
@@ -138,6 +144,7 @@ def _run_recorded(recorder, watch, state, func, args, kwargs):
 
 MODE = OutsideMode()
 TENSOR_TO = torch.Tensor.to
+_AUTOGRAD_GRAD = torch.autograd.grad
 
 
 def outside_mode_active() -> bool:
@@ -171,23 +178,36 @@ def leave_if_ownerless() -> None:
     """A watch was collected (its guard dropped while attached): where the mode is on top of this
     thread's stack with no watch of its own, it leaves (no hook of that guard would take it)."""
     state = thread_state
+    for name in ("held", "held_mask"):  # a dropped guard's culprits go with it
+        item = getattr(state, name)
+        if item is not None and item.alive() is None:
+            setattr(state, name, None)
     count = _stack_len()
     if state.owner is None and count and _stack_at(count - 1) is MODE:
         state.active = False
         _pop()
 
 
-def leave_region() -> None:
+# Model calls a held culprit waits for a backward through (several calls feed one loss: an actor
+# and a critic, two time steps): after that many, evaluation code with no backward, judged then.
+MAX_CALLS_WITHOUT_BACKWARD = 8
+
+
+def leave_region(final: bool = False) -> None:
     """The code watched in this thread is over: what it made is checked, and the mode leaves the
     stack. Not inside a backward: a forward re-run there (activation checkpointing), an
-    optimizer stepped from a gradient hook."""
+    optimizer stepped from a gradient hook. `final` (an optimizer step): what is held is judged
+    now, no backward coming for it."""
     if _current_graph_task_id() != -1:
         return
     state = thread_state
     checking, owner = state.active, state.owner
     withdraw(state)
-    if checking and owner is not None:
-        owner._settle(state)
+    if state.held is not None or state.held_mask is not None:
+        state.calls_held += 1
+        final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
+    if owner is not None and (checking or (final and (state.held or state.held_mask))):
+        owner._settle(state, final=final)
 
 
 # torch.optim's global step pre-hook (its handle), one for all the watches attached, and how many
@@ -216,4 +236,4 @@ def release_step_hook(hold: list) -> None:
 def _step_begins(optimizer, args, kwargs) -> None:
     """torch.optim's global step pre-hook: an optimizer step ends the watched code."""
     if thread_state.owner is not None:
-        leave_region()
+        leave_region(final=True)

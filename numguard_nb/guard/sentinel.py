@@ -461,7 +461,7 @@ class Sentinel:
         if not bad:
             return False
         if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard._outside.hold(
-                pass_, record, partial(self._rerun_forward, call, pass_, record, bad)):
+                pass_, record, self, ("_rerun_forward", (call, pass_, record, bad))):
             return False  # a -inf mask in the model's output (illegal actions): the loss judges it
         return self._rerun_forward(call, pass_, record, bad)
 

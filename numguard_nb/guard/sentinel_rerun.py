@@ -137,6 +137,7 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
                                     full_every=None,
                                     **changes)
     full = type(guard)(models, **options.as_kwargs())
+    full._outside.may_hold = False  # the code after the call is the sentinel's to judge
     full._steps = _LentSteps(guard._steps)
     full._batches.started = batch  # numbered as the sentinel numbers its batches
     full.begin_batch()
