@@ -741,12 +741,13 @@ class _CheckpointedSqrt(nn.Module):
         self.inp = nn.Linear(4, 4)
         self.block = nn.Sequential(nn.Linear(4, 4))
         self.reentrant = reentrant
+        self.scale = torch.ones(4, requires_grad=True)  # a leaf the user trains, no parameter
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(lambda h: torch.sqrt(self.block(h) * 0), self.inp(x),
-                          use_reentrant=self.reentrant)
+                          use_reentrant=self.reentrant) + x * self.scale  # a finite gradient
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -767,7 +768,9 @@ def test_a_nan_in_backward_under_checkpointing_is_named_and_the_grads_are_left_a
     plain, _ = step(False)
     guarded, error = step(True)
     assert error.report.found_by == "re-run" and error.report.phase == "backward"
-    for (name, a), b in zip(plain.named_parameters(), guarded.parameters()):
+    pairs = list(zip(plain.named_parameters(), guarded.parameters()))
+    pairs.append((("scale", plain.scale), guarded.scale))
+    for (name, a), b in pairs:
         assert torch.equal(a.grad.isnan(), b.grad.isnan()), name
         assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num()), name
 

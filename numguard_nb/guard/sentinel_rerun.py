@@ -256,16 +256,34 @@ def _backward(calls, outputs, inputs: list) -> list:
 
 def _backward_into_grad(outputs, grads, wanted: list) -> list:
     """The gradients of `wanted` by `.backward()`, which torch.utils.checkpoint(use_reentrant=True)
-    needs (it refuses autograd.grad): each `.grad` is set aside, read after, and put back."""
-    kept = [t.grad for t in wanted]
+    needs (it refuses autograd.grad): the `.grad` of every leaf it reaches is set aside, read
+    after, and put back."""
+    touched = list(wanted) + [leaf for leaf in _graph_leaves(outputs)
+                              if not any(leaf is t for t in wanted)]
+    kept = [t.grad for t in touched]
     try:
-        for t in wanted:
+        for t in touched:
             t.grad = None
         torch.autograd.backward(outputs, grads)
         return [t.grad for t in wanted]
     finally:
-        for t, grad in zip(wanted, kept):
+        for t, grad in zip(touched, kept):
             t.grad = grad
+
+
+def _graph_leaves(outputs) -> list:
+    """The leaf tensors whose `.grad` a backward from `outputs` accumulates into."""
+    leaves, seen, todo = [], set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad's leaf
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return leaves
 
 
 def _has_problem(tensors, allow_inf: bool, limit: Optional[float]) -> bool:
