@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import time
 import traceback
 
 import pytest
@@ -58,7 +57,6 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results):
             model = fully_shard(_model(batch_norm=False))
             options = {"mode": "sentinel"}
         x = torch.ones(8, 4) * (1.0 if rank == 0 else -1e4)  # rank 1's log: of negative values
-        started = time.monotonic()
         try:
             with Guard(model, **options):
                 model(x)
@@ -66,9 +64,9 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results):
         except NonFiniteError as error:
             frame = error.report.first_nonfinite
             outcome = ("detected", frame.module_name, frame.op, error.report.reason)
-        results.put((rank, outcome, time.monotonic() - started))
+        results.put((rank, outcome))
     except BaseException:
-        results.put((rank, ("crashed", traceback.format_exc(), None, None), None))
+        results.put((rank, ("crashed", traceback.format_exc(), None, None)))
     finally:
         dist.destroy_process_group()
 
@@ -84,8 +82,8 @@ def _run(setup: str) -> dict:
         process.join(timeout=120)
     got = {}
     while not results.empty():
-        rank, outcome, elapsed = results.get()
-        got[rank] = (outcome, elapsed)
+        rank, outcome = results.get()
+        got[rank] = outcome
     return got
 
 
@@ -106,17 +104,16 @@ def _new_port():
 
 def test_the_op_re_run_on_one_ddp_rank_starts_no_buffer_broadcast():
     got = _run("ddp-ops")
-    assert got[0][0][0] == "clean", got
-    (state, module, op, _), elapsed = got[1]
+    assert got[0][0] == "clean", got
+    state, module, op, _ = got[1]
     assert state == "detected", got
+    # the op named: the re-run ran (a broadcast rank 0 never joins would have failed it)
     assert module == "module.1" and op == "aten.log.default"
-    assert elapsed < TIMEOUT_S / 2  # never waited on a collective rank 0 does not make
 
 
 def test_the_sentinel_does_not_re_run_an_fsdp2_rank_alone_and_says_why():
     got = _run("fsdp2-sentinel")
-    assert got[0][0][0] == "clean", got
-    (state, _, _, reason), elapsed = got[1]
+    assert got[0][0] == "clean", got
+    state, _, _, reason = got[1]
     assert state == "detected", got
     assert "sharded with FSDP" in reason and "not run again" in reason
-    assert elapsed < TIMEOUT_S / 2
