@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--steps 30] [--device cpu|cuda] [--train]
                                   [--models t5,gpt2,mlp,deep,t5-compiled]
+    python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194
     python benchmarks/overhead.py --quick     # T5 and the MLP, 8 steps: a first look
 
 On this project's 2-core CPU --quick takes about 30 seconds, three models at 12 steps about a
@@ -9,7 +10,11 @@ minute; the default run takes several minutes more, most of it inductor compilin
 
 With --train each timed step is a whole training step: forward, backward, an AdamW step and
 zero_grad (what a training loop pays; code that runs between the backward and the next forward
-shows up only there).
+shows up only there); on a GPU the AdamW is fused and the forward runs under bf16 autocast, and
+a last column counts the blocking host synchronisations of one more step
+(`torch.cuda.set_sync_debug_mode("warn")`). "gpt2-124m", "llama-125m" and "stack194" are the
+GPU models: GPT-2 124M and a Llama-style 125M on 8 x 1024 tokens, and 48 x [Linear 1024, GELU,
+LayerNorm] on a 256 x 1024 batch.
 
 Compares: no detector; numguard Guard (backward on, and forward only); Guard(ops=True)
 (op localisation armed: it must cost nothing until a detection); Guard(mode="sentinel") (the
@@ -94,8 +99,52 @@ def build_deep(device):
                    "labels": torch.randn(64, 512, device=device)}
 
 
+def build_gpt2_124m(device):
+    """GPT-2 124M as released (12 layers, 768 wide), batch 8 x 1024: random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).to(device)
+    ids = torch.randint(0, config.vocab_size, (8, 1024), device=device)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def build_llama_125m(device):
+    """A Llama-style 125M: 12 layers, 768 wide, grouped-query attention (12 heads, 4 KV heads),
+    batch 8 x 1024: random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                         max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).to(device)
+    ids = torch.randint(0, config.vocab_size, (8, 1024), device=device)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+class Stack(nn.Module):
+    """48 x [Linear 1024, GELU, LayerNorm]: 194 modules, where per-module hooks cost the most."""
+
+    def __init__(self, width=1024, depth=48):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU(),
+                                                  nn.LayerNorm(width)) for _ in range(depth))
+
+    def forward(self, x, labels):
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.mse_loss(x.float(), labels)
+
+
+def build_stack194(device):
+    model = Stack().to(device)
+    return model, {"x": torch.randn(256, 1024, device=device),
+                   "labels": torch.randn(256, 1024, device=device)}
+
+
 BUILDERS = {"t5": build_t5, "gpt2": build_gpt2, "mlp": build_mlp, "deep": build_deep,
-            "t5-compiled": build_t5}
+            "t5-compiled": build_t5, "gpt2-124m": build_gpt2_124m, "llama-125m": build_llama_125m,
+            "stack194": build_stack194}
 
 
 def loss_of(model, batch):
@@ -139,20 +188,30 @@ def make_compiled_configs(model):
     }
 
 
-def step(model, batch, context, device, optimizer=None):
+def step(model, batch, context, device, optimizer=None, sync_debug=None):
     """One timed step: forward and backward, and with an optimizer its step and zero_grad (a
-    training loop's whole step)."""
+    training loop's whole step; on a GPU under bf16 autocast). `sync_debug`: the mode of torch's
+    sync detector during the step itself (not the synchronisations that time it)."""
     if optimizer is None:
         model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                and optimizer is not None else contextlib.nullcontext())
     start = time.perf_counter()
-    with context():
-        loss = loss_of(model, batch)
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    if sync_debug is not None:
+        torch.cuda.set_sync_debug_mode(sync_debug)
+    try:
+        with context():
+            with autocast:
+                loss = loss_of(model, batch)
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    finally:
+        if sync_debug is not None:
+            torch.cuda.set_sync_debug_mode("default")
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -164,7 +223,8 @@ def bench(name, device, steps, warmup=3, train=False):
     model.eval()  # no dropout: every configuration computes exactly the same thing
     configs = make_compiled_configs(model) if name.endswith("-compiled") else make_configs(model)
     # lr=0: the weights stay as they are, and every step computes the same thing
-    optimizers = {key: torch.optim.AdamW(m.parameters(), lr=0.0) if train else None
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizers = {key: torch.optim.AdamW(m.parameters(), lr=0.0, **fused) if train else None
                   for key, (m, _) in configs.items()}
     times = {key: [] for key in configs}
     with warnings_silenced():
@@ -173,12 +233,24 @@ def bench(name, device, steps, warmup=3, train=False):
                 elapsed = step(m, batch, context, device, optimizers[key])
                 if i >= warmup:
                     times[key].append(elapsed)
+        syncs = {key: host_syncs(m, batch, context, device, optimizers[key])
+                 for key, (m, context) in configs.items()} if device.type == "cuda" else {}
     rows = []
     for key, values in times.items():
         ratios = [t / base for t, base in zip(values, times["none"])]
         rows.append((key, statistics.median(values) * 1e3, statistics.median(ratios),
-                     statistics.fmean(ratios)))
+                     statistics.fmean(ratios), syncs.get(key, "")))
     return rows
+
+
+def host_syncs(model, batch, context, device, optimizer) -> int:
+    """Blocking host synchronisations in one more step, as torch's sync detector counts them."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(model, batch, context, device, optimizer, sync_debug="warn")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @contextlib.contextmanager
@@ -213,10 +285,11 @@ def main():
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     what = "training steps (forward, backward, AdamW step, zero_grad)" if args.train else "steps (forward, backward)"
     print(f"torch {torch.__version__}, {label}, median of {args.steps} interleaved {what}\n")
-    print("| model | detector | step (ms) | ratio | mean ratio |\n|---|---|---:|---:|---:|")
+    print("| model | detector | step (ms) | ratio | mean ratio | host syncs per step |\n"
+          "|---|---|---:|---:|---:|---:|")
     for name in args.models.split(","):
-        for key, ms, ratio, mean in bench(name, device, args.steps, train=args.train):
-            print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x | {mean:.2f}x |", flush=True)
+        for key, ms, ratio, mean, syncs in bench(name, device, args.steps, train=args.train):
+            print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x | {mean:.2f}x | {syncs} |", flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s in all)")
 
 

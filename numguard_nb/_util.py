@@ -124,16 +124,18 @@ class WeakStepHook:
     """A torch.optim global step hook that calls `owner.<method>(optimizer)`, holding the owner
     weakly (the registry is global: a hook must not keep a guard and its models alive). It runs
     as it is inside a compiled step (traced, what it reads would recompile the step each time),
-    and its own failure never breaks the user's step: `on_error(owner)` is called instead."""
+    and its own failure never breaks the user's step: `on_error(owner)` is called instead.
+    Errors of the `raises` types (a detection that must stop the step) go through."""
 
-    __slots__ = ("owner", "method", "on_error")
+    __slots__ = ("owner", "method", "on_error", "raises")
 
-    def __init__(self, owner, method: str, on_error=None):
+    def __init__(self, owner, method: str, on_error=None, raises: tuple = ()):
         import weakref
 
         self.owner = weakref.ref(owner)
         self.method = method
         self.on_error = on_error
+        self.raises = raises
 
     @torch.compiler.disable
     def __call__(self, optimizer, args, kwargs) -> None:
@@ -142,6 +144,8 @@ class WeakStepHook:
             return
         try:
             getattr(owner, self.method)(optimizer)
+        except self.raises:
+            raise
         except Exception:
             if self.on_error is not None:
                 self.on_error(owner)

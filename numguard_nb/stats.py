@@ -338,13 +338,16 @@ def _stand_in_types() -> tuple:
     return tuple(types)
 
 
-_STAND_INS = _stand_in_types()
+_STAND_INS = STAND_INS = _stand_in_types()
 
 _functorch_check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
 def _is_functorch_wrapped(t: torch.Tensor) -> bool:
     return bool(_functorch_check is not None and _functorch_check(t))
+
+
+is_functorch_wrapped = _is_functorch_wrapped
 
 
 def _stack_to_host(vectors: list, device: torch.device) -> list:

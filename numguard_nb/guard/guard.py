@@ -300,6 +300,7 @@ class Guard:
             self._entered -= 1
             if self._entered <= 0:
                 self.detach()
+                self._sentinel.checks.raise_found(exc_type is None)
                 self._outside.raise_found(exc_type is None)
 
     def reset(self) -> None:

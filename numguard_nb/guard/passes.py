@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .. import numerics
 from .. import stats as _stats
 from .._schema import BACKWARD, VALUE_EMPTY, VALUE_TENSOR, VALUE_UNSUPPORTED
 from ..errors import BatchLimitReached
@@ -170,6 +171,7 @@ class PassRecord:
     def read_back(self) -> None:
         """Move every pending statistic to the host: the pass's one synchronisation."""
         if len(self.values) < len(self.vectors):
+            numerics.count_read()
             self.values.extend(_stats.to_host(self.vectors[len(self.values):]))
 
     def release(self) -> None:

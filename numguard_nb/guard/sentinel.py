@@ -48,15 +48,16 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from .. import _tree
+from .. import _tree, numerics
 from .. import stats as _stats
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
-from ..report import Report
+from ..report import Frame, Report
 from . import copies, detect, frames
 from .hooks import forward_raised, inert_context, is_dynamo_compiling
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
+from .sentinel_checks import StepChecks, gradients_by_device, nonfinite_gradients
 from .sentinel_rerun import (
     compiled_original, full_guard, gradient_frame, original_name, rerun_backward, rerun_forward,
     run_alone,
@@ -68,9 +69,6 @@ _RAISED = object()  # the output an always-called forward hook gets after a forw
 _CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_PLAIN = (torch.Tensor, nn.Parameter)
-_SMALL = 16384  # numbers: a CPU tensor smaller than this is summed with the other small ones
 
 
 def _queue_callback(callback) -> None:
@@ -223,65 +221,6 @@ class _OutputGradient:
         self.sentinel._on_output_gradient(self.call, self.position, grad)
 
 
-# ---- the checks ----------------------------------------------------------------------------
-def _readable(t: torch.Tensor) -> bool:
-    """Whether `t` holds numbers to read: not a meta or fake tensor, nor one wrapped by a
-    torch.func transform. Full mode's statistics leave the same ones unread (`stats`)."""
-    if type(t) in _PLAIN:
-        return not t.is_meta and not _stats._is_functorch_wrapped(t)
-    return not (t.is_meta or isinstance(t, _stats._STAND_INS) or _stats._is_functorch_wrapped(t))
-
-
-def _all_finite(tensors, unread: Optional[list] = None) -> bool:
-    """Whether every tensor is finite, read back once per device. A sum (CPU) or a norm (other
-    devices: one fused kernel) is inf or nan where a tensor holds inf or nan; it can overflow for
-    huge finite values too, which `_nonfinite_of` then rules out exactly. Tensors with no numbers
-    to read are not watched: left out, and added to `unread`."""
-    groups: Dict[tuple, list] = {}
-    flags: Dict[torch.device, list] = {}
-    for t in tensors:
-        if not _readable(t):
-            if unread is not None:
-                unread.append(t)
-            continue
-        if t.layout != torch.strided:
-            t = t.coalesce().values() if t.is_sparse else t.to_dense()
-        if t.numel() and (t.is_floating_point() or t.is_complex()):
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    for (device, dtype), group in groups.items():
-        wide = torch.float32 if dtype in _LOW_PRECISION else None
-        try:
-            sums = _sums(group, wide) if device.type == "cpu" else torch._foreach_norm(group, 2, dtype=wide)
-        except (RuntimeError, TypeError):  # a tensor subclass or dtype foreach cannot take
-            sums = [t.sum(dtype=wide) for t in group]
-        flags.setdefault(device, []).append(torch.stack(list(sums)).isfinite().all())
-    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
-
-
-def _sums(group: list, dtype) -> list:
-    """One sum per large tensor, and one over all small ones put together: on CPU a reduction
-    costs about as much to start as to run over a few thousand numbers."""
-    small = [t.reshape(-1) for t in group if t.numel() < _SMALL]
-    sums = [t.sum(dtype=dtype) for t in group if t.numel() >= _SMALL]
-    if small:
-        sums.append(torch.cat(small).sum(dtype=dtype))
-    return sums
-
-
-def _nonfinite_of(named_tensors) -> list:
-    """The (name, tensor) pairs whose tensor holds inf or nan, checked exactly (those with no
-    numbers to read left out, as in `_all_finite`)."""
-    bad = []
-    with torch.no_grad():
-        for name, t in named_tensors:
-            if not _readable(t):
-                continue
-            values = t.coalesce().values() if t.is_sparse else t
-            if values.numel() and not bool(torch.isfinite(values).all()):
-                bad.append((name, t))
-    return bad
-
-
 class Sentinel:
     """The checks of `mode="sentinel"` for one Guard, its kept calls and its re-runs."""
 
@@ -307,6 +246,7 @@ class Sentinel:
         self._known_parameters: Optional[list] = None  # None: look them up again
         self._registration_handles: list = []  # torch's global hooks telling of new parameters
         weakref.finalize(self, _remove_all, self._registration_handles)
+        self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -319,6 +259,7 @@ class Sentinel:
                         self._hook(module, name, position == 0 and module is root)
             # optimizer steps: what wrote weights found non-finite
             self.guard._steps.start(self.guard.models)
+            self.checks.start()
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
             changed = _ParametersChanged(self)
@@ -345,7 +286,10 @@ class Sentinel:
         copies.install(module, entry.hook_ids)
 
     def detach(self) -> None:
-        """Remove every hook (idempotent); what was reported stays."""
+        """Remove every hook (idempotent); what was reported stays. Checks still unread are
+        read first (waiting): a detection is kept for `checks.raise_found`."""
+        if self.attached:
+            self.checks.stop()
         self.attached = False
         for handle in self._handles + self._grad_handles + self._registration_handles:
             handle.remove()
@@ -355,7 +299,7 @@ class Sentinel:
         self._handles.clear()
         self._grad_handles.clear()
         self._registration_handles.clear()  # in place: the finalizer holds it
-        self._known_parameters = None
+        self._known_parameters = self.checks.guarded_ids = None
         self._kept_handles = 0
         self.entries.clear()
         self.tasks.clear()
@@ -386,6 +330,8 @@ class Sentinel:
         depth = local.depth
         if depth and not _still_running(local.top_frame):
             depth = 0
+        if not depth and self.checks.pending:
+            self.checks.look()  # the steps before, if the device has their values by now
         local.depth = depth + 1
         if depth:
             return
@@ -425,27 +371,44 @@ class Sentinel:
 
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options
-        pass_ = PassRecord()
-        record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD, call.batch_number,
-                            call.call_index, True)
-        tensors, nonzero_min = [], options.limit_dtype is not None
-        for role, leaf in _tree.named_leaves(output, "output"):
-            if isinstance(leaf, torch.Tensor):
-                tensors.append(leaf)
-                summary = pass_.summarise(leaf, (id(entry.module), role), nonzero_min,
-                                          self._sign_hints)
-                record.slots.append((role, OUTPUT, summary[ENTRY_KIND], leaf.dtype,
-                                     summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
-        pass_.calls.append(record)
-        pass_.read_back()  # the forward's one synchronisation
+        tensors = list(_tree.tensors(output))
+        rerun = False
+        if tensors and numerics.deferred(tensors[0]) and not self.guard._sync:
+            # an asynchronous device: one value computed there, read when it is ready
+            value = numerics.output_flag(t for t in tensors if numerics.readable(t))
+            if value is not None:
+                self.checks.add(value, partial(self._late_forward_problem, call))
+                self.checks.seal()
+        else:
+            pass_ = PassRecord()
+            record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD,
+                                call.batch_number, call.call_index, True)
+            nonzero_min = options.limit_dtype is not None
+            for role, leaf in _tree.named_leaves(output, "output"):
+                if isinstance(leaf, torch.Tensor):
+                    summary = pass_.summarise(leaf, (id(entry.module), role), nonzero_min,
+                                              self._sign_hints)
+                    record.slots.append((role, OUTPUT, summary[ENTRY_KIND], leaf.dtype,
+                                         summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
+            pass_.calls.append(record)
+            pass_.read_back()  # the forward's one synchronisation
+            rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
+                     and self._forward_problem(call, pass_, record))
+            self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
-        rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
-                 and self._forward_problem(call, pass_, record))
         if not rerun:  # (a re-run counted it in the full guard)
             self.guard._steps.forward_began(entry.run_id, call.batch_number)
-        self._recent.remember(pass_, options.max_frames)
         if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._keep_for_backward(call, tensors)
+
+    def _late_forward_problem(self, call: _Call, values: list) -> None:
+        """A call's outputs held nan or +inf (read after the call): run it again, and raise."""
+        entry = call.entry
+        seen = Frame(module_name=entry.name, module_class=entry.cls, phase=FORWARD,
+                     batch_number=call.batch_number, call_index=call.call_index, rows=[])
+        report = self._rerun(rerun_forward, self.guard, call, seen)
+        if report is not None:
+            self._raise(report)
 
     def _forward_problem(self, call: _Call, pass_: PassRecord, record: CallRecord) -> bool:
         """Re-run the call if its outputs hold what the full guard's rules may stop on, and raise
@@ -536,8 +499,11 @@ class Sentinel:
             self.passes_checked += 1
             parameters = self._parameters()
             grads = [p.grad for p in parameters if p.grad is not None]
+            if grads and numerics.deferred(grads[0]) and not self.guard._sync:
+                done = self._check_gradients_later(done, parameters)
+                return
             unread: list = []
-            if grads and not _all_finite(grads, unread):
+            if grads and not numerics.all_finite(grads, unread):
                 self._backward_problem(done, parameters)
             if unread and done:
                 self._note_unread(done[0], parameters, unread)
@@ -545,23 +511,47 @@ class Sentinel:
             for call in done:
                 call.grads = [None] * len(call.grads)
 
+    def _check_gradients_later(self, calls: List[_Call], parameters: list) -> list:
+        """On an asynchronous device: the gradients' norms, per device, read when ready. The
+        calls keep the gradients their outputs got until then (a re-run needs them); returns
+        the calls whose gradients can go now."""
+        groups = gradients_by_device(parameters)
+        for group in groups:
+            self.checks.add(numerics.grad_norms([p.grad for p in group]),
+                            partial(self._late_backward_problem, calls, parameters, group),
+                            partial(_forget_gradients, calls))
+        if not groups:
+            return calls
+        self.checks.seal()
+        self.checks.look()  # earlier steps, if their values are there
+        return []
+
+    def _late_backward_problem(self, calls: List[_Call], parameters: list, group: list,
+                               norms: list) -> None:
+        """Gradients held inf or nan (read after their backward): run the calls again; raise."""
+        self._gradients_problem(calls, parameters, nonfinite_gradients(
+            self._parameter_names(), group, norms))
+
     def _note_unread(self, call: _Call, parameters: list, unread: list) -> None:
         """Keep the gradients that had no numbers to read (meta, fake) as rows of the report,
         as full mode keeps them: the report says they were not watched."""
         names, unread_ids = self._parameter_names(), {id(t) for t in unread}
+        pass_, _ = self._gradients_read(call, [(names.get(id(p), "?"), p.grad) for p in parameters
+                                               if p.grad is not None and id(p.grad) in unread_ids])
+        self._recent.remember(pass_, self.guard.options.max_frames)
+
+    def _gradients_read(self, call: _Call, named_grads: list) -> tuple:
+        """(pass, record) of the gradients [(parameter name, grad)], summarised and read."""
         pass_ = PassRecord()
         record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
                             call.batch_number, call.call_index, True)
-        for p in parameters:
-            grad = p.grad
-            if grad is not None and id(grad) in unread_ids:
-                summary = pass_.summarise(grad, None, False, self._sign_hints)
-                record.slots.append((f"{names.get(id(p), '?')}.grad", GRAD_PARAM,
-                                     summary[ENTRY_KIND], grad.dtype, summary[ENTRY_SHAPE],
-                                     summary[ENTRY_INDEX], 0))
+        for name, grad in named_grads:
+            summary = pass_.summarise(grad, None, False, self._sign_hints)
+            record.slots.append((f"{name}.grad", GRAD_PARAM, summary[ENTRY_KIND], grad.dtype,
+                                 summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
         pass_.calls.append(record)
         pass_.read_back()
-        self._recent.remember(pass_, self.guard.options.max_frames)
+        return pass_, record
 
     def _loss_scaling_excuses(self, call: _Call, bad: list) -> bool:
         """The one place loss scaling plugs in. With a GradScaler (the `scaler` option) inf/nan
@@ -572,22 +562,19 @@ class Sentinel:
         options = self.guard.options
         if self.guard._scaling.scaler_of(options) is None:
             return False
-        pass_ = PassRecord()
-        record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
-                            call.batch_number, call.call_index, True)
-        for name, grad in bad:
-            summary = pass_.summarise(grad, None, False, self._sign_hints)
-            record.slots.append((f"{name}.grad", GRAD_PARAM, summary[ENTRY_KIND], grad.dtype,
-                                 summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
-        pass_.calls.append(record)
-        pass_.read_back()
+        pass_, record = self._gradients_read(call, bad)
         return self.guard._scaling.excuses(options, pass_, record, record.slots, CAUSE_BACKWARD)
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
         """Re-run the calls of a backward pass whose gradients hold inf/nan; raise."""
         names = self._parameter_names()
-        bad = _nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
+        bad = numerics.nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
                             if p.grad is not None)
+        self._gradients_problem(calls, parameters, bad)
+
+    def _gradients_problem(self, calls: List[_Call], parameters: list, bad: list) -> None:
+        """Re-run the calls of a backward pass whose gradients `bad` [(name, grad)] hold inf/nan;
+        raise."""
         if not bad:
             return  # a norm overflowed on huge finite values
         first = calls[0]  # one at least: its output's gradient hook queued this check
@@ -615,7 +602,7 @@ class Sentinel:
         return self._known_parameters
 
     def _new_parameters(self, module, name, value) -> None:
-        self._known_parameters = None
+        self._known_parameters = self.checks.guarded_ids = None
 
     def _parameter_names(self) -> dict:
         return {id(p): original_name(_join(prefix, name))
@@ -678,6 +665,11 @@ class Sentinel:
             self._tracer = None
             tracer._paused = True  # a hook of a call running now may still be called
             tracer.detach()
+
+
+def _forget_gradients(calls: List[_Call]) -> None:
+    for call in calls:
+        call.grads = [None] * len(call.grads)
 
 
 def _top_of(tensors: list) -> tuple:

@@ -1,0 +1,226 @@
+"""The sentinel's checks on an asynchronous device (CUDA): computed there, read when ready.
+
+Each top-level call's outputs give one value (`numerics.output_flag`), each backward pass the
+norms of the gradients (`numerics.grad_norms`); they gather in the open step and are sealed into
+one `numerics.DeferredRead` at the end of the backward pass (or at once for a call no backward
+follows). A sealed step is looked at, never waited for, at the next top-level call and at the
+end of the next backward pass; a value found not fine runs the action it came with (the
+sentinel's re-run, which raises), in the order the values were made.
+
+An optimizer step must not write weights from gradients not yet known to be finite, so that the
+re-run starts from the weights of the failing step. At its step pre-hook (torch.optim's global
+one) a step still unread is:
+- for an optimizer that skips its step on a device flag (fused Adam, AdamW, SGD, Adagrad: the
+  flag a GradScaler passes as `found_inf`), handed over as that flag: no read;
+- for any other (foreach or for-loop), read there, waiting for it: one read per step.
+
+`detach` reads what is still unread, waiting, and keeps a detection for `raise_found`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from .. import numerics
+from .._util import WeakStepHook
+from ..errors import NonFiniteError
+
+__all__ = ["StepChecks"]
+
+_FOUND_INF = "found_inf"
+MAX_SEALED = 64  # steps sealed and never looked at (no later call, no optimizer): past this, forgotten
+
+
+class _Sealed:
+    """One step's values, in flight to the host, and what to do with each that is not fine."""
+
+    __slots__ = ("read", "actions", "device_values", "finish")
+
+    def __init__(self, values: list, actions: list, finish: list):
+        self.device_values = values  # kept on the device for an optimizer's found_inf
+        self.read = numerics.DeferredRead(values)
+        self.actions = actions
+        self.finish = finish
+
+    def found_inf(self, device: torch.device) -> torch.Tensor:
+        """1.0 where a value is not fine, else 0.0: a float32 flag on `device`, never read."""
+        flat = torch.cat([v.reshape(-1).to(device, non_blocking=True) for v in self.device_values])
+        return (~(flat < numerics._INF).all()).float()
+
+
+def _remove_all(handles: list) -> None:
+    while handles:
+        handles.pop().remove()
+
+
+def _skips_on_flag(optimizer) -> bool:
+    """Whether `optimizer.step` skips on a `found_inf` device flag (its fused implementation)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+class StepChecks:
+    """The open step's values and the sealed steps not yet read, for one sentinel."""
+
+    def __init__(self, parameters: Callable[[], list]):
+        self._parameters = parameters  # the guarded parameters
+        self.guarded_ids: Optional[frozenset] = None  # their ids (None: look them up again)
+        self._values: list = []  # the open step's device values
+        self._actions: list = []  # per value: called with its host floats when not fine
+        self._finish: list = []  # called once the step is read, fine or not
+        self._sealed: deque = deque()
+        self._handles: list = []  # torch's global step hooks (gone with this object too)
+        weakref.finalize(self, _remove_all, self._handles)
+        self._lent = weakref.WeakKeyDictionary()  # optimizer -> the found_inf this lent it
+        self.unraised: Optional[BaseException] = None
+
+    def start(self) -> None:
+        """Watch the optimizer steps (torch's global hooks, holding this weakly)."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook, register_optimizer_step_pre_hook,
+        )
+        if not self._handles:
+            self._handles += [
+                register_optimizer_step_pre_hook(
+                    WeakStepHook(self, "_before_step", raises=(NonFiniteError,))),
+                register_optimizer_step_post_hook(WeakStepHook(self, "_after_step"))]
+
+    def stop(self) -> None:
+        """Read what is unread (waiting) and stop; a detection is kept for `raise_found`."""
+        _remove_all(self._handles)
+        try:
+            self.seal()
+            self.look(wait=True)
+        except NonFiniteError as error:
+            self.unraised = error
+        finally:
+            self._drop()
+
+    def raise_found(self, when: bool = True) -> None:
+        error, self.unraised = self.unraised, None
+        if error is not None and when:
+            raise error
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._values or self._sealed)
+
+    # ---- gathering -----------------------------------------------------------------------------
+    def add(self, value: torch.Tensor, action: Callable[[list], None],
+            finish: Optional[Callable[[], None]] = None) -> None:
+        """A float32 vector on the device, and what to do with its host values if one is not
+        fine (`numerics.fine`); `finish` runs once it is read either way."""
+        self._values.append(value)
+        self._actions.append(action)
+        if finish is not None:
+            self._finish.append(finish)
+
+    def seal(self) -> None:
+        """The open step is complete: start bringing its values to the host."""
+        if not self._values:
+            return
+        if len(self._sealed) >= MAX_SEALED:
+            self._sealed.popleft()
+        self._sealed.append(_Sealed(self._values, self._actions, self._finish))
+        self._values, self._actions, self._finish = [], [], []
+
+    # ---- reading -------------------------------------------------------------------------------
+    def look(self, wait: bool = False) -> None:
+        """Act on the sealed steps whose values are on the host, oldest first (all of them,
+        waiting, with `wait`). An action that raises drops the steps after it: they ran from
+        what the failing step left."""
+        if wait and self._sealed:
+            self._sealed[-1].read.values(wait=True)  # one wait: the steps before it are done too
+        while self._sealed:
+            sealed = self._sealed[0]
+            values = sealed.read.values(wait, counted=False)
+            if values is None:
+                return
+            self._sealed.popleft()
+            try:
+                for vector, action in zip(values, sealed.actions):
+                    if not all(numerics.fine(x) for x in vector):
+                        action(vector)
+            except BaseException:
+                self._drop()
+                raise
+            finally:
+                for finish in sealed.finish:
+                    finish()
+
+    def _drop(self) -> None:
+        for sealed in self._sealed:
+            for finish in sealed.finish:
+                finish()
+        self._sealed.clear()
+        for finish in self._finish:
+            finish()
+        self._values, self._actions, self._finish = [], [], []
+
+    # ---- the optimizer step --------------------------------------------------------------------
+    def _before_step(self, optimizer) -> None:
+        if not self._sealed or not self._holds(optimizer):
+            return
+        self.look()
+        if not self._sealed:
+            return
+        if _skips_on_flag(optimizer):
+            device = optimizer.param_groups[0]["params"][0].device
+            flag = self._sealed[0].found_inf(device)
+            for sealed in list(self._sealed)[1:]:
+                flag = torch.maximum(flag, sealed.found_inf(device))
+            theirs = getattr(optimizer, _FOUND_INF, None)  # a GradScaler's, for this step
+            if theirs is not None:
+                setattr(optimizer, _FOUND_INF, torch.maximum(theirs, flag.to(theirs.device)))
+            else:
+                setattr(optimizer, _FOUND_INF, flag)
+                self._lent[optimizer] = flag
+            return
+        self.look(wait=True)  # the one read of a step that cannot skip on a device flag
+
+    def _holds(self, optimizer) -> bool:
+        """Whether `optimizer` steps a guarded parameter (its groups' first ones are looked at)."""
+        if self.guarded_ids is None:
+            self.guarded_ids = frozenset(id(p) for p in self._parameters())
+        return any(group["params"] and id(group["params"][0]) in self.guarded_ids
+                   for group in optimizer.param_groups)
+
+    def _after_step(self, optimizer) -> None:
+        lent = self._lent.pop(optimizer, None)
+        if lent is not None and getattr(optimizer, _FOUND_INF, None) is lent:
+            delattr(optimizer, _FOUND_INF)
+
+
+def gradients_by_device(parameters: list) -> list:
+    """The parameters whose gradients hold numbers to check, in lists by device."""
+    groups: dict = {}
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if type(grad) is not torch.Tensor or grad.layout is not torch.strided \
+                or not grad.is_floating_point():  # the rare kinds: checked in full
+            if not (grad.layout is torch.strided and grad.is_floating_point()
+                    and numerics.readable(grad)):
+                continue
+        elif grad.is_meta or not grad.numel():
+            continue
+        groups.setdefault(grad.device, []).append(p)
+    return list(groups.values())
+
+
+def nonfinite_gradients(names: dict, parameters: list, norms: list) -> list:
+    """[(name, gradient)] of the parameters whose gradient's norm (read after the backward) is
+    not fine, each shown by a host stand-in of its shape holding that norm (nan, or inf of
+    unknown sign): the gradient itself is gone or rewritten by then."""
+    bad = []
+    for p, norm in zip(parameters, norms):
+        if not numerics.fine(norm):
+            dtype = p.dtype if p.dtype.is_floating_point else torch.float32
+            bad.append((names.get(id(p), "?"), torch.full(tuple(p.shape), norm, dtype=dtype)))
+    return bad

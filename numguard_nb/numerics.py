@@ -1,0 +1,218 @@
+"""Finite checks computed on the device, and the read-back of their flags without waiting.
+
+A host read of a CUDA value (`.item()`, `bool(t)`, `.tolist()`) drains the device's queue: the
+GPU then idles while Python launches the next kernels. The checks that run every step (the
+sentinel's) therefore leave their results on the device as small flags, and `DeferredRead`
+brings them to pinned host memory with a non-blocking copy and an event: `ready()` asks the event,
+`values(wait=False)` reads them only once they are there. Only a caller that must know now (an
+optimizer step about to write weights, a detach) waits, and each wait is counted in `READS` (the
+statistics' read-back, `passes.PassRecord.read_back`, counts there too): tests assert a healthy
+step waits for nothing.
+
+Which devices are read later: those in `DEFERRED_DEVICE_TYPES` (CUDA). Host values are read at
+once, as there is nothing to wait for; tests add "cpu" to run the deferred path on the host.
+
+    >>> flags = [output_flag(outputs), grad_norms(grads)]
+    >>> read = DeferredRead(flags)      # copies started, nothing waited for
+    >>> read.values() if read.ready() else None   # [[amax], [norm, norm, ...]]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from . import stats as _stats
+
+__all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
+           "deferred", "fine", "grad_norms", "nonfinite_of", "output_flag", "readable"]
+
+DEFERRED_DEVICE_TYPES = {"cuda"}
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_INF = math.inf
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SMALL = 16384  # numbers: a CPU tensor smaller than this is summed with the other small ones
+
+
+class _Reads:
+    """How many reads of device values waited for the device (or would have, on the host)."""
+
+    __slots__ = ("waited",)
+
+    def __init__(self):
+        self.waited = 0
+
+
+READS = _Reads()
+
+
+def count_read() -> None:
+    READS.waited += 1
+
+
+def deferred(t: torch.Tensor) -> bool:
+    """Whether `t`'s checks are read later (its device runs asynchronously)."""
+    return t.device.type in DEFERRED_DEVICE_TYPES
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether `t` holds numbers to read: not a meta or fake tensor, nor one wrapped by a
+    torch.func transform. Full mode's statistics leave the same ones unread (`stats`)."""
+    if type(t) in _PLAIN:
+        return not t.is_meta and not _stats.is_functorch_wrapped(t)
+    return not (t.is_meta or isinstance(t, _stats.STAND_INS) or _stats.is_functorch_wrapped(t))
+
+
+def all_finite(tensors, unread: Optional[list] = None) -> bool:
+    """Whether every tensor is finite, read back once per device. A sum (CPU) or a norm (other
+    devices: one fused kernel) is inf or nan where a tensor holds inf or nan; it can overflow for
+    huge finite values too, which `nonfinite_of` then rules out exactly. Tensors with no numbers
+    to read are not watched: left out, and added to `unread`."""
+    groups: Dict[tuple, list] = {}
+    flags: Dict[torch.device, list] = {}
+    for t in tensors:
+        if not readable(t):
+            if unread is not None:
+                unread.append(t)
+            continue
+        if t.layout != torch.strided:
+            t = t.coalesce().values() if t.is_sparse else t.to_dense()
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), group in groups.items():
+        wide = torch.float32 if dtype in _LOW_PRECISION else None
+        try:
+            sums = _sums(group, wide) if device.type == "cpu" else torch._foreach_norm(group, 2, dtype=wide)
+        except (RuntimeError, TypeError):  # a tensor subclass or dtype foreach cannot take
+            sums = [t.sum(dtype=wide) for t in group]
+        flags.setdefault(device, []).append(torch.stack(list(sums)).isfinite().all())
+    count_read()
+    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
+
+
+def _sums(group: list, dtype) -> list:
+    """One sum per large tensor, and one over all small ones put together: on CPU a reduction
+    costs about as much to start as to run over a few thousand numbers."""
+    small = [t.reshape(-1) for t in group if t.numel() < _SMALL]
+    sums = [t.sum(dtype=dtype) for t in group if t.numel() >= _SMALL]
+    if small:
+        sums.append(torch.cat(small).sum(dtype=dtype))
+    return sums
+
+
+def nonfinite_of(named_tensors) -> list:
+    """The (name, tensor) pairs whose tensor holds inf or nan, checked exactly (those with no
+    numbers to read left out, as in `all_finite`)."""
+    bad = []
+    count_read()
+    with torch.no_grad():
+        for name, t in named_tensors:
+            if not readable(t):
+                continue
+            values = t.coalesce().values() if t.is_sparse else t
+            if values.numel() and not bool(torch.isfinite(values).all()):
+                bad.append((name, t))
+    return bad
+
+
+def fine(value: float) -> bool:
+    """Whether a checked value passes: not nan, not +inf (-inf is a mask's, or no value)."""
+    return value < _INF
+
+
+def output_flag(tensors) -> Optional[torch.Tensor]:
+    """One float32 value on the device that is nan or +inf where an output holds nan or +inf
+    (`fine` tells). -inf alone passes (an attention or action mask: the loss and the gradients
+    judge whether it does harm). `amax` propagates nan and is +inf where +inf is: one reduction
+    per tensor, no copy."""
+    maxima = []
+    with torch.no_grad():
+        for t in tensors:
+            if not t.numel() or t.layout != torch.strided:
+                continue
+            if t.is_floating_point():
+                maxima.append(t.amax().float())
+            elif t.is_complex():
+                maxima.append(t.abs().amax().float())
+    if not maxima:
+        return None
+    return maxima[0].reshape(1) if len(maxima) == 1 else torch.stack(maxima).max().reshape(1)
+
+
+def grad_norms(tensors: list) -> Optional[torch.Tensor]:
+    """Per tensor its norm, as one float32 vector on the device (the tensors' order; all on one
+    device): inf or nan where the tensor holds inf or nan (`fine` tells), overflowing only for
+    values beyond float32's range. One fused kernel per dtype (`torch._foreach_norm`)."""
+    if not tensors:
+        return None
+    dtypes = {t.dtype for t in tensors}
+    with torch.no_grad():
+        if len(dtypes) == 1:  # the common case: one launch, one stack
+            return _norms(tensors, dtypes.pop())
+        positions: dict = {}
+        for position, t in enumerate(tensors):
+            positions.setdefault(t.dtype, []).append(position)
+        order = [p for group in positions.values() for p in group]
+        norms = torch.cat([_norms([tensors[p] for p in group], dtype)
+                           for dtype, group in positions.items()])
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return norms[inverse.to(norms.device)]
+
+
+def _norms(group: list, dtype: torch.dtype) -> torch.Tensor:
+    wide = torch.float32 if dtype in _LOW_PRECISION else None
+    try:
+        values = torch._foreach_norm(group, 2, dtype=wide)
+    except (RuntimeError, TypeError):  # a tensor subclass or dtype foreach cannot take
+        values = [t.float().norm() for t in group]
+    return torch.stack(values).float()
+
+
+class DeferredRead:
+    """Float32 vectors on the device, copied to pinned host memory as soon as they are computed,
+    read once there. Vectors on the host need no copy and are ready at once."""
+
+    __slots__ = ("_host", "_event", "_sizes", "_values")
+
+    def __init__(self, vectors: list):
+        self._sizes = [int(v.numel()) for v in vectors]
+        self._values: Optional[list] = None
+        self._event = None
+        if not vectors:
+            self._host = None
+            self._values = []
+            return
+        flat = torch.cat([v.reshape(-1) for v in vectors])
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def ready(self) -> bool:
+        """Whether the flags are on the host (never waits)."""
+        return self._values is not None or self._event is None or self._event.query()
+
+    def values(self, wait: bool = False, counted: bool = True) -> Optional[List[list]]:
+        """The vectors as lists of floats, or None while not ready (unless `wait`: then the wait
+        is counted in `READS`, unless a wait for later work on the device covered it)."""
+        if self._values is None:
+            if not self.ready():
+                if not wait:
+                    return None
+                if counted:
+                    count_read()
+                if self._event is not None:
+                    self._event.synchronize()
+            flat = self._host.tolist()
+            self._values, start = [], 0
+            for size in self._sizes:
+                self._values.append(flat[start:start + size])
+                start += size
+            self._host = self._event = None
+        return self._values

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one run of a few minutes (for a lent machine; see README).
+#   bash scripts/gpu_checks.sh [OUT_DIR]
+# Writes cuda-tests.txt, overhead.md, syncs.txt, replay.txt, ddp.md into OUT_DIR (default $OUT or .).
+set -u
+out=${1:-${OUT:-.}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi -L | tee "$out/device.txt"
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
+
+echo "== cuda tests"
+timeout 240 python -m pytest -q -p no:cacheprovider -m cuda -ra \
+  tests/test_sentinel_deferred.py tests/test_guard.py tests/test_replay.py tests/test_distcheck.py \
+  2>&1 | tail -25 | tee "$out/cuda-tests.txt"
+
+echo "== host syncs per training step, a loss outside the model"
+timeout 120 python - <<'PY' 2>&1 | tee "$out/syncs.txt"
+import warnings, torch, torch.nn.functional as F
+from torch import nn
+from numguard_nb import Guard
+torch.manual_seed(0)
+def count(model, opt, guard_options):
+    x = torch.randn(64, 256, device="cuda"); y = torch.randint(0, 10, (64,), device="cuda")
+    g = Guard(model, **guard_options).attach() if guard_options is not None else None
+    found = []
+    for i in range(4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if i == 3 else "default")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x).float(), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+            torch.cuda.set_sync_debug_mode("default")
+        found = [str(w.message).splitlines()[0][:90] + " @ " + w.filename.split("/")[-1] + ":" + str(w.lineno) for w in caught if "synchroniz" in str(w.message)]
+    if g is not None: g.detach()
+    return found
+for name, options in [("none", None), ("sentinel", {"mode": "sentinel"}), ("full", {}), ("full ops=True", {"ops": True})]:
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    found = count(model, opt, options)
+    print(f"{name}: {len(found)} host syncs in a step"); [print("   ", f) for f in found]
+PY
+
+echo "== replay of a device-side assert in the loss code"
+timeout 120 python - <<'PY' 2>&1 | tail -15 | tee "$out/replay.txt"
+import torch, torch.nn.functional as F
+from torch import nn
+from numguard_nb import Guard
+from numguard_nb.replay.after_error import replay_after_error, is_device_error
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).cuda()
+x = torch.randn(4, 8, device="cuda"); labels = torch.tensor([0, 1, 2, 1], device="cuda")
+guard = Guard(model, capture=True)
+try:
+    with guard:
+        loss = F.cross_entropy(model(x), labels)
+        loss.backward()
+        torch.cuda.synchronize()
+except Exception as error:
+    print("error:", type(error).__name__, str(error).splitlines()[0][:160], "device error:", is_device_error(error))
+    outcome = replay_after_error(guard, error, save_dir="/tmp")
+    print(repr(outcome)[:1500])
+PY
+
+echo "== overhead of a training step (bf16 autocast, fused AdamW)"
+timeout 420 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 12 2>&1 | tee "$out/overhead.md" | tail -30
+
+echo "== DDP over nccl, one process"
+timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 12 2>&1 | tail -3 | tee "$out/ddp.md"
+echo "== distcheck: 2 processes on 1 GPU"
+timeout 60 python -m torch.distributed.run --nproc_per_node 2 -m numguard_nb.distcheck --backend nccl 2>&1 | tail -3 | tee -a "$out/ddp.md"

@@ -1,0 +1,170 @@
+"""The sentinel's checks on an asynchronous device: computed there, read without waiting, and a
+step whose gradients are not finite never writes the weights (issue: GPU-native cost).
+
+On the host these run the deferred path by counting "cpu" among the deferred devices and holding
+its values back (`never_ready`) until the code waits for them, as a GPU still busy would; the
+`cuda` tests run the same on a GPU, with torch's own sync detector.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from numguard_nb import Guard, NonFiniteError, numerics
+from numguard_nb.numerics import DeferredRead
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x))).mean()
+
+
+@pytest.fixture
+def deferred_on_host(monkeypatch):
+    """CPU values read as a GPU's are; `held[0]` True: the device has not finished them yet."""
+    monkeypatch.setattr(numerics, "DEFERRED_DEVICE_TYPES", {"cpu", "cuda"})
+    held = [True]
+    real_ready = DeferredRead.ready
+    monkeypatch.setattr(DeferredRead, "ready",
+                        lambda self: not held[0] and real_ready(self) or self._values is not None)
+    return held
+
+
+OPTIMIZERS = {
+    "fused": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
+    "foreach": lambda params: torch.optim.AdamW(params, lr=0.1, foreach=True),
+    "plain": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False),
+}
+
+
+def _batch(step: int, bad_step: int, device="cpu") -> torch.Tensor:
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step)).to(device)
+    if step == bad_step:
+        x[3, 1] = float("nan")
+    return x
+
+
+def test_a_healthy_step_waits_for_nothing(deferred_on_host):
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with Guard(model, mode="sentinel"):
+        for step in range(5):
+            before = numerics.READS.waited
+            model(_batch(step, -1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert numerics.READS.waited == before, f"step {step} waited for device values"
+            deferred_on_host[0] = step % 2 == 0  # ready at some steps, not at others
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_detected_step_leaves_the_weights_unchanged(deferred_on_host, kind):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = OPTIMIZERS[kind](model.parameters())
+    raised_at = None
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(5):
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+                model(_batch(step, 2)).backward()
+                raised_at = "step"
+                optimizer.step()
+                raised_at = None
+                if step == 2:
+                    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), \
+                        "the step whose gradients held nan wrote the weights"
+                optimizer.zero_grad()
+                deferred_on_host[0] = step < 2  # the device catches up after the failing step
+    report = caught.value.report
+    assert report.batch_number == 2
+    assert "nan" in str(caught.value)
+    # A fused optimizer skips on the device flag and the next call reads it; the others read at
+    # the step, which raises before writing anything.
+    assert raised_at == (None if kind == "fused" else "step")
+    # the weights are those the failing step started from
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_detection_read_at_detach_is_raised_on_exit(deferred_on_host):
+    model = Net()
+    with pytest.raises(NonFiniteError, match="nan"):
+        with Guard(model, mode="sentinel"):
+            model(_batch(0, 0)).backward()  # no optimizer, no later call: read at the exit
+    assert not model.first._forward_hooks and not model._forward_pre_hooks
+
+
+def test_the_optimizer_gets_no_flag_once_the_guard_is_gone(deferred_on_host):
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with Guard(model, mode="sentinel"):
+        model(_batch(0, -1)).backward()
+        optimizer.step()
+        assert not hasattr(optimizer, "found_inf")
+    model(_batch(1, -1)).backward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert not all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+
+def test_same_weights_with_and_without_the_deferred_sentinel(deferred_on_host):
+    torch.manual_seed(1)
+    plain = Net()
+    guarded = Net()
+    guarded.load_state_dict(plain.state_dict())
+    runs = []
+    for model, guard in ((plain, None), (guarded, Guard(guarded, mode="sentinel"))):
+        optimizer = OPTIMIZERS["fused"](model.parameters())
+        if guard is not None:
+            guard.attach()
+        for step in range(6):
+            model(_batch(step, -1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            deferred_on_host[0] = step % 3 != 0
+        if guard is not None:
+            guard.detach()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_healthy_sentinel_step_makes_no_host_synchronisation():
+    model = Net().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    x = torch.randn(16, 4, device="cuda")
+    with Guard(model, mode="sentinel"):
+        for step in range(4):
+            torch.cuda.set_sync_debug_mode("error" if step else "default")  # step 0: warm-up
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_on_cuda_a_detected_step_leaves_the_weights_unchanged(kind):
+    torch.manual_seed(0)
+    model = Net().cuda()
+    optimizer = OPTIMIZERS[kind](model.parameters())
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(5):
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+                model(_batch(step, 2, "cuda")).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert caught.value.report.batch_number == 2
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
