@@ -27,7 +27,7 @@ import torch
 from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
-           "deferred", "fine", "grad_norms", "nonfinite_of", "output_flag", "readable"]
+           "deferred", "fine", "grad_norms", "nonfinite_of", "output_flag", "readable", "stats_flag"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -139,6 +139,24 @@ def output_flag(tensors) -> Optional[torch.Tensor]:
     if not maxima:
         return None
     return maxima[0].reshape(1) if len(maxima) == 1 else torch.stack(maxima).max().reshape(1)
+
+
+def stats_flag(vectors: list) -> Optional[torch.Tensor]:
+    """One float32 value on the device that is nan or inf where any of the `stats.device_stats`
+    rows summarised a tensor holding inf or nan (their abs max, at index 1); None where a row is
+    on the host or none has one."""
+    maxima = []
+    for vec in vectors:
+        if vec is None:
+            continue
+        abs_max = vec[1]
+        if not isinstance(abs_max, torch.Tensor) or abs_max.device.type not in DEFERRED_DEVICE_TYPES:
+            return None
+        maxima.append(abs_max.float())
+    if not maxima:
+        return None
+    with torch.no_grad():
+        return torch.stack(maxima).abs().max().reshape(1)
 
 
 def grad_norms(tensors: list) -> Optional[torch.Tensor]:

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 import promises
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb._schema import BACKWARD, CAUSE_OUTSIDE, FORWARD, OUTSIDE_MODULE
-from numguard_nb.guard import outside
+from numguard_nb.guard import outside, outside_checks
 from numguard_nb.guard.steps import STEP_NUMBER
 
 INF = float("inf")
@@ -56,7 +56,7 @@ def function_stack() -> list:
 def reading(request, monkeypatch):
     """Both ways of reading the statistics: at once (CPU), once per region (a GPU's way)."""
     if request.param == "once per region":
-        monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())
+        monkeypatch.setattr(outside_checks, "IMMEDIATE_DEVICES", frozenset())
     return request.param
 
 
@@ -321,7 +321,7 @@ def test_a_compiled_optimizer_step_is_not_compiled_again_and_again_under_the_gua
 
 
 def test_a_value_still_to_be_read_is_raised_at_the_next_optimizer_step(monkeypatch):
-    monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())  # read once per region
+    monkeypatch.setattr(outside_checks, "IMMEDIATE_DEVICES", frozenset())  # read once per region
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     after_step = []
@@ -521,7 +521,7 @@ def test_a_compiled_loss_function_is_traced_into_one_unchanged_graph_under_the_w
 
 
 def test_at_detach_a_value_still_to_be_read_is_raised_on_a_clean_exit(monkeypatch):
-    monkeypatch.setattr(outside, "IMMEDIATE_DEVICES", frozenset())
+    monkeypatch.setattr(outside_checks, "IMMEDIATE_DEVICES", frozenset())
     model = mlp()
     with pytest.raises(NonFiniteError) as caught, Guard(model) as guard:
         torch.log(model(torch.randn(3, 4)) * 0).mean()  # read at the end only

@@ -73,7 +73,8 @@ def test_a_detected_step_leaves_the_weights_unchanged(deferred_on_host, kind):
     with pytest.raises(NonFiniteError) as caught:
         with Guard(model, mode="sentinel"):
             for step in range(5):
-                weights = {k: v.clone() for k, v in model.state_dict().items()}
+                if step == 2:
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
                 model(_batch(step, 2)).backward()
                 raised_at = "step"
                 optimizer.step()
@@ -162,9 +163,60 @@ def test_on_cuda_a_detected_step_leaves_the_weights_unchanged(kind):
     with pytest.raises(NonFiniteError) as caught:
         with Guard(model, mode="sentinel"):
             for step in range(5):
-                weights = {k: v.clone() for k, v in model.state_dict().items()}
+                if step == 2:
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
                 model(_batch(step, 2, "cuda")).backward()
                 optimizer.step()
                 optimizer.zero_grad()
     assert caught.value.report.batch_number == 2
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+class Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_loss_computed_outside_the_model_makes_no_host_synchronisation():
+    model = Logits().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    x, y = torch.randn(16, 4, device="cuda"), torch.randint(0, 3, (16,), device="cuda")
+    with Guard(model, mode="sentinel"):
+        for step in range(4):
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                logits = model(x)
+                # a mask discarded before the loss: a value read later, and found harmless then
+                safe = torch.where(logits > -100, logits, torch.full_like(logits, float("-inf")))
+                loss = torch.nn.functional.cross_entropy(safe, y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_nan_made_by_the_loss_code_is_named_with_its_op_and_the_weights_kept():
+    torch.manual_seed(0)
+    model = Logits().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(4):
+                if step == 2:
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
+                x = torch.randn(16, 4, device="cuda")
+                shift = 100.0 if step == 2 else 0.0
+                loss = torch.log(model(x).exp().sum(1) - shift).mean()  # log of a negative
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert caught.value.report.batch_number == 2
+    assert "log" in str(caught.value)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())

@@ -42,7 +42,6 @@ mode of the user's that was entered after the guard attached.
 
 from __future__ import annotations
 
-import math
 import weakref
 from functools import partial
 from typing import Optional
@@ -50,39 +49,28 @@ from typing import Optional
 import torch
 
 from .. import _tree
-from .._schema import (
-    BACKWARD, CAUSE_OUTSIDE, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, OUTSIDE_MODULE,
-    VALUE_NONE,
-)
+from .._schema import CAUSE_OUTSIDE, FORWARD, INPUT, OUTPUT, OUTSIDE_MODULE
 from ..errors import NonFiniteError
 from . import detect, frames
 from .function_mode import push as _push, stack_len as _stack_len
-from .hooks import inert_context, is_dynamo_compiling
+from .hooks import inert_context
 from .outside_mode import (
     MODE, ThreadState, hold_step_hook, leave_if_ownerless, leave_region, outside_checking,
     outside_mode_active, release_step_hook, thread_state, withdraw,
 )
 from .outside_ops import (
-    Meta, aten_ops, fallback_op, function_name, in_optimizer, input_role, likeliest, node_op,
+    Meta, aten_ops, fallback_op, function_name, in_optimizer, input_role, likeliest,
     scalar_kinds, source_of, user_where,
 )
-from .passes import (
-    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, FINE, SLOT_CATEGORY, BackwardPasses, CallRecord,
-    PassRecord,
-)
+from .outside_checks import BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new
+from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord
 
 __all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active", "outside_checking"]
 
-# Devices whose values are checked op by op (no device to wait for); elsewhere once per region.
-IMMEDIATE_DEVICES = frozenset(("cpu",))
 # A region recording more ops than this is read back and started afresh (a bound on memory).
 MAX_REGION_OPS = 1024
-# How many nodes one function may create that get a hook (a composite makes a few).
-MAX_NODES_PER_OP = 16
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_HALF = (torch.float16, torch.bfloat16)  # summed in float32: their own sums overflow early
-_set_grad_enabled = torch._C._set_grad_enabled
 _next_node_number = torch._C._autograd._get_sequence_nr
 _INF_KINDS = detect.INF_KINDS
 _MASK = detect.MASK
@@ -102,89 +90,12 @@ def _is_inplace(func) -> bool:
     return known
 
 
-# ---- what the watch records ---------------------------------------------------------------------
-class OutsideCall(CallRecord):
-    """A torch function run outside the guarded modules (forward), or an autograd node created
-    there running in backward: a call record named `<outside>`, with what names it."""
-
-    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op")
-
-    def __init__(self, cls: str, phase: str, batch_number: int, index: int):
-        super().__init__(0, OUTSIDE_MODULE, cls, phase, batch_number, index, True)
-        self.func = None  # forward: the torch function
-        self.where: Optional[tuple] = None  # the user's line (`user_where`) that ran or made it
-        self.meta = None  # forward, read later: (args, kwargs) with `Meta`s, to name its op
-        self.received = FINE  # forward: the problem kinds of its scalar arguments
-        # forward, read later: its region until read (then `clean` is known; no cycle is left)
-        self.pass_: Optional[PassRecord] = None
-        self.clean: Optional[bool] = None  # forward: gave nothing non-finite beyond a -inf mask
-        self.checked = False  # checked when recorded (its values were on the host)
-        self.op: Optional[str] = None  # its ATen op ('SqrtBackward0: aten.sqrt.default'), once named
-
-
-def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
-    """The problem kinds a recorded call was given: its slots of `category`, and its scalars."""
-    kinds = set(call.received)
-    for slot in call.slots:
-        if slot[SLOT_CATEGORY] == category:
-            kinds |= detect.value_kinds(pass_, slot, None)
-    return kinds
-
-
-def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
-    """The slots of a recorded call holding a problem kind it was not given: outputs (forward)
-    or the gradients a node gives (backward). A function given non-finite values beyond a -inf
-    mask is never blamed: the data or a module made them."""
-    forward = call.phase == FORWARD
-    received = _received(pass_, call, INPUT if forward else GRAD_OUTPUT)
-    if forward and received - _MASK:
-        return []
-    made = OUTPUT if forward else GRAD_INPUT
-    bad = []
-    for slot in call.slots:
-        if slot[SLOT_CATEGORY] == made:
-            new = detect.value_kinds(pass_, slot, None) - received
-            if inf_allowed:
-                new = new - _INF_KINDS
-            if new:
-                bad.append(slot)
-    return bad
-
-
-def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
-    """Note whether a read-back forward call gave finite values (a -inf mask aside): only then
-    are the gradients of the nodes it made the nodes' own doing (else a non-finite value it
-    was given, and passed on, makes them)."""
-    made = set()
-    for slot in call.slots:
-        if slot[SLOT_CATEGORY] == OUTPUT:
-            made |= detect.value_kinds(pass_, slot, None)
-    call.clean = made <= _MASK
-    call.pass_ = None
-
-
 def _contained(loss) -> bool:
     """Whether the tensors a backward starts from are finite (a host read: a culprit is held)."""
     try:
         return all(_finite(t) for t in _tree.tensors(loss) if t.is_floating_point())
     except Exception:  # values that cannot be read: judged as before, by the culprit
         return False
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether a tensor on the host holds only finite values, from its sum (an inf or nan in it
-    makes the sum non-finite; a sum that overflows only sends the value to the full check)."""
-    if not t.numel():
-        return True
-    grad_was_enabled = torch.is_grad_enabled()
-    if grad_was_enabled:
-        _set_grad_enabled(False)
-    try:
-        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
-        return math.isfinite(total.item())
-    finally:
-        if grad_was_enabled:
-            _set_grad_enabled(True)
 
 
 class _HeldCulprit:
@@ -203,23 +114,8 @@ class _HeldCulprit:
         return self.owner()
 
 
-class _NodeHook:
-    """The post-hook of one autograd node created outside the modules. Holds its forward call,
-    never the node (a reference to it would keep its graph alive through the hook)."""
-
-    __slots__ = ("watch", "forward", "node")
-
-    def __init__(self, watch: "OutsideWatch", forward: OutsideCall, node: str):
-        self.watch = watch
-        self.forward = forward
-        self.node = node  # 'SqrtBackward0'
-
-    def __call__(self, grad_inputs, grad_outputs):
-        self.watch.on_node(self, grad_inputs, grad_outputs)
-
-
 # ---- the watch ----------------------------------------------------------------------------------
-class OutsideWatch:
+class OutsideWatch(BackwardWatch):
     """One guard's watch over the code outside its modules. The Guard calls `start`/`stop` on
     attach/detach, `enter_model` before a top-level call of a guarded module and `leave_model`
     after it; the mode and the node hooks call the rest."""
@@ -227,9 +123,7 @@ class OutsideWatch:
     def __init__(self, guard):
         self.guard = guard
         self.attached = False
-        self.node_handles: list = []  # node hooks (removed on stop; dead ones dropped)
-        self._kept_handles = 0  # live handles after the last pruning
-        self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
+        super().__init__()
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
         self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
         self.contained: list = []  # notes on values made non-finite and discarded (`_settle`)
@@ -261,11 +155,7 @@ class OutsideWatch:
             release_step_hook(self._step_hold)
             if state.owner is self:
                 state.owner, state.pass_ = None, None
-            for handle in self.node_handles:
-                handle.remove()
-            self.node_handles.clear()
-            self._kept_handles = 0
-            self.backward_passes.clear()
+            self._unhook_nodes()
 
     def raise_found(self, when: bool = True) -> None:
         """Raise what `stop` found (on a `with` block's exit without an exception)."""
@@ -440,9 +330,6 @@ class OutsideWatch:
         call.op = first or likeliest(ops) or fallback_op(func)
         return pass_, call, bad
 
-    def _immediate(self, tensors) -> bool:
-        return self.guard._sync or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
-
     def _inf_allowed(self) -> bool:
         return self.guard.options.inf_allowed(OUTSIDE_MODULE)
 
@@ -453,23 +340,44 @@ class OutsideWatch:
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet: its first culprit is held (`state.held`) and judged where it can do harm,
         by the loss of the backward (`loss`: what it starts from; `_judge`). The next function
-        starts a new region."""
+        starts a new region. Under a sentinel on a GPU the region gives one value on the device
+        instead, read when it is there (`_late_region`)."""
         pass_, state.pass_ = state.pass_, None
         if pass_ is not None and self.attached:
-            pass_.read_back()
-            inf_allowed = self._inf_allowed()
-            for call in pass_.calls:
-                if call.checked:
-                    continue
-                _learn_clean(pass_, call)
-                bad = _made_new(pass_, call, inf_allowed) if state.held is None else []
-                if bad:
-                    ops, _ = aten_ops(call.func, *call.meta, on_values=False)
-                    call.op = likeliest(ops) or fallback_op(call.func)
-                    state.held = _HeldCulprit(self, pass_, call, bad)
+            if not final and self._read_later(pass_, partial(self._late_region, pass_, loss)):
+                return self._judge(state, loss, raising, final)
+            culprit = self._first_culprit(pass_, look=state.held is None)
+            if culprit is not None:
+                state.held = _HeldCulprit(self, pass_, *culprit)
             if state.held is None or state.held.pass_ is not pass_:
                 pass_.release()
         return self._judge(state, loss, raising, final)
+
+    def _first_culprit(self, pass_: PassRecord, look: bool = True):
+        """Read the region back and learn which calls gave finite values; with `look`, its first
+        culprit as (call, bad slots), else None."""
+        pass_.read_back()
+        inf_allowed, found = self._inf_allowed(), None
+        for call in pass_.calls:
+            if call.checked:
+                continue
+            _learn_clean(pass_, call)
+            bad = _made_new(pass_, call, inf_allowed) if look and found is None else []
+            if bad:
+                ops, _ = aten_ops(call.func, *call.meta, on_values=False)
+                call.op = likeliest(ops) or fallback_op(call.func)
+                found = (call, bad)
+        return found
+
+    def _late_region(self, pass_: PassRecord, loss, values) -> None:
+        """A region whose value (read after it) was not fine: its first culprit is raised, or
+        noted if its loss stayed finite."""
+        culprit = self._first_culprit(pass_) if self.attached else None
+        if culprit is not None:
+            if loss is None or not _contained(loss):
+                self._raise(pass_, *culprit)
+            self._note_contained(pass_, *culprit)
+        pass_.release()
 
     def _judge(self, state: ThreadState, loss, raising: bool, final: bool):
         """The held culprits, judged by the loss: a finite one makes them notes (the code
@@ -541,115 +449,6 @@ class OutsideWatch:
         if self.contained:
             report.reason = "; ".join(note for note in [report.reason] + self.contained if note)
         return report
-
-    # ---- backward -------------------------------------------------------------------------------
-    def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:
-        """Put a post-hook on each autograd node the function created: those reached from its
-        outputs' nodes numbered from `first_node` on (this thread's numbering, taken before it
-        ran; its inputs' nodes come before)."""
-        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        found: list = []
-        while todo and len(found) < MAX_NODES_PER_OP:
-            node = todo.pop()
-            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < first_node \
-                    or any(node is other for other in found):
-                continue
-            found.append(node)
-            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
-        for node in found:
-            self.node_handles.append(node.register_hook(_NodeHook(self, call, node.name())))
-        if len(self.node_handles) > 2 * self._kept_handles + 16:  # bounded over long runs
-            self.node_handles[:] = [h for h in self.node_handles if h.hooks_dict_ref() is not None]
-            self._kept_handles = len(self.node_handles)
-
-    def on_node(self, hook: _NodeHook, grad_inputs, grad_outputs) -> None:
-        """A watched node ran in backward: where the gradients it gives are on the host and
-        finite, nothing more; else record what it received and gave, and check it (at once on
-        the host, at the end of the backward on a device)."""
-        forward = hook.forward
-        if not self.attached or self.guard._paused or forward.clean is False \
-                or is_dynamo_compiling():
-            return
-        culprit = None
-        try:
-            given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
-            if not given or (self._immediate(given) and all(_finite(g) for g in given)):
-                return  # the common case: finite gradients, nothing recorded
-            task = _current_graph_task_id()
-            pass_ = self.backward_passes.get(task)
-            if pass_ is None:
-                if len(self.backward_passes) > BackwardPasses.MAX_OPEN:
-                    self.backward_passes.clear()  # passes a culprit or an error ended early
-                pass_ = self.backward_passes[task] = PassRecord()
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    partial(self._end_backward, task))
-            call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
-            call.forward, call.where = forward, forward.where
-            grads = []
-            for category, role, values in ((GRAD_OUTPUT, "grad_output", grad_outputs),
-                                           (GRAD_INPUT, "grad_input", grad_inputs)):
-                for index, grad in enumerate(values):
-                    name = role if len(values) == 1 else f"{role}[{index}]"
-                    if isinstance(grad, torch.Tensor) and grad.is_floating_point():
-                        call.slots.append(self._slot(pass_, grad, name, category))
-                        grads.append(grad)
-                    else:
-                        call.slots.append((name, category, VALUE_NONE, None, None, None,
-                                           next(pass_.seq)))
-            call.seq = next(pass_.seq)
-            pass_.calls.append(call)
-            call.checked = self._immediate(grads)
-            if call.checked:
-                culprit = self._node_culprit(pass_, call)
-        except Exception:  # never break the user's backward over the watch's own trouble
-            return
-        if culprit is not None:
-            self.backward_passes.pop(_current_graph_task_id(), None)
-            self._raise_backward(*culprit)
-
-    def _node_culprit(self, pass_: PassRecord, call: OutsideCall):
-        """(pass, call, bad slots) when a node gave a problem kind it was not given, and the
-        function that created it was given finite values; else None."""
-        pass_.read_back()
-        bad = _made_new(pass_, call, self._inf_allowed())
-        forward = call.forward
-        if not bad:
-            return None
-        if forward.clean is None and forward.pass_ is not None:
-            forward.pass_.read_back()
-            _learn_clean(forward.pass_, forward)
-        if not forward.clean:
-            return None
-        if forward.op is None:
-            ops = aten_ops(forward.func, *forward.meta, on_values=False)[0] if forward.meta \
-                else []
-            forward.op = likeliest(ops, call.module_class) or node_op(call.module_class,
-                                                                     forward.func)
-        call.op = f"{call.module_class}: {forward.op}"
-        return pass_, call, bad
-
-    def _end_backward(self, task) -> None:
-        """The end of a backward that ran watched nodes: check those not checked yet."""
-        pass_ = self.backward_passes.pop(task, None)
-        if pass_ is None or not self.attached:
-            return
-        culprit = None
-        try:
-            for call in pass_.calls:
-                culprit = culprit or (None if call.checked else self._node_culprit(pass_, call))
-        except Exception:  # never break the user's backward over the watch's own trouble
-            culprit = None
-        if culprit is not None:
-            self._raise_backward(*culprit)
-        pass_.release()
-
-    def _raise_backward(self, pass_: PassRecord, call: OutsideCall, bad) -> None:
-        """Raise a node's culprit, unless it is an overflow the loss scaler skips the step for
-        (recorded in `guard.skipped_steps`, as the model's own gradients are)."""
-        guard = self.guard
-        if guard._scaling.excuses(guard.options, pass_, call, bad, CAUSE_OUTSIDE):
-            return
-        self._raise(pass_, call, bad)
 
     # ---- the report ------------------------------------------------------------------------------
     def _raise(self, pass_: PassRecord, call: OutsideCall, bad, raising: bool = True):

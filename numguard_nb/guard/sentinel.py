@@ -49,7 +49,6 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics
-from .. import stats as _stats
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
@@ -260,6 +259,7 @@ class Sentinel:
             # optimizer steps: what wrote weights found non-finite
             self.guard._steps.start(self.guard.models)
             self.checks.start()
+            self.guard._outside.deferred = self.checks  # the loss code's values: read alike
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
             changed = _ParametersChanged(self)
@@ -290,6 +290,7 @@ class Sentinel:
         read first (waiting): a detection is kept for `checks.raise_found`."""
         if self.attached:
             self.checks.stop()
+            self.guard._outside.deferred = None
         self.attached = False
         for handle in self._handles + self._grad_handles + self._registration_handles:
             handle.remove()

@@ -1,0 +1,276 @@
+"""The watch's records and its backward half: the torch functions run outside the guarded
+modules (`OutsideCall`), the rules that find which one made a value non-finite, and the hooks on
+the autograd nodes they created (`BackwardWatch`, the base of `outside.OutsideWatch`).
+
+In backward a node is the culprit when the gradients it gives hold a kind those it received did
+not, provided the function that made it gave finite values (else it passed on what it was given:
+the data's doing); it is named with the forward line that created it. Its gradients are checked
+at once on the host; on a GPU at the end of the backward, or, under a sentinel, read when the
+device has them (`deferred`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import math
+
+import torch
+
+from .. import numerics
+from .._schema import (
+    BACKWARD, CAUSE_OUTSIDE, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, OUTSIDE_MODULE,
+    VALUE_NONE,
+)
+from . import detect
+from .hooks import is_dynamo_compiling
+from .outside_ops import aten_ops, likeliest, node_op
+from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord
+
+__all__ = ["BackwardWatch", "OutsideCall"]
+
+IMMEDIATE_DEVICES = frozenset(("cpu",))  # checked op by op: no device to wait for
+# How many nodes one function may create that get a hook (a composite makes a few).
+MAX_NODES_PER_OP = 16
+_INF_KINDS = detect.INF_KINDS
+_MASK = detect.MASK
+_HALF = (torch.float16, torch.bfloat16)  # summed in float32: their own sums overflow early
+_set_grad_enabled = torch._C._set_grad_enabled
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+class OutsideCall(CallRecord):
+    """A torch function run outside the guarded modules (forward), or an autograd node created
+    there running in backward: a call record named `<outside>`, with what names it."""
+
+    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op")
+
+    def __init__(self, cls: str, phase: str, batch_number: int, index: int):
+        super().__init__(0, OUTSIDE_MODULE, cls, phase, batch_number, index, True)
+        self.func = None  # forward: the torch function
+        self.where: Optional[tuple] = None  # the user's line (`user_where`) that ran or made it
+        self.meta = None  # forward, read later: (args, kwargs) with `Meta`s, to name its op
+        self.received = FINE  # forward: the problem kinds of its scalar arguments
+        # forward, read later: its region until read (then `clean` is known; no cycle is left)
+        self.pass_: Optional[PassRecord] = None
+        self.clean: Optional[bool] = None  # forward: gave nothing non-finite beyond a -inf mask
+        self.checked = False  # checked when recorded (its values were on the host)
+        self.op: Optional[str] = None  # its ATen op ('SqrtBackward0: aten.sqrt.default'), once named
+
+
+def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
+    """The problem kinds a recorded call was given: its slots of `category`, and its scalars."""
+    kinds = set(call.received)
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == category:
+            kinds |= detect.value_kinds(pass_, slot, None)
+    return kinds
+
+
+def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
+    """The slots of a recorded call holding a problem kind it was not given: outputs (forward)
+    or the gradients a node gives (backward). A function given non-finite values beyond a -inf
+    mask is never blamed: the data or a module made them."""
+    forward = call.phase == FORWARD
+    received = _received(pass_, call, INPUT if forward else GRAD_OUTPUT)
+    if forward and received - _MASK:
+        return []
+    made = OUTPUT if forward else GRAD_INPUT
+    bad = []
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == made:
+            new = detect.value_kinds(pass_, slot, None) - received
+            if inf_allowed:
+                new = new - _INF_KINDS
+            if new:
+                bad.append(slot)
+    return bad
+
+
+def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
+    """Note whether a read-back forward call gave finite values (a -inf mask aside): only then
+    are the gradients of the nodes it made the nodes' own doing (else a non-finite value it
+    was given, and passed on, makes them)."""
+    made = set()
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == OUTPUT:
+            made |= detect.value_kinds(pass_, slot, None)
+    call.clean = made <= _MASK
+    call.pass_ = None
+
+
+class _NodeHook:
+    """The post-hook of one autograd node created outside the modules. Holds its forward call,
+    never the node (a reference to it would keep its graph alive through the hook)."""
+
+    __slots__ = ("watch", "forward", "node")
+
+    def __init__(self, watch: "BackwardWatch", forward: OutsideCall, node: str):
+        self.watch = watch
+        self.forward = forward
+        self.node = node  # 'SqrtBackward0'
+
+    def __call__(self, grad_inputs, grad_outputs):
+        self.watch.on_node(self, grad_inputs, grad_outputs)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether a tensor on the host holds only finite values, from its sum (an inf or nan in it
+    makes the sum non-finite; a sum that overflows only sends the value to the full check)."""
+    if not t.numel():
+        return True
+    grad_was_enabled = torch.is_grad_enabled()
+    if grad_was_enabled:
+        _set_grad_enabled(False)
+    try:
+        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+        return math.isfinite(total.item())
+    finally:
+        if grad_was_enabled:
+            _set_grad_enabled(True)
+
+
+class BackwardWatch:
+    """The backward half of `outside.OutsideWatch`: hooks on the nodes the watched functions
+    created, and the check of the gradients they give."""
+
+    def __init__(self):
+        self.node_handles: list = []  # node hooks (removed on stop; dead ones dropped)
+        self._kept_handles = 0  # live handles after the last pruning
+        self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
+        self.deferred = None  # a sentinel's `StepChecks`: device values read when ready
+
+    def _unhook_nodes(self) -> None:
+        for handle in self.node_handles:
+            handle.remove()
+        self.node_handles.clear()
+        self._kept_handles = 0
+        self.backward_passes.clear()
+
+    def _immediate(self, tensors) -> bool:
+        return self.guard._sync or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
+
+    def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:
+        """Put a post-hook on each autograd node the function created: those reached from its
+        outputs' nodes numbered from `first_node` on (this thread's numbering, taken before it
+        ran; its inputs' nodes come before)."""
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        found: list = []
+        while todo and len(found) < MAX_NODES_PER_OP:
+            node = todo.pop()
+            if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < first_node \
+                    or any(node is other for other in found):
+                continue
+            found.append(node)
+            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+        for node in found:
+            self.node_handles.append(node.register_hook(_NodeHook(self, call, node.name())))
+        if len(self.node_handles) > 2 * self._kept_handles + 16:  # bounded over long runs
+            self.node_handles[:] = [h for h in self.node_handles if h.hooks_dict_ref() is not None]
+            self._kept_handles = len(self.node_handles)
+
+    def on_node(self, hook: _NodeHook, grad_inputs, grad_outputs) -> None:
+        """A watched node ran in backward: where the gradients it gives are on the host and
+        finite, nothing more; else record what it received and gave, and check it (at once on
+        the host, at the end of the backward on a device)."""
+        forward = hook.forward
+        if not self.attached or self.guard._paused or forward.clean is False \
+                or is_dynamo_compiling():
+            return
+        culprit = None
+        try:
+            given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
+            if not given or (self._immediate(given) and all(_finite(g) for g in given)):
+                return  # the common case: finite gradients, nothing recorded
+            task = _current_graph_task_id()
+            pass_ = self.backward_passes.get(task)
+            if pass_ is None:
+                if len(self.backward_passes) > BackwardPasses.MAX_OPEN:
+                    self.backward_passes.clear()  # passes a culprit or an error ended early
+                pass_ = self.backward_passes[task] = PassRecord()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    partial(self._end_backward, task))
+            call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
+            call.forward, call.where = forward, forward.where
+            grads = []
+            for category, role, values in ((GRAD_OUTPUT, "grad_output", grad_outputs),
+                                           (GRAD_INPUT, "grad_input", grad_inputs)):
+                for index, grad in enumerate(values):
+                    name = role if len(values) == 1 else f"{role}[{index}]"
+                    if isinstance(grad, torch.Tensor) and grad.is_floating_point():
+                        call.slots.append(self._slot(pass_, grad, name, category))
+                        grads.append(grad)
+                    else:
+                        call.slots.append((name, category, VALUE_NONE, None, None, None,
+                                           next(pass_.seq)))
+            call.seq = next(pass_.seq)
+            pass_.calls.append(call)
+            call.checked = self._immediate(grads)
+            if call.checked:
+                culprit = self._node_culprit(pass_, call)
+        except Exception:  # never break the user's backward over the watch's own trouble
+            return
+        if culprit is not None:
+            self.backward_passes.pop(_current_graph_task_id(), None)
+            self._raise_backward(*culprit)
+
+    def _node_culprit(self, pass_: PassRecord, call: OutsideCall):
+        """(pass, call, bad slots) when a node gave a problem kind it was not given, and the
+        function that created it was given finite values; else None."""
+        pass_.read_back()
+        bad = _made_new(pass_, call, self._inf_allowed())
+        forward = call.forward
+        if not bad:
+            return None
+        if forward.clean is None and forward.pass_ is not None:
+            forward.pass_.read_back()
+            _learn_clean(forward.pass_, forward)
+        if not forward.clean:
+            return None
+        if forward.op is None:
+            ops = aten_ops(forward.func, *forward.meta, on_values=False)[0] if forward.meta \
+                else []
+            forward.op = likeliest(ops, call.module_class) or node_op(call.module_class,
+                                                                     forward.func)
+        call.op = f"{call.module_class}: {forward.op}"
+        return pass_, call, bad
+
+    def _end_backward(self, task) -> None:
+        """The end of a backward that ran watched nodes: check those not checked yet (under a
+        sentinel on a GPU: when the device has their value, `_read_later`)."""
+        pass_ = self.backward_passes.pop(task, None)
+        if pass_ is None or not self.attached:
+            return
+        if not self._read_later(pass_, partial(self._late_nodes, pass_)):
+            self._late_nodes(pass_)
+
+    def _late_nodes(self, pass_: PassRecord, values=None) -> None:
+        culprit = None
+        try:
+            for call in pass_.calls:
+                culprit = culprit or (None if call.checked else self._node_culprit(pass_, call))
+        except Exception:  # never break the user's backward over the watch's own trouble
+            culprit = None
+        if culprit is not None:
+            self._raise_backward(*culprit)
+        pass_.release()
+
+    def _read_later(self, pass_: PassRecord, action) -> bool:
+        """Hand the pass's statistics to the sentinel's checks as one value on the device, with
+        `action` for when it is not fine; False where they are on the host (or no sentinel)."""
+        if self.deferred is None or self.guard._sync:
+            return False
+        value = numerics.stats_flag(pass_.vectors)
+        if value is None:
+            return False
+        self.deferred.add(value, action)
+        return True
+
+    def _raise_backward(self, pass_: PassRecord, call: OutsideCall, bad) -> None:
+        """Raise a node's culprit, unless it is an overflow the loss scaler skips the step for
+        (recorded in `guard.skipped_steps`, as the model's own gradients are)."""
+        guard = self.guard
+        if guard._scaling.excuses(guard.options, pass_, call, bad, CAUSE_OUTSIDE):
+            return
+        self._raise(pass_, call, bad)
