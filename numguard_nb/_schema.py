@@ -67,6 +67,7 @@ CELL_INF = 3
 # ---- causes a sentinel's re-run adds (mode="sentinel") ----------------------------------------
 CAUSE_TRANSIENT = "transient"  # non-finite once, finite when the same call was run again
 CAUSE_COMPILED = "compiled-code"  # non-finite when run compiled, finite when run eagerly
+CAUSE_OTHER_RANK = "other-rank"  # made on another rank, received through the gradient all-reduce
 
 # ---- guard modes: how much a Guard watches (GuardOptions.mode) -------------------------------
 MODE_FULL = "full"  # hooks on every module call, forward and backward

@@ -272,6 +272,9 @@ class Report:
     cause: str = ""  # one of _schema.CAUSES ("" when nothing is wrong)
     rank: Optional[int] = None
     world_size: Optional[int] = None
+    # Under DDP: the rank whose own values went non-finite first (this one, or the one whose value
+    # reached this rank through the gradient all-reduce); None where the ranks could not tell.
+    source_rank: Optional[int] = None
     limit_dtype: Optional[str] = None
     # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
     # set by the engine on a detection, empty when nothing is wrong.
@@ -297,6 +300,8 @@ class Report:
     def summary(self) -> str:
         """One line: the culprit and the batch, or that all was finite."""
         where = f" [rank {self.rank}/{self.world_size}]" if self.rank is not None else ""
+        if self.source_rank is not None and self.rank is not None:
+            where = f" [rank {self.rank}/{self.world_size}, made on rank {self.source_rank}]"
         if self.first_nonfinite is not None:
             return f"{self.reason}{where}"
         # Without a culprit, the reason says what was not watched (values whose numbers could

@@ -35,7 +35,7 @@ def count(model, opt, guard_options):
         found = [str(w.message).splitlines()[0][:90] + " @ " + w.filename.split("/")[-1] + ":" + str(w.lineno) for w in caught if "synchroniz" in str(w.message)]
     if g is not None: g.detach()
     return found
-for name, options in [("none", None), ("sentinel", {"mode": "sentinel"}), ("full", {}), ("full ops=True", {"ops": True})]:
+for name, options in [("none", None), ("sentinel", {"mode": "sentinel"}), ("sentinel history_every=10", {"mode": "sentinel", "history_every": 10}), ("full", {}), ("full ops=True", {"ops": True})]:
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 10)).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     found = count(model, opt, options)
@@ -63,9 +63,42 @@ except Exception as error:
 PY
 
 echo "== overhead of a training step (bf16 autocast, fused AdamW)"
-timeout 420 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 12 2>&1 | tee "$out/overhead.md" | tail -30
+timeout 300 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
+echo "== the same, run again (run-to-run spread)"
+timeout 200 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | grep -E "none|sentinel" | tee "$out/overhead-again.md"
 
 echo "== DDP over nccl, one process"
-timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 12 2>&1 | tail -3 | tee "$out/ddp.md"
+timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee "$out/ddp.md"
 echo "== distcheck: 2 processes on 1 GPU"
-timeout 60 python -m torch.distributed.run --nproc_per_node 2 -m numguard_nb.distcheck --backend nccl 2>&1 | tail -3 | tee -a "$out/ddp.md"
+timeout 60 python -m torch.distributed.run --nproc_per_node 2 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/ddp.md"
+
+echo "== peak GPU memory of a training step, GPT-2 124M (loss in the model, and computed outside it)"
+timeout 150 python - <<'PY' 2>&1 | grep -v loss_type | tee "$out/memory.txt"
+import copy, sys, torch, torch.nn.functional as F
+sys.path.insert(0, "benchmarks")
+from overhead import build_gpt2_124m
+from numguard_nb import Guard
+torch.manual_seed(0)
+base, batch = build_gpt2_124m("cuda")
+for outside in (False, True):
+    for name, options in (("none", None), ("sentinel", {"mode": "sentinel"})):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
+        guard = Guard(model, **options).attach() if options else None
+        for i in range(4):
+            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if outside:
+                    logits = model(input_ids=batch["input_ids"]).logits
+                    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
+                else:
+                    loss = model(**batch).loss
+            loss.backward(); opt.step(); opt.zero_grad(); del loss
+            if not outside: pass
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30; held = torch.cuda.memory_allocated() / 2**30
+        print(f"loss {'outside' if outside else 'inside'} the model, {name}: peak {peak:.3f} GiB, held between steps {held:.3f} GiB")
+        if guard: guard.detach()
+        del model, opt, guard
+        import gc; gc.collect(); torch.cuda.empty_cache()
+PY

@@ -210,7 +210,10 @@ def test_to_frame_of_a_backward_trace_has_every_category():
 
 def test_to_frame_of_the_hand_made_report():
     frame = hand_made_report().to_frame()
-    assert list(frame.columns) == COLUMNS
+    # a report of one rank of several: which rank, of how many, and which made it (unknown here)
+    assert list(frame.columns) == COLUMNS + ["rank", "world_size", "source_rank"]
+    assert set(frame["rank"]) == {1} and set(frame["world_size"]) == {2}
+    assert frame["source_rank"].isna().all()
     assert list(frame["kind"]) == ["tensor", "tensor", "tensor", "none", "not a tensor", "empty",
                                    "unsupported", "tensor"]
     assert list(frame["frame"]) == [0] + [1] * 7

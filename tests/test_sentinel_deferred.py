@@ -220,3 +220,82 @@ def test_on_cuda_a_nan_made_by_the_loss_code_is_named_with_its_op_and_the_weight
     assert caught.value.report.batch_number == 2
     assert "log" in str(caught.value)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+class PlantedBackward(nn.Module):
+    """Logits through a module whose backward makes nan for a batch marked by its first value."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+        self.fault = Fault()
+
+    def forward(self, x):
+        return self.fault(self.layer(x), x)
+
+
+class Fault(nn.Module):
+    def forward(self, h, x):
+        from tests.models import NanGradient
+
+        return NanGradient.apply(h) if bool(x[0, 0] == MARK) else h
+
+
+MARK = 1000.0
+
+
+def _marked(step: int, bad_step: int) -> torch.Tensor:
+    x = _batch(step, -1)
+    if step == bad_step:
+        x[0, 0] = MARK
+    return x
+
+
+def test_a_large_gradient_from_the_loss_code_is_not_kept_while_the_step_is_unread(
+        deferred_on_host, monkeypatch):
+    import gc
+    import weakref
+
+    from numguard_nb.guard import sentinel_checks
+
+    monkeypatch.setattr(sentinel_checks, "MAX_KEPT_GRAD_BYTES", 16)  # these logits are larger
+    model = PlantedBackward()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    seen = []
+    y = torch.tensor([0, 1, 2, 0] * 4)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(4):
+                logits = model(_marked(step, 2))
+                logits.register_hook(lambda grad: seen.append(weakref.ref(grad)))
+                freed = []  # once the backward reached the first layer's weights
+                handle = model.layer.weight.register_post_accumulate_grad_hook(
+                    lambda p: freed.append(seen[-1]() is None))
+                torch.nn.functional.cross_entropy(logits, y).backward()
+                handle.remove()
+                assert freed == [True], "the logits' gradient outlived its use in backward"
+                optimizer.step()
+                optimizer.zero_grad()
+                del logits
+                gc.collect()
+                assert seen[-1]() is None, "the logits' gradient outlived its backward"
+                deferred_on_host[0] = step < 2
+    report = caught.value.report
+    assert report.batch_number == 2
+    assert report.first_nonfinite.module_name == "fault"
+    assert "uniform gradient of the same norm" in report.reason
+
+
+def test_a_small_gradient_from_the_loss_code_is_kept_for_the_re_run(deferred_on_host):
+    model = PlantedBackward()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    y = torch.tensor([0, 1, 2, 0] * 4)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(4):
+                torch.nn.functional.cross_entropy(model(_marked(step, 2)), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                deferred_on_host[0] = step < 2
+    assert caught.value.report.first_nonfinite.module_name == "fault"
+    assert "uniform gradient" not in caught.value.report.reason

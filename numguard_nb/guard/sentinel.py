@@ -29,7 +29,7 @@ guard, and the report it gives is raised as full mode raises its own (`on_detect
 
 Batches are counted as in full mode (the first model's top-level calls, or `begin_batch()`). A
 batch in `trace_batches`, or sampled for the numerics history (`history_every`), runs with the
-full hooks (`_start_batch`). The optimizer steps are watched as in full mode (`steps`), and
+full hooks (`sentinel_batches`). The optimizer steps are watched as in full mode (`steps`), and
 lent to the re-runs' full guards, so that weights found non-finite name the step that wrote
 them.
 """
@@ -56,9 +56,14 @@ from ..report import Frame, Report
 from . import copies, detect, frames
 from .hooks import forward_raised, inert_context, is_dynamo_compiling
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
-from .sentinel_checks import StepChecks, gradients_by_device, nonfinite_gradients
+from .sentinel_checks import (
+    StepChecks, drop_large_gradients, gradients_by_device, kept_gradient, nonfinite_gradients,
+    stood_in,
+)
+from .ranks import RankFlags, received_report
+from .sentinel_batches import SampledBatches
 from .sentinel_rerun import (
-    compiled_original, full_guard, gradient_frame, original_name, rerun_backward, rerun_forward,
+    compiled_original, gradient_frame, original_name, rerun_backward, rerun_forward,
     run_alone,
 )
 
@@ -116,7 +121,8 @@ class _Call:
     """One top-level call, kept for a re-run until its backward pass has been checked."""
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
-                 "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order")
+                 "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
+                 "held")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
@@ -137,6 +143,7 @@ class _Call:
         self.top_seen = False  # a top output got its gradient in that task
         self.inputs_changed = False  # its inputs changed in place after it started
         self.order = next(self._made)
+        self.held = None  # under DDP: its forward problem, raised once every rank knows (ranks)
 
     def inputs_now_changed(self) -> bool:
         return _versions((self.args, self.kwargs)) != self.versions
@@ -241,11 +248,12 @@ class Sentinel:
         self._recent = frames.RecentPasses()  # the last outputs checked, for `report()`
         self._batch = -1  # the batch whose start was seen last
         self._call_counts: Dict[int, int] = {}  # module id -> top-level calls in the batch
-        self._tracer = None  # a full guard watching a traced batch with all its hooks
+        self._sampled = SampledBatches(guard)  # traced and sampled batches: the full hooks
         self._known_parameters: Optional[list] = None  # None: look them up again
         self._registration_handles: list = []  # torch's global hooks telling of new parameters
         weakref.finalize(self, _remove_all, self._registration_handles)
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
+        self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -260,6 +268,7 @@ class Sentinel:
             self.guard._steps.start(self.guard.models)
             self.checks.start()
             self.guard._outside.deferred = self.checks  # the loss code's values: read alike
+            self.ranks = next(filter(None, map(RankFlags.attach, self.guard.models.values())), None)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
             changed = _ParametersChanged(self)
@@ -291,12 +300,15 @@ class Sentinel:
         if self.attached:
             self.checks.stop()
             self.guard._outside.deferred = None
+            if self.ranks is not None:
+                self.ranks.detach()
+                self.ranks = None
         self.attached = False
         for handle in self._handles + self._grad_handles + self._registration_handles:
             handle.remove()
         for entry in self.entries.values():
             copies.uninstall(entry.module, entry.hook_ids)
-        self._stop_tracer()
+        self._sampled.stop()
         self._handles.clear()
         self._grad_handles.clear()
         self._registration_handles.clear()  # in place: the finalizer holds it
@@ -347,9 +359,11 @@ class Sentinel:
             guard.batch_number = guard._batches.next(guard.options.abort_after_batch)
         guard._threads.state.batch_number = guard.batch_number  # what the outside watch reports
         if guard.batch_number != self._batch:
-            self._start_batch(guard.batch_number, module, args, kwargs)
-        if self._tracer is not None and not self._tracer._paused:
-            return  # a traced batch: the full hooks watch it
+            self._batch = guard.batch_number
+            self._call_counts.clear()
+            self._sampled.start(guard.batch_number, module, args, kwargs)
+        if self._sampled.running():
+            return  # a traced or sampled batch: the full hooks watch it
         index = self._call_counts.get(id(module), 0)
         self._call_counts[id(module)] = index + 1
         local.call = _Call(entry, args, kwargs, guard.batch_number, index)
@@ -424,6 +438,10 @@ class Sentinel:
                 bad[id(slot)] = (slot[SLOT_ROLE], kinds)
         if not bad:
             return False
+        if self.ranks is not None and torch.is_grad_enabled() and options.backward:
+            call.held = (pass_, record, bad)  # raised at the backward's end, on every rank
+            self.ranks.forward_problem = True
+            return False
         if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard._outside.hold(
                 pass_, record, self, ("_rerun_forward", (call, pass_, record, bad))):
             return False  # a -inf mask in the model's output (illegal actions): the loss judges it
@@ -482,11 +500,9 @@ class Sentinel:
                 calls = self.tasks[task] = []
                 _queue_callback(partial(self._end_backward, task, True))
             calls.append(call)
-        if call.top[position]:
-            call.top_seen = True
-            call.grads[position] = grad
-        elif not call.top_seen:  # the pass started from this output, outside the call
-            call.grads[position] = grad
+        if call.top[position] or not call.top_seen:  # else: the pass started outside the call
+            call.top_seen = call.top_seen or call.top[position]
+            call.grads[position] = kept_gradient(grad, not self.guard._sync)
 
     def _end_backward(self, task, first_round: bool) -> None:
         if first_round:  # once more: after every callback queued meanwhile (DDP's all-reduce)
@@ -495,7 +511,7 @@ class Sentinel:
         done = sorted(self.tasks.pop(task, []), key=_made_order)  # backward met them reversed
         if not self.attached:
             return
-        self._stop_tracer(paused_only=True)  # the traced batch is over
+        self._sampled.stop(paused_only=True)  # the traced batch is over
         try:
             self.passes_checked += 1
             parameters = self._parameters()
@@ -506,6 +522,8 @@ class Sentinel:
             unread: list = []
             if grads and not numerics.all_finite(grads, unread):
                 self._backward_problem(done, parameters)
+            elif self.ranks is not None:
+                self._across_ranks(done, None)  # a forward problem held on some rank
             if unread and done:
                 self._note_unread(done[0], parameters, unread)
         finally:
@@ -523,6 +541,7 @@ class Sentinel:
                             partial(_forget_gradients, calls))
         if not groups:
             return calls
+        drop_large_gradients(calls)
         self.checks.seal()
         self.checks.look()  # earlier steps, if their values are there
         return []
@@ -583,12 +602,31 @@ class Sentinel:
             return
         seen = gradient_frame(first.entry.name, first.entry.cls, first.batch_number,
                               first.call_index, bad)
+        if self.ranks is not None and self._across_ranks(calls, seen):
+            return
         for call in calls:
             call.inputs_changed = call.inputs_changed or call.inputs_now_changed()
         report = self._rerun(rerun_backward, self.guard, calls, seen, parameters)
         if report is not None:
-            report.reason += self.guard._scaling.refusal()  # why the scaler did not excuse it
+            report.reason += self.guard._scaling.refusal() + stood_in(calls)
             self._raise(report)
+
+    def _across_ranks(self, calls: List[_Call], seen) -> bool:
+        """Under DDP, what every rank learnt at the all-reduce: a forward problem this rank held
+        is run again and raised; one another rank made (in forward, or in gradients that reached
+        this rank's through the reduction) is raised as received from it. False: this rank's own
+        gradients made it (`seen`), or no rank did."""
+        made, forward = self.ranks.producers()
+        held = next((call for call in calls if call.held is not None), None)
+        if held is not None:
+            self._rerun_forward(held, *held.held)
+            return True
+        source = min(set(made) | set(forward), default=None)
+        if source is None or self.ranks.rank in made:
+            return False
+        self._raise(received_report(seen or gradient_frame(
+            calls[0].entry.name, calls[0].entry.cls, calls[0].batch_number, calls[0].call_index,
+            []), source, source in forward, self.guard.options))
 
     def _parameters(self) -> list:
         """The guarded parameters (each once), as of the last parameter or submodule set."""
@@ -621,51 +659,11 @@ class Sentinel:
     def _raise(self, report: Report) -> None:
         """Raise a detection as full mode does: on_detect's exception, or NonFiniteError."""
         guard, options = self.guard, self.guard.options
+        if self.ranks is not None and report.source_rank is None and report.rank is not None:
+            report.source_rank = self.ranks.rank  # this rank's own values made it
         guard.detection = report
         error = options.on_detect(report) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(report)
-
-    # ---- batches ---------------------------------------------------------------------------
-    def _start_batch(self, batch: int, module, args, kwargs) -> None:
-        """A batch starts. One in `trace_batches`, or sampled for the history (`history_every`)
-        or for a full look (`full_every`: the last batch of each N), runs with the full hooks: a full guard is attached for it (its hooks join from the call
-        that starts it), which keeps its traces, history, headroom and skipped steps in this
-        guard's. When another batch starts, it is paused, and detached at the next backward's
-        end or on detach: never inside a module call, whose hooks torch has already listed."""
-        self._batch = batch
-        self._call_counts.clear()
-        guard, tracer = self.guard, self._tracer
-        every, full = guard.options.history_every, guard.options.full_every
-        sampled = (every and batch % every == 0) or (full and batch % full == full - 1)
-        if batch not in guard.options.trace_batches and not sampled:
-            if tracer is not None:
-                tracer._paused = True
-            return
-        joining = tracer is None
-        if joining:
-            tracer = self._tracer = full_guard(guard, guard.models, batch,
-                                               on_detect=self._full_hooks_detected)
-            tracer.traces, tracer.history, tracer.headroom = guard.traces, guard.history, guard.headroom
-            tracer._scaling, tracer.skipped_steps = guard._scaling, guard.skipped_steps
-            tracer.attach()
-        tracer._paused = False
-        tracer._batches.started = batch
-        tracer.begin_batch()
-        if joining:  # attached inside this call: its pre-hook missed it
-            tracer._pre_hook(module, args, kwargs)
-
-    def _full_hooks_detected(self, report: Report):
-        """A batch run with the full hooks stopped at a detection: it is this guard's."""
-        self.guard.detection = report
-        on_detect = self.guard.options.on_detect
-        return on_detect(report) if on_detect is not None else None
-
-    def _stop_tracer(self, paused_only: bool = False) -> None:
-        tracer = self._tracer
-        if tracer is not None and (tracer._paused or not paused_only):
-            self._tracer = None
-            tracer._paused = True  # a hook of a call running now may still be called
-            tracer.detach()
 
 
 def _forget_gradients(calls: List[_Call]) -> None:

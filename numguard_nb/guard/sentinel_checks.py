@@ -33,6 +33,9 @@ __all__ = ["StepChecks"]
 
 _FOUND_INF = "found_inf"
 MAX_SEALED = 64  # steps sealed and never looked at (no later call, no optimizer): past this, forgotten
+# Gradients a step's outputs got from outside the model, kept on the device until the step is
+# read: past this many bytes (a language model's logits), each is replaced by its norm.
+MAX_KEPT_GRAD_BYTES = 64 * 2**20
 
 
 class _Sealed:
@@ -224,3 +227,54 @@ def nonfinite_gradients(names: dict, parameters: list, norms: list) -> list:
             dtype = p.dtype if p.dtype.is_floating_point else torch.float32
             bad.append((names.get(id(p), "?"), torch.full(tuple(p.shape), norm, dtype=dtype)))
     return bad
+
+
+class GradStandIn:
+    """What is kept of a large gradient an output got from outside the model, while its step is
+    read later: its shape, dtype, device and norm (on the device). A re-run's backward starts
+    from a uniform gradient of the same norm (`materialise`, on the problem path only)."""
+
+    __slots__ = ("shape", "dtype", "device", "norm")
+
+    def __init__(self, grad: torch.Tensor):
+        self.shape, self.dtype, self.device = grad.shape, grad.dtype, grad.device
+        with torch.no_grad():  # (foreach: no float32 copy of a half-precision gradient)
+            self.norm = torch._foreach_norm([grad], 2, dtype=torch.float32)[0]
+
+    def materialise(self) -> torch.Tensor:
+        numel = max(1, self.shape.numel())
+        return torch.full(self.shape, float(self.norm) / numel ** 0.5, dtype=self.dtype,
+                          device=self.device)
+
+
+def kept_gradient(grad: torch.Tensor, may_defer: bool):
+    """What a call keeps of the gradient an output got from outside it: the gradient, or on an
+    asynchronous device, where it is larger than `MAX_KEPT_GRAD_BYTES`, a `GradStandIn` (the
+    gradient then goes when the backward is done with it, as without the guard)."""
+    if may_defer and numerics.deferred(grad) \
+            and grad.numel() * grad.element_size() > MAX_KEPT_GRAD_BYTES:
+        return GradStandIn(grad)
+    return grad
+
+
+def drop_large_gradients(calls: list) -> bool:
+    """Replace the kept output gradients of `calls` by `GradStandIn`s where they hold more than
+    `MAX_KEPT_GRAD_BYTES` together (the memory stays as without the guard); whether it did."""
+    grads = [g for call in calls for g in call.grads if isinstance(g, torch.Tensor)]
+    if sum(g.numel() * g.element_size() for g in grads) <= MAX_KEPT_GRAD_BYTES:
+        return False
+    for call in calls:
+        call.grads = [GradStandIn(g) if isinstance(g, torch.Tensor) else g for g in call.grads]
+    return True
+
+
+def stood_in(calls: list) -> str:
+    """What a report says where a re-run's backward started from `GradStandIn`s."""
+    sizes = [s.shape.numel() * s.dtype.itemsize for call in calls for s in call.grads
+             if isinstance(s, GradStandIn)]
+    if not sizes:
+        return ""
+    return (f"; the gradient the model's output got from the code outside it ({sum(sizes) / 2**20:.0f}"
+            " MiB) was not kept on the device while the step's check was read: the re-run's "
+            "backward started from a uniform gradient of the same norm")
+

@@ -41,6 +41,7 @@ from ..callstate import enter_autocast, take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
 from . import frames
+from .sentinel_checks import GradStandIn
 
 __all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
            "rerun_backward", "rerun_compiled_call", "gradient_frame"]
@@ -240,6 +241,8 @@ def _backward(calls, outputs, inputs: list) -> list:
         tensors = _tree.tensors(output)
         for position, grad in enumerate(call.grads or ()):
             if grad is not None and position < len(tensors) and tensors[position].requires_grad:
+                if isinstance(grad, GradStandIn):
+                    grad = grad.materialise()
                 pairs.append((tensors[position], grad))
     wanted = [t for t in inputs if t.requires_grad]
     if not pairs or not wanted:

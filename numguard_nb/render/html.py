@@ -410,6 +410,8 @@ def meta_text(report: Report) -> str:
             words.append(f"cause: {report.cause}")
     if report.rank is not None:
         words.append(f"rank {report.rank}/{report.world_size}")
+    if report.source_rank is not None:
+        words.append(f"made on rank {report.source_rank}")
     if report.limit_dtype:
         words.append(f"limits of {report.limit_dtype}")
     return " \u00b7 ".join(words)

@@ -37,6 +37,9 @@ def report_frame(report: Report):
     for column in _NUMBERS:
         values = [record[COLUMNS.index(column)] for record in records]
         table[column] = pd.Series(_numbers_or_missing(pd, values), index=table.index, name=column)
+    if report.rank is not None:  # several processes: which rank this is, and which made it
+        table["rank"], table["world_size"] = report.rank, report.world_size
+        table["source_rank"] = pd.array([report.source_rank] * len(table), dtype="Int64")
     return table
 
 

@@ -45,6 +45,8 @@ def dump_lines(report: Report) -> list:
     """The frames as Hugging Face's tool dumps them: a traced batch between its start and finish lines,
     or the frames before the first inf/nan under a 'Detected inf/nan' line."""
     rank = f" (rank {report.rank}/{report.world_size})" if report.rank is not None else ""
+    if rank and report.source_rank is not None:
+        rank = f" (rank {report.rank}/{report.world_size}, made on rank {report.source_rank})"
     phases = {frame.phase for frame in report.frames}
     which = "forward" if phases <= {FORWARD} else "forward and backward"
     if report.kind == TRACE:

@@ -1,0 +1,150 @@
+"""Which rank made the first non-finite value, learnt at the gradient all-reduce DDP makes anyway.
+
+Under DistributedDataParallel an inf or nan made on one rank reaches every rank through the
+gradient all-reduce: the other ranks' gradients then hold it too, and each would blame itself.
+Large trainers check each rank's gradients before that reduction (Megatron-LM's
+`check_for_nan_in_grad` checks every bucket's norm before the data-parallel reduction; torch's
+`TORCH_NCCL_NAN_CHECK` checks collective inputs). Here a DDP communication hook
+(`flagged_allreduce`, DDP's own all-reduce otherwise) takes each bucket's norm before it is
+reduced, on the device, and the bucket reduced last carries 2 x world_size more numbers: per rank,
+whether its own gradients held inf/nan before the reduction, and whether its sentinel holds a
+problem found in its forward. Summed by the all-reduce that runs anyway, every rank learns both
+for every rank: no extra collective, no host read in a healthy step.
+
+A communication hook cannot be removed from a DDP model: after detach it stays, doing exactly
+DDP's own all-reduce (divide by the world size, then sum). A model that already has a hook of the
+user's keeps it, and reports there do not name the producing rank.
+
+    >>> flags = RankFlags.attach(ddp_model)       # None: not DDP, one process, or a hook of yours
+    >>> made = flags.producers()                   # after a backward: ranks whose own values broke
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .._schema import CAUSE_OTHER_RANK, DETECTION
+from ..report import Frame, Report
+from . import frames
+
+__all__ = ["RankFlags", "flagged_allreduce", "received_report"]
+
+_ATTRIBUTE = "_numguard_rank_flags"  # where a DDP model keeps its RankFlags (one hook per model)
+
+
+class RankFlags:
+    """The communication hook's state for one DDP model: this rank's flags for the step being
+    reduced, and every rank's once reduced."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.active = False  # False: the hook is DDP's own all-reduce, nothing added
+        self.local: Optional[torch.Tensor] = None  # this rank's buckets held inf/nan (device)
+        self.forward_problem = False  # this rank's sentinel holds a forward problem this step
+        self.reduced: Optional[torch.Tensor] = None  # the last step's flags, summed over ranks
+
+    @classmethod
+    def attach(cls, model) -> Optional["RankFlags"]:
+        """The flags of a DDP model in a world of several processes, its hook registered once;
+        None for any other model, or one with a communication hook of the user's."""
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
+            return None
+        flags = getattr(model, _ATTRIBUTE, None)
+        if flags is None:
+            if getattr(model, "_comm_hooks", None):
+                return None  # the user's own hook: DDP takes one only
+            group = model.process_group
+            flags = cls(group, dist.get_rank(group), dist.get_world_size(group))
+            if flags.world < 2:
+                return None
+            model.register_comm_hook(flags, flagged_allreduce)
+            setattr(model, _ATTRIBUTE, flags)
+        flags.active = True
+        flags.reduced = None
+        return flags
+
+    def detach(self) -> None:
+        self.active = False
+        self.local = self.reduced = None
+        self.forward_problem = False
+
+    def producers(self) -> Tuple[List[int], List[int]]:
+        """(ranks whose own gradients held inf/nan before the reduction, ranks whose sentinel
+        held a forward problem), from the last step reduced (a host read: call it only once a
+        step is known to have failed)."""
+        if self.reduced is None:
+            return [], []
+        values, self.reduced = self.reduced.tolist(), None  # (no_sync steps reduce nothing)
+        world = self.world
+        return ([r for r in range(world) if values[r] > 0],
+                [r for r in range(world) if values[world + r] > 0])
+
+
+def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
+    """DDP's all-reduce (divide by the world size, then sum), with `flags` riding on the bucket
+    reduced last of each step."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    if not flags.active:
+        return _allreduce(flags.group, buffer)
+    with torch.no_grad():
+        bad = ~torch._foreach_norm([buffer], 2, dtype=torch.float32)[0].isfinite()
+        flags.local = bad if flags.local is None else flags.local | bad
+        if not bucket.is_last():
+            return _allreduce(flags.group, buffer)
+        world, size = flags.world, buffer.numel()
+        mine = torch.zeros(2 * world, dtype=buffer.dtype, device=buffer.device)
+        mine[flags.rank] = flags.local.to(buffer.dtype)
+        if flags.forward_problem:
+            mine[world + flags.rank] = 1
+        flags.local, flags.forward_problem = None, False
+        packed = torch.cat([buffer, mine])
+        packed[:size].div_(world)  # as DDP's own hook: the division first
+
+    def unpack(future):
+        reduced = future.value()[0]
+        buffer.copy_(reduced[:size])
+        flags.reduced = reduced[size:].clone()
+        return buffer
+
+    return dist.all_reduce(packed, group=flags.group, async_op=True).get_future().then(unpack)
+
+
+def _allreduce(group, tensor: torch.Tensor):
+    import torch.distributed as dist
+
+    tensor.div_(group.size())
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
+        lambda future: future.value()[0])
+
+
+def received_report(seen: Frame, source: int, in_forward: bool, options) -> Report:
+    """The report of a rank whose values broke because of another rank's: `seen`, this rank's
+    gradients as found (or an empty frame), `source` the rank that made it, `in_forward` whether
+    that rank's sentinel found it in its forward."""
+    made = (f"rank {source} found inf/nan in its forward" if in_forward else
+            f"rank {source}'s own gradients held inf/nan before the reduction")
+    holds = f"{seen.words} " if seen.rows else ""
+    reason = (f"inf/nan {holds}in backward of batch {seen.batch_number}, received from rank "
+              f"{source} through the gradient all-reduce: {made}, and this rank's own gradients "
+              "were finite before it")
+    report = frames.make_report([seen], seen if seen.rows else None, DETECTION, reason,
+                                CAUSE_OTHER_RANK, seen.batch_number, options)
+    report.source_rank = source
+    report.hint = (f"Rank {source}'s report names the module, op and line that made it; this "
+                   "rank stops at the same step, so that no rank waits on a collective the others "
+                   "never make.")
+    return report
+
+
+
+# DDP checks a hook's return annotation by value (this module's annotations are strings).
+flagged_allreduce.__annotations__["return"] = torch.futures.Future[torch.Tensor]

@@ -1,0 +1,61 @@
+"""The batches a sentinel runs with the full hooks: those in `trace_batches`, those the numerics
+history samples (`history_every`) and the full looks (`full_every`: the last batch of each N).
+
+A full guard is attached for such a batch (its hooks join from the call that starts it); it keeps
+its traces, history, headroom and skipped steps in the sentinel's guard. When another batch
+starts it is paused, and detached at the next backward's end or on detach: never inside a module
+call, whose hooks torch has already listed.
+"""
+
+from __future__ import annotations
+
+from ..report import Report
+from .sentinel_rerun import full_guard
+
+__all__ = ["SampledBatches"]
+
+
+class SampledBatches:
+    """The full guard of one sentinel's traced and sampled batches."""
+
+    def __init__(self, guard):
+        self.guard = guard
+        self.tracer = None  # a full guard watching a traced batch with all its hooks
+
+    def start(self, batch: int, module, args, kwargs) -> None:
+        """A batch starts (in the pre-hook of the call that starts it)."""
+        guard, tracer = self.guard, self.tracer
+        every, full = guard.options.history_every, guard.options.full_every
+        sampled = (every and batch % every == 0) or (full and batch % full == full - 1)
+        if batch not in guard.options.trace_batches and not sampled:
+            if tracer is not None:
+                tracer._paused = True
+            return
+        joining = tracer is None
+        if joining:
+            tracer = self.tracer = full_guard(guard, guard.models, batch,
+                                              on_detect=self._detected)
+            tracer.traces, tracer.history, tracer.headroom = guard.traces, guard.history, guard.headroom
+            tracer._scaling, tracer.skipped_steps = guard._scaling, guard.skipped_steps
+            tracer.attach()
+        tracer._paused = False
+        tracer._batches.started = batch
+        tracer.begin_batch()
+        if joining:  # attached inside this call: its pre-hook missed it
+            tracer._pre_hook(module, args, kwargs)
+
+    def running(self) -> bool:
+        return self.tracer is not None and not self.tracer._paused
+
+    def stop(self, paused_only: bool = False) -> None:
+        tracer = self.tracer
+        if tracer is not None and (tracer._paused or not paused_only):
+            self.tracer = None
+            tracer._paused = True  # a hook of a call running now may still be called
+            tracer.detach()
+
+    def _detected(self, report: Report):
+        """A batch run with the full hooks stopped at a detection: it is the sentinel's guard's."""
+        self.guard.detection = report
+        on_detect = self.guard.options.on_detect
+        return on_detect(report) if on_detect is not None else None

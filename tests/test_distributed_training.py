@@ -1,0 +1,173 @@
+"""Training steps under DDP, two gloo processes on CPU, a nan made on rank 1 only: every rank
+stops at the same step with a report (none waits on a collective the other never makes), rank 1
+names the module that made it, and rank 0 names rank 1 (received through the gradient
+all-reduce). A healthy run is bit-identical with and without the guard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+TIMEOUT_S = 20  # the process group's: a rank left waiting on a collective fails there
+BAD_STEP = 2
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # nan for rank 1's negative values at the bad step
+
+
+class Back(nn.Module):
+    """The identity; nan gradients in backward for a batch marked by its first value."""
+
+    def forward(self, x, marked: bool = False):
+        from tests.models import NanGradient
+
+        return NanGradient.apply(x) if marked else x
+
+
+class ForwardNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.log = Log()
+        self.norm = nn.BatchNorm1d(4)  # buffers: DDP broadcasts them at every forward
+        self.last = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.last(self.norm(self.log(self.first(x).abs() + 1 + x[:, :1])))
+
+
+class BackwardNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.back = Back()
+        self.last = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.last(self.back(self.first(x), marked=bool(x[0, 0] == 1000.0)))
+
+
+def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
+    x = torch.rand(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+    if rank == 1 and step == BAD_STEP and setup == "forward":
+        x[:, 0] = -1e4  # log of a negative value in rank 1's forward
+    if rank == 1 and step == BAD_STEP and setup == "backward":
+        x[0, 0] = 1000.0  # rank 1's backward makes nan
+    return x
+
+
+def _rank_main(rank: int, world: int, port: int, setup: str, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from numguard_nb import Guard, NonFiniteError
+
+    started = time.perf_counter()
+    try:
+        torch.manual_seed(0)
+        if setup == "healthy":
+            results.put((rank, _healthy(rank, setup)))
+            return
+        net = ForwardNet() if setup == "forward" else BackwardNet()
+        model = nn.parallel.DistributedDataParallel(net)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        outcome = ("clean",)
+        try:
+            with Guard(model, mode="sentinel"):
+                for step in range(4):
+                    model(_batch(rank, step, setup)).pow(2).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+        except NonFiniteError as error:
+            report = error.report
+            frame = report.first_nonfinite
+            outcome = ("detected", report.batch_number, frame.module_name if frame else None,
+                       report.cause, report.source_rank, report.rank, str(error).splitlines()[0],
+                       report.to_frame().get("source_rank", [None])[0] if frame else None)
+        results.put((rank, outcome + (time.perf_counter() - started,)))
+    except BaseException:
+        results.put((rank, ("crashed", traceback.format_exc())))
+    finally:
+        dist.destroy_process_group()
+
+
+def _healthy(rank: int, setup: str) -> tuple:
+    """The same steps with and without the guard: the weights after them, compared."""
+    from numguard_nb import Guard
+
+    weights = []
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(ForwardNet())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        guard = Guard(model, mode="sentinel").attach() if guarded else None
+        for step in range(4):
+            model(_batch(rank, step, setup)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if guard is not None:
+            guard.detach()
+        weights.append([p.detach().clone() for p in model.parameters()])
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    same = all(torch.equal(a, b) for a, b in zip(*weights))
+    return ("healthy", same, hooks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(setup: str) -> dict:
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = _free_port()
+    processes = [context.Process(target=_rank_main, args=(rank, 2, port, setup, results))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=60)
+    alive = [process.is_alive() for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    got = {}
+    while not results.empty():
+        rank, outcome = results.get()
+        got[rank] = outcome
+    assert not any(alive), f"a rank was still running after 60 s: {got}"
+    return got
+
+
+@pytest.mark.parametrize("setup, module", [("forward", "module.log"), ("backward", "module.back")])
+def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(setup, module):
+    got = _run(setup)
+    assert sorted(got) == [0, 1], got
+    for rank in (0, 1):
+        assert got[rank][0] == "detected", got
+        assert got[rank][1] == BAD_STEP, got
+        assert got[rank][4] == 1 and got[rank][5] == rank, got  # made on rank 1; this rank
+        assert got[rank][7] == 1, got  # the DataFrame's source_rank column
+        assert got[rank][-1] < TIMEOUT_S, got  # no rank waited for a collective's timeout
+    assert got[1][2] == module, got
+    assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+
+
+def test_a_healthy_ddp_run_is_bit_identical_with_the_guard_and_leaves_no_hook():
+    got = _run("healthy")
+    for rank in (0, 1):
+        assert got[rank] == ("healthy", True, 0), got
