@@ -171,3 +171,22 @@ def test_a_healthy_ddp_run_is_bit_identical_with_the_guard_and_leaves_no_hook():
     got = _run("healthy")
     for rank in (0, 1):
         assert got[rank] == ("healthy", True, 0), got
+
+
+def test_the_example_runs_under_torchrun_and_both_ranks_name_the_same_fault():
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), str(root / "examples" / "ddp_nan_on_rank1.py"),
+         "--backward"], capture_output=True, text=True, timeout=120, env=env, cwd=root)
+    lines = {line.split(":")[0]: line for line in done.stdout.splitlines()
+             if line.startswith("rank ")}
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "module.scale (SafeSqrt) produced a non-finite gradient in backward" in lines["rank 1"]
+    assert "received from rank 1 through the gradient all-reduce" in lines["rank 0"]
+    assert all("batch 3" in line and "made on rank 1" in line for line in lines.values()), lines

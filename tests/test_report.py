@@ -273,3 +273,13 @@ def test_row_problems_and_hf_lines():
                           predicted_overflow=True, predicted_underflow=True)
     assert predicted.problems == "overflow predicted, underflow predicted"
     assert not predicted.nonfinite
+
+
+def test_the_rank_that_made_it_is_in_every_view():
+    import dataclasses
+
+    report = dataclasses.replace(hand_made_report(), source_rank=0)
+    assert report.summary().endswith(" [rank 1/2, made on rank 0]")
+    assert "made on rank 0" in report._repr_html_()
+    assert "(rank 1/2, made on rank 0)" in report.to_text()
+    assert list(report.to_frame()["source_rank"].unique()) == [0]

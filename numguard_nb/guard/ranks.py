@@ -46,6 +46,8 @@ class RankFlags:
         self.local: Optional[torch.Tensor] = None  # this rank's buckets held inf/nan (device)
         self.forward_problem = False  # this rank's sentinel holds a forward problem this step
         self.reduced: Optional[torch.Tensor] = None  # the last step's flags, summed over ranks
+        self.fresh = False  # reduced since `take_fresh` last looked
+        self._known: Optional[Tuple[List[int], List[int]]] = None  # `reduced`, read
 
     @classmethod
     def attach(cls, model) -> Optional["RankFlags"]:
@@ -71,20 +73,28 @@ class RankFlags:
         return flags
 
     def detach(self) -> None:
-        self.active = False
-        self.local = self.reduced = None
-        self.forward_problem = False
+        self.active = self.fresh = self.forward_problem = False
+        self.local = self.reduced = self._known = None
 
     def producers(self) -> Tuple[List[int], List[int]]:
         """(ranks whose own gradients held inf/nan before the reduction, ranks whose sentinel
-        held a forward problem), from the last step reduced (a host read: call it only once a
-        step is known to have failed)."""
+        held a forward problem), from the last step reduced (a host read of device flags: on a
+        GPU call it only once a step is known to have failed)."""
         if self.reduced is None:
             return [], []
-        values, self.reduced = self.reduced.tolist(), None  # (no_sync steps reduce nothing)
-        world = self.world
-        return ([r for r in range(world) if values[r] > 0],
-                [r for r in range(world) if values[world + r] > 0])
+        if self._known is None:
+            values, world = self.reduced.tolist(), self.world
+            self._known = ([r for r in range(world) if values[r] > 0],
+                           [r for r in range(world) if values[world + r] > 0])
+        return self._known
+
+    def take_fresh(self) -> Optional[Tuple[List[int], List[int]]]:
+        """`producers()` of a reduction made since the last call, else None (a backward under
+        `no_sync` reduces nothing: its gradients are this rank's own)."""
+        if not self.fresh:
+            return None
+        self.fresh = False
+        return self.producers()
 
 
 def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
@@ -112,7 +122,7 @@ def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
     def unpack(future):
         reduced = future.value()[0]
         buffer.copy_(reduced[:size])
-        flags.reduced = reduced[size:].clone()
+        flags.reduced, flags._known, flags.fresh = reduced[size:].clone(), None, True
         return buffer
 
     return dist.all_reduce(packed, group=flags.group, async_op=True).get_future().then(unpack)
@@ -132,8 +142,10 @@ def received_report(seen: Frame, source: int, in_forward: bool, options) -> Repo
     that rank's sentinel found it in its forward."""
     made = (f"rank {source} found inf/nan in its forward" if in_forward else
             f"rank {source}'s own gradients held inf/nan before the reduction")
-    holds = f"{seen.words} " if seen.rows else ""
-    reason = (f"inf/nan {holds}in backward of batch {seen.batch_number}, received from rank "
+    holds = "; ".join(f"{row.role} holds {row.nonfinite_words}" for row in seen.flagged_rows
+                      if row.nonfinite_words)
+    what = f"the gradients of {seen.words} ({holds})" if holds else "this rank's step"
+    reason = (f"inf/nan in {what} in backward of batch {seen.batch_number}, received from rank "
               f"{source} through the gradient all-reduce: {made}, and this rank's own gradients "
               "were finite before it")
     report = frames.make_report([seen], seen if seen.rows else None, DETECTION, reason,

@@ -519,11 +519,19 @@ class Sentinel:
             if grads and numerics.deferred(grads[0]) and not self.guard._sync:
                 done = self._check_gradients_later(done, parameters)
                 return
+            ranks = self.ranks.take_fresh() if self.ranks is not None else None
+            if ranks is not None and len(self.guard.models) == 1:
+                # DDP's reduction carried every rank's own check: no second read of the grads
+                if ranks[0]:
+                    self._backward_problem(done, parameters)
+                elif ranks[1]:
+                    self._across_ranks(done, None)  # a forward problem held on some rank
+                return
             unread: list = []
             if grads and not numerics.all_finite(grads, unread):
                 self._backward_problem(done, parameters)
-            elif self.ranks is not None:
-                self._across_ranks(done, None)  # a forward problem held on some rank
+            elif any(call.held is not None for call in done):
+                self._across_ranks(done, None)  # held under no_sync: this rank alone knows
             if unread and done:
                 self._note_unread(done[0], parameters, unread)
         finally:
