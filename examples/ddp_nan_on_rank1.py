@@ -83,6 +83,7 @@ def main() -> int:
         print(f"rank {rank}: {error.report.summary()}", flush=True)
         return 0
     finally:
+        dist.barrier()  # both ranks stopped at the same step: tear down together
         dist.destroy_process_group()
 
 

@@ -68,7 +68,10 @@ def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
     return x
 
 
-def _rank_main(rank: int, world: int, port: int, setup: str, results):
+MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
+
+
+def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str = "sentinel"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -85,7 +88,7 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         outcome = ("clean",)
         try:
-            with Guard(model, mode="sentinel"):
+            with Guard(model, **MODES[mode]):
                 for step in range(4):
                     model(_batch(rank, step, setup)).pow(2).mean().backward()
                     optimizer.step()
@@ -131,11 +134,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(setup: str) -> dict:
+def _run(setup: str, mode: str = "sentinel") -> dict:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     port = _free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, 2, port, setup, results))
+    processes = [context.Process(target=_rank_main, args=(rank, 2, port, setup, results, mode))
                  for rank in range(2)]
     for process in processes:
         process.start()
@@ -153,9 +156,10 @@ def _run(setup: str) -> dict:
     return got
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("setup, module", [("forward", "module.log"), ("backward", "module.back")])
-def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(setup, module):
-    got = _run(setup)
+def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(setup, module, mode):
+    got = _run(setup, mode)
     assert sorted(got) == [0, 1], got
     for rank in (0, 1):
         assert got[rank][0] == "detected", got

@@ -58,6 +58,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses,
 )
+from .ranks import RankFlags
 from .steps import StepWatch
 from .scaler import LossScaling
 from .sentinel import Sentinel
@@ -220,6 +221,7 @@ class Guard:
         self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
         self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
         self._sentinel = Sentinel(self)  # mode="sentinel": its checks, and its re-runs
+        self._ranks = None  # DDP: the flags its gradient all-reduce carries (`ranks`)
         self._outside = OutsideWatch(self)  # the code between top-level calls (a loss)
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
@@ -250,6 +252,8 @@ class Guard:
                 return self
             try:
                 self._steps.start(self.models)
+                if self.rerun_task == -1:  # (a sentinel's re-run raises on its own rank)
+                    self._ranks = RankFlags.attach_any(self.models)  # DDP: which rank made it
                 self._module_hooks.add(self, self.models, self._watch_backward)
                 if self.options.capture:
                     from ..replay import Capture
@@ -273,6 +277,7 @@ class Guard:
             self._grad_hooks.remove()
             self._steps.stop()
             self._outside.stop()
+            self._ranks = self._ranks and self._ranks.detach(self._outside)  # (None)
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
@@ -462,7 +467,8 @@ class Guard:
         if state.tracing:
             _record_trace(self, pass_, state.batch_number)
             return
-        if not raising and self.headroom.collect_and_check(pass_, self.options, self._locate_op):
+        if not raising and self.headroom.collect_and_check(pass_, self.options,
+                                                           partial(_locate_op, self)):
             culprit = detect.find_in_forward(pass_, self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
@@ -508,6 +514,8 @@ class Guard:
             torch.autograd.Variable._execution_engine.queue_callback(
                 partial(self._end_backward, task)
             )
+            if self._ranks is not None:  # then, after DDP's reduction, what the ranks learnt
+                self._ranks.queue_settle(self)
         return pass_
 
     def _on_grad(self, targets, grad):
@@ -564,7 +572,7 @@ class Guard:
             if self._tracing:
                 _record_trace(self, pass_, self.batch_number)
                 return
-            if self.headroom.collect_and_check(pass_, self.options, self._locate_op):
+            if self.headroom.collect_and_check(pass_, self.options, partial(_locate_op, self)):
                 culprit = detect.find_in_backward(pass_, self.options.stop_rules)
                 if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
@@ -584,8 +592,10 @@ class Guard:
                                                                         bad_slots, cause, True))):
             return
         options = self.options
+        if self._ranks is not None and self._ranks.held is not None:  # the first, held
+            raise self._ranks.held
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})
-        self._locate_op(culprit, call, cause, options.stop_rules)
+        _locate_op(self, culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
@@ -594,29 +604,36 @@ class Guard:
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection = _rerun_compiled(self, self.detection, phase)
         self.detection.reason += self._scaling.refusal()
+        if self._ranks is not None:  # DDP: this rank's own hooks saw the value made
+            self.detection.source_rank = self._ranks.rank
         pass_.release()
         self._forget_pass(self._threads.state)
         error = options.on_detect(self.detection) if options.on_detect is not None else None
-        raise error if isinstance(error, BaseException) else NonFiniteError(self.detection)
-
-    def _locate_op(self, frame, call: CallRecord, cause, rules) -> None:
-        if self._op_recorder is not None and cause in CODE_CAUSES:  # ops=True: re-run the step
-            self._paused = True  # the re-run of the step must not reach the hooks
-            try:
-                frames.add_op_location(frame, self._op_recorder.localise(
-                    call.root_id, self._module_hooks.modules.get(call.module_id), call.module_id,
-                    call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
-            finally:
-                self._paused = False
+        error = error if isinstance(error, BaseException) else NonFiniteError(self.detection)
+        if phase == FORWARD and self._ranks is not None and self._ranks.hold(error):
+            return  # DDP: raised at the backward's end, when every rank knows (`ranks`)
+        raise error
 
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
 
 
+def _locate_op(guard: Guard, frame, call: CallRecord, cause, rules) -> None:
+    """ops=True: name the op and line of a code culprit, re-running the step (hooks paused)."""
+    if guard._op_recorder is not None and cause in CODE_CAUSES:
+        guard._paused = True  # the re-run of the step must not reach the hooks
+        try:
+            frames.add_op_location(frame, guard._op_recorder.localise(
+                call.root_id, guard._module_hooks.modules.get(call.module_id), call.module_id,
+                call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
+        finally:
+            guard._paused = False
+
+
 def _record_trace(guard: Guard, pass_: PassRecord, batch: int) -> None:
     # A trace notes where a non-finite value would have been caught, without stopping.
-    guard.headroom.collect(pass_, guard.options, guard._locate_op)
+    guard.headroom.collect(pass_, guard.options, partial(_locate_op, guard))
     culprit = detect.find_in_trace(pass_, guard.options)
     report = guard.traces[batch] = frames.add_to_trace(
         guard.traces.get(batch), pass_, culprit, guard.options, batch, guard._steps)

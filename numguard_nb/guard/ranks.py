@@ -21,11 +21,14 @@ user's keeps it, and reports there do not name the producing rank.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
 
+from .. import numerics
 from .._schema import CAUSE_OTHER_RANK, DETECTION
+from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import frames
 
@@ -43,10 +46,12 @@ class RankFlags:
         self.rank = rank
         self.world = world
         self.active = False  # False: the hook is DDP's own all-reduce, nothing added
+        self.users = 0  # guards attached that use these flags (a sentinel and its sampled batches)
         self.local: Optional[torch.Tensor] = None  # this rank's buckets held inf/nan (device)
         self.forward_problem = False  # this rank's sentinel holds a forward problem this step
         self.reduced: Optional[torch.Tensor] = None  # the last step's flags, summed over ranks
         self.fresh = False  # reduced since `take_fresh` last looked
+        self.held: Optional[BaseException] = None  # full mode: a forward detection held (`hold`)
         self._known: Optional[Tuple[List[int], List[int]]] = None  # `reduced`, read
 
     @classmethod
@@ -68,13 +73,63 @@ class RankFlags:
                 return None
             model.register_comm_hook(flags, flagged_allreduce)
             setattr(model, _ATTRIBUTE, flags)
-        flags.active = True
-        flags.reduced = None
+        if not flags.users:
+            flags.active, flags.reduced = True, None
+        flags.users += 1
         return flags
 
-    def detach(self) -> None:
-        self.active = self.fresh = self.forward_problem = False
-        self.local = self.reduced = self._known = None
+    def detach(self, watch=None) -> None:
+        """One guard less; with none left, the hook is DDP's own all-reduce again. A forward
+        detection still held (no backward came) goes to `watch.unraised`: raised on exit."""
+        if self.held is not None and watch is not None and watch.unraised is None:
+            watch.unraised = self.held
+        self.users = max(self.users - 1, 0)
+        if not self.users:
+            self.active = self.fresh = self.forward_problem = False
+            self.local = self.reduced = self._known = self.held = None
+
+    @classmethod
+    def attach_any(cls, models: dict) -> Optional["RankFlags"]:
+        """The flags of the first DDP model among a guard's models (see `attach`)."""
+        return next(filter(None, map(cls.attach, models.values())), None)
+
+    def hold(self, error: BaseException) -> bool:
+        """Full mode: hold a forward detection until this step's backward has been reduced, so
+        that this rank still joins the all-reduce and every rank learns of it there (`settle`).
+        False where no backward will come (no grad)."""
+        if not torch.is_grad_enabled():
+            return False
+        if self.held is None:
+            self.held = error
+        self.forward_problem = True
+        return True
+
+    def queue_settle(self, guard) -> None:
+        """Settle this backward at its end, after DDP's reduction (queued once more from the
+        engine's callbacks, so that it runs after DDP's own, queued meanwhile)."""
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        queue(partial(queue, partial(self._settle, guard)))
+
+    def _settle(self, guard) -> None:
+        """Raise the forward detection held, or a report of what another rank made."""
+        held, self.held = self.held, None
+        if held is not None:
+            raise held
+        ranks = self.take_fresh()
+        source = min(set(ranks[0]) | set(ranks[1]), default=None) if ranks else None
+        if source is None or self.rank in ranks[0]:
+            return  # nothing, or this rank's own gradients: its guard names them
+        from .sentinel_rerun import gradient_frame  # (its import of the sentinel's checks)
+
+        name, model = next(iter(guard.models.items()))
+        bad = numerics.nonfinite_of((_join(name, key), p.grad)
+                                    for key, p in model.named_parameters() if p.grad is not None)
+        seen = gradient_frame(name, type(model).__name__, guard.batch_number, 0, bad)
+        report = guard.detection = received_report(seen, source, source in ranks[1],
+                                                   guard.options)
+        on_detect = guard.options.on_detect
+        error = on_detect(report) if on_detect is not None else None
+        raise error if isinstance(error, BaseException) else NonFiniteError(report)
 
     def producers(self) -> Tuple[List[int], List[int]]:
         """(ranks whose own gradients held inf/nan before the reduction, ranks whose sentinel
@@ -128,6 +183,10 @@ def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
     return dist.all_reduce(packed, group=flags.group, async_op=True).get_future().then(unpack)
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _allreduce(group, tensor: torch.Tensor):
     import torch.distributed as dist
 
@@ -148,8 +207,8 @@ def received_report(seen: Frame, source: int, in_forward: bool, options) -> Repo
     reason = (f"inf/nan in {what} in backward of batch {seen.batch_number}, received from rank "
               f"{source} through the gradient all-reduce: {made}, and this rank's own gradients "
               "were finite before it")
-    report = frames.make_report([seen], seen if seen.rows else None, DETECTION, reason,
-                                CAUSE_OTHER_RANK, seen.batch_number, options)
+    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_OTHER_RANK,
+                                seen.batch_number, options)
     report.source_rank = source
     report.hint = (f"Rank {source}'s report names the module, op and line that made it; this "
                    "rank stops at the same step, so that no rank waits on a collective the others "

@@ -268,7 +268,7 @@ class Sentinel:
             self.guard._steps.start(self.guard.models)
             self.checks.start()
             self.guard._outside.deferred = self.checks  # the loss code's values: read alike
-            self.ranks = next(filter(None, map(RankFlags.attach, self.guard.models.values())), None)
+            self.ranks = RankFlags.attach_any(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
             changed = _ParametersChanged(self)
