@@ -71,7 +71,19 @@ def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
 MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
 
 
-def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str = "sentinel"):
+def _wrapped(net: nn.Module, wrap: str) -> nn.Module:
+    if wrap == "ddp":
+        return nn.parallel.DistributedDataParallel(net)
+    from torch.distributed.fsdp import fully_shard
+
+    for child in net.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    return fully_shard(net)
+
+
+def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str = "sentinel",
+               wrap: str = "ddp"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -81,10 +93,9 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
     try:
         torch.manual_seed(0)
         if setup == "healthy":
-            results.put((rank, _healthy(rank, setup)))
+            results.put((rank, _healthy(rank, setup, wrap)))
             return
-        net = ForwardNet() if setup == "forward" else BackwardNet()
-        model = nn.parallel.DistributedDataParallel(net)
+        model = _wrapped(ForwardNet() if setup == "forward" else BackwardNet(), wrap)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         outcome = ("clean",)
         try:
@@ -106,14 +117,14 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
         dist.destroy_process_group()
 
 
-def _healthy(rank: int, setup: str) -> tuple:
+def _healthy(rank: int, setup: str, wrap: str) -> tuple:
     """The same steps with and without the guard: the weights after them, compared."""
     from numguard_nb import Guard
 
-    weights = []
+    weights, hooks = [], []
     for guarded in (False, True):
         torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(ForwardNet())
+        model = _wrapped(ForwardNet(), wrap)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         guard = Guard(model, mode="sentinel").attach() if guarded else None
         for step in range(4):
@@ -122,10 +133,12 @@ def _healthy(rank: int, setup: str) -> tuple:
             optimizer.zero_grad()
         if guard is not None:
             guard.detach()
-        weights.append([p.detach().clone() for p in model.parameters()])
-        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+        weights.append([p.detach().full_tensor().clone() if hasattr(p, "full_tensor")
+                        else p.detach().clone() for p in model.parameters()])
+        hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
+                         for m in model.modules()))  # (FSDP2 has its own)
     same = all(torch.equal(a, b) for a, b in zip(*weights))
-    return ("healthy", same, hooks)
+    return ("healthy", same, hooks[1] - hooks[0])
 
 
 def _free_port() -> int:
@@ -134,11 +147,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(setup: str, mode: str = "sentinel") -> dict:
+def _run(setup: str, mode: str = "sentinel", wrap: str = "ddp") -> dict:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     port = _free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, 2, port, setup, results, mode))
+    processes = [context.Process(target=_rank_main,
+                                 args=(rank, 2, port, setup, results, mode, wrap))
                  for rank in range(2)]
     for process in processes:
         process.start()
@@ -171,8 +185,9 @@ def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(set
     assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
 
 
-def test_a_healthy_ddp_run_is_bit_identical_with_the_guard_and_leaves_no_hook():
-    got = _run("healthy")
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_healthy_run_is_bit_identical_with_the_guard_and_leaves_no_hook(wrap):
+    got = _run("healthy", wrap=wrap)
     for rank in (0, 1):
         assert got[rank] == ("healthy", True, 0), got
 
@@ -194,3 +209,40 @@ def test_the_example_runs_under_torchrun_and_both_ranks_name_the_same_fault():
     assert "module.scale (SafeSqrt) produced a non-finite gradient in backward" in lines["rank 1"]
     assert "received from rank 1 through the gradient all-reduce" in lines["rank 0"]
     assert all("batch 3" in line and "made on rank 1" in line for line in lines.values()), lines
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("setup", ["forward", "backward"])
+def test_fsdp2_a_nan_made_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(setup, mode):
+    got = _run(setup, mode, wrap="fsdp2")
+    assert sorted(got) == [0, 1], got
+    for rank in (0, 1):
+        assert got[rank][0] == "detected", got
+        assert got[rank][1] == BAD_STEP and got[rank][4] == 1, got  # made on rank 1
+        assert got[rank][-1] < TIMEOUT_S, got
+    assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+    assert got[1][3] != "other-rank", got  # rank 1 reports its own (named, or why not re-run)
+
+
+
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_the_callbacks_under_torchrun_stop_every_rank_at_the_same_step(framework):
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), str(root / "tests" / "ddp_callbacks_run.py"),
+         framework], capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    found = dict(re.findall(r"^RESULT rank=(\d) (.*)$", done.stdout, re.M))
+    assert done.returncode == 0 and sorted(found) == ["0", "1"], (done.stdout, done.stderr[-3000:])
+    batches = {re.search(r"batch=(\d+)", line).group(1) for line in found.values()}
+    assert len(batches) == 1, found  # the same step on both ranks
+    assert "source=1" in found["0"] and "source=1" in found["1"], found
+    assert "cause=other-rank" in found["0"] and "received from rank 1" in found["0"], found
+    assert "cause=forward" in found["1"], found
+    assert re.search(r"Net\)? produced a non-finite value in forward", found["1"]), found

@@ -136,22 +136,30 @@ def test_same_weights_with_and_without_the_deferred_sentinel(deferred_on_host):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.cuda
-def test_on_cuda_a_healthy_sentinel_step_makes_no_host_synchronisation():
-    model = Net().cuda()
+def _steps_without_sync(model, loss_of) -> None:
+    """Four guarded training steps (fused AdamW) under torch's sync detector in "error" mode
+    from the second on (the first warms up): any host synchronisation raises."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    x = torch.randn(16, 4, device="cuda")
     with Guard(model, mode="sentinel"):
         for step in range(4):
-            torch.cuda.set_sync_debug_mode("error" if step else "default")  # step 0: warm-up
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
             try:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(x)
-                loss.backward()
+                loss_of(model).backward()
                 optimizer.step()
                 optimizer.zero_grad()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_healthy_sentinel_step_makes_no_host_synchronisation():
+    x = torch.randn(16, 4, device="cuda")
+
+    def loss_of(model):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(x)
+
+    _steps_without_sync(Net().cuda(), loss_of)
 
 
 @pytest.mark.cuda
@@ -183,22 +191,15 @@ class Logits(nn.Module):
 
 @pytest.mark.cuda
 def test_on_cuda_a_loss_computed_outside_the_model_makes_no_host_synchronisation():
-    model = Logits().cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     x, y = torch.randn(16, 4, device="cuda"), torch.randint(0, 3, (16,), device="cuda")
-    with Guard(model, mode="sentinel"):
-        for step in range(4):
-            torch.cuda.set_sync_debug_mode("error" if step else "default")
-            try:
-                logits = model(x)
-                # a mask discarded before the loss: a value read later, and found harmless then
-                safe = torch.where(logits > -100, logits, torch.full_like(logits, float("-inf")))
-                loss = torch.nn.functional.cross_entropy(safe, y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+
+    def loss_of(model):
+        logits = model(x)
+        # a mask discarded before the loss: a value read later, and found harmless then
+        safe = torch.where(logits > -100, logits, torch.full_like(logits, float("-inf")))
+        return torch.nn.functional.cross_entropy(safe, y)
+
+    _steps_without_sync(Logits().cuda(), loss_of)
 
 
 @pytest.mark.cuda

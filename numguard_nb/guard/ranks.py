@@ -61,10 +61,10 @@ class RankFlags:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
+        if not dist.is_available() or not dist.is_initialized():
             return None
         flags = getattr(model, _ATTRIBUTE, None)
-        if flags is None:
+        if flags is None and isinstance(model, DistributedDataParallel):
             if getattr(model, "_comm_hooks", None):
                 return None  # the user's own hook: DDP takes one only
             group = model.process_group
@@ -73,6 +73,10 @@ class RankFlags:
                 return None
             model.register_comm_hook(flags, flagged_allreduce)
             setattr(model, _ATTRIBUTE, flags)
+        elif flags is None:
+            flags = _fsdp2_flags(cls, model)
+            if flags is None:
+                return None
         if not flags.users:
             flags.active, flags.reduced = True, None
         flags.users += 1
@@ -90,8 +94,13 @@ class RankFlags:
 
     @classmethod
     def attach_any(cls, models: dict) -> Optional["RankFlags"]:
-        """The flags of the first DDP model among a guard's models (see `attach`)."""
-        return next(filter(None, map(cls.attach, models.values())), None)
+        """The flags of the first DDP or FSDP2 model among a guard's models (see `attach`), or of
+        the DDP wrapper around one (a Trainer's callbacks are handed the model it wraps)."""
+        found = next(filter(None, map(cls.attach, models.values())), None)
+        if found is None and _several_processes():
+            wrappers = filter(None, map(_ddp_around, models.values()))
+            found = next(filter(None, map(cls.attach, wrappers)), None)
+        return found
 
     def hold(self, error: BaseException) -> bool:
         """Full mode: hold a forward detection until this step's backward has been reduced, so
@@ -149,7 +158,23 @@ class RankFlags:
         if not self.fresh:
             return None
         self.fresh = False
+        self.local, self.forward_problem = None, False  # (FSDP2: each group carried them)
         return self.producers()
+
+    def _flags_now(self, like: torch.Tensor) -> torch.Tensor:
+        """This rank's 2 x world flags as they stand: its own gradients so far, its forward."""
+        mine = torch.zeros(2 * self.world, dtype=like.dtype, device=like.device)
+        if self.local is not None:
+            mine[self.rank] = self.local.to(like.dtype)
+        if self.forward_problem:
+            mine[self.world + self.rank] = 1
+        return mine
+
+    def _reduced(self, flags: torch.Tensor) -> None:
+        """Flags summed over the ranks by one reduction of this step (FSDP2: one per group)."""
+        if self.fresh and self.reduced is not None:
+            flags = torch.maximum(self.reduced, flags)
+        self.reduced, self._known, self.fresh = flags.clone(), None, True
 
 
 def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
@@ -166,10 +191,7 @@ def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
         if not bucket.is_last():
             return _allreduce(flags.group, buffer)
         world, size = flags.world, buffer.numel()
-        mine = torch.zeros(2 * world, dtype=buffer.dtype, device=buffer.device)
-        mine[flags.rank] = flags.local.to(buffer.dtype)
-        if flags.forward_problem:
-            mine[world + flags.rank] = 1
+        mine = flags._flags_now(buffer)
         flags.local, flags.forward_problem = None, False
         packed = torch.cat([buffer, mine])
         packed[:size].div_(world)  # as DDP's own hook: the division first
@@ -177,10 +199,31 @@ def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
     def unpack(future):
         reduced = future.value()[0]
         buffer.copy_(reduced[:size])
-        flags.reduced, flags._known, flags.fresh = reduced[size:].clone(), None, True
+        flags._reduced(reduced[size:])
         return buffer
 
     return dist.all_reduce(packed, group=flags.group, async_op=True).get_future().then(unpack)
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _ddp_around(model):
+    """The DistributedDataParallel wrapping `model` (as its module, or inside it: Lightning wraps
+    the LightningModule in a wrapper of its own first), found among the live objects: a Trainer's
+    callbacks are handed the model, not the wrapper. Once per attach, in a distributed run."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    for candidate in gc.get_objects():
+        if isinstance(candidate, DistributedDataParallel) and any(
+                m is model for m in candidate.module.modules()):
+            return candidate
+    return None
 
 
 def _join(prefix: str, name: str) -> str:
@@ -219,3 +262,66 @@ def received_report(seen: Frame, source: int, in_forward: bool, options) -> Repo
 
 # DDP checks a hook's return annotation by value (this module's annotations are strings).
 flagged_allreduce.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+# ---- FSDP2: the flags ride on each group's gradient reduce-scatter -------------------------------
+def _fsdp2_flags(cls, model) -> Optional["RankFlags"]:
+    """The flags of a model sharded with FSDP2 (`fully_shard`), its reduce-scatters replaced by
+    `_flagged_reduce_scatter`'s on every FSDP module; None for another model, one process, or
+    one with a reduce-scatter of the user's."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:  # an older torch
+        return None
+    shards = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [group for m in shards for group in m._get_fsdp_state()._fsdp_param_groups]
+    if not groups or any(type(g._reduce_scatter_comm) is not DefaultReduceScatter for g in groups):
+        return None  # not FSDP2, or a reduce-scatter of the user's (or one already flagged)
+    group = getattr(groups[0].mesh_info, "shard_process_group", None)
+    if group is None:
+        return None
+    flags = cls(group, group.rank(), group.size())
+    if flags.world < 2:
+        return None
+    comm = _flagged_reduce_scatter()(flags)
+    for g in groups:  # (FSDP's own setter refuses some layouts: set on each group)
+        g._reduce_scatter_comm = comm
+    setattr(model, _ATTRIBUTE, flags)
+    return flags
+
+
+_REDUCE_SCATTER: list = []
+
+
+def _flagged_reduce_scatter():
+    """FSDP2's default reduce-scatter, with this rank's flags after each rank's shard."""
+    if _REDUCE_SCATTER:
+        return _REDUCE_SCATTER[0]
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class FlaggedReduceScatter(DefaultReduceScatter):
+        def __init__(self, flags: RankFlags):
+            self.flags = flags
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            flags = self.flags
+            if not flags.active or async_op:
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            with torch.no_grad():
+                bad = ~torch._foreach_norm([input_tensor], 2, dtype=torch.float32)[0].isfinite()
+                flags.local = bad if flags.local is None else flags.local | bad
+                world, shard = group.size(), output_tensor.numel()
+                mine = flags._flags_now(input_tensor)
+                padded = torch.cat([input_tensor.view(world, shard),
+                                    mine.expand(world, mine.numel())], dim=1).reshape(-1)
+                out = output_tensor.new_empty(shard + mine.numel())
+                work = dist.reduce_scatter_single(out, padded, group=group, op=op)
+                output_tensor.copy_(out[:shard])
+                flags._reduced(out[shard:])
+            return work
+
+    _REDUCE_SCATTER.append(FlaggedReduceScatter)
+    return FlaggedReduceScatter
+

@@ -122,7 +122,7 @@ class _Call:
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
                  "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
-                 "held")
+                 "held", "forward")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
@@ -144,6 +144,7 @@ class _Call:
         self.inputs_changed = False  # its inputs changed in place after it started
         self.order = next(self._made)
         self.held = None  # under DDP: its forward problem, raised once every rank knows (ranks)
+        self.forward = entry.module.__dict__.get("forward")  # an instance's own (redirected)
 
     def inputs_now_changed(self) -> bool:
         return _versions((self.args, self.kwargs)) != self.versions

@@ -201,7 +201,18 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
             stack.enter_context(torch.inference_mode())
         else:
             stack.enter_context(torch.set_grad_enabled(grad))
+        forward = getattr(call, "forward", None)
+        if forward is not None:  # the forward the call ran under (Lightning redirects it)
+            stack.callback(_put_back, module, module.__dict__.get("forward"))
+            module.forward = forward
         return module(*args, **kwargs)
+
+
+def _put_back(module: nn.Module, forward) -> None:
+    if forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = forward
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
