@@ -255,6 +255,7 @@ class Sentinel:
         weakref.finalize(self, _remove_all, self._registration_handles)
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
         self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
+        self._held: Optional[_Call] = None  # its forward problem, held for the backward's end
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -298,6 +299,12 @@ class Sentinel:
     def detach(self) -> None:
         """Remove every hook (idempotent); what was reported stays. Checks still unread are
         read first (waiting): a detection is kept for `checks.raise_found`."""
+        held, self._held = self._held, None
+        if held is not None and self.attached:  # no backward came: raised on exit
+            try:  # (this rank alone: no reduction came to tell the others)
+                self._rerun_forward(held, *held.held)
+            except NonFiniteError as error:
+                self.checks.unraised = self.checks.unraised or error
         if self.attached:
             self.checks.stop()
             self.guard._outside.deferred = None
@@ -419,10 +426,8 @@ class Sentinel:
 
     def _late_forward_problem(self, call: _Call, values: list) -> None:
         """A call's outputs held nan or +inf (read after the call): run it again, and raise."""
-        entry = call.entry
-        seen = Frame(module_name=entry.name, module_class=entry.cls, phase=FORWARD,
-                     batch_number=call.batch_number, call_index=call.call_index, rows=[])
-        report = self._rerun(rerun_forward, self.guard, call, seen)
+        report = self._rerun(rerun_forward, self.guard, call, Frame(
+            call.entry.name, call.entry.cls, FORWARD, call.batch_number, call.call_index, []))
         if report is not None:
             self._raise(report)
 
@@ -441,7 +446,7 @@ class Sentinel:
             return False
         if self.ranks is not None and torch.is_grad_enabled() and options.backward:
             call.held = (pass_, record, bad)  # raised at the backward's end, on every rank
-            self.ranks.forward_problem = True
+            self.ranks.forward_problem, self._held = True, call
             return False
         if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard._outside.hold(
                 pass_, record, self, ("_rerun_forward", (call, pass_, record, bad))):
@@ -621,13 +626,12 @@ class Sentinel:
             self._raise(report)
 
     def _across_ranks(self, calls: List[_Call], seen) -> bool:
-        """Under DDP, what every rank learnt at the all-reduce: a forward problem this rank held
-        is run again and raised; one another rank made (in forward, or in gradients that reached
-        this rank's through the reduction) is raised as received from it. False: this rank's own
-        gradients made it (`seen`), or no rank did."""
+        """Under DDP/FSDP2, what every rank learnt at the reduction: this rank's held forward
+        problem, or one another rank made, raised; False: this rank's own gradients, or none."""
         made, forward = self.ranks.producers()
         held = next((call for call in calls if call.held is not None), None)
         if held is not None:
+            self._held = None
             self._rerun_forward(held, *held.held)
             return True
         source = min(set(made) | set(forward), default=None)

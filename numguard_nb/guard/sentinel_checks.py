@@ -100,7 +100,7 @@ class StepChecks:
             self.seal()
             self.look(wait=True)
         except NonFiniteError as error:
-            self.unraised = error
+            self.unraised = self.unraised or error
         finally:
             self._drop()
 

@@ -202,7 +202,8 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
         else:
             stack.enter_context(torch.set_grad_enabled(grad))
         forward = getattr(call, "forward", None)
-        if forward is not None:  # the forward the call ran under (Lightning redirects it)
+        if forward is not None and module is call.entry.module:  # (not a compiled one's)
+            # the forward the call ran under (Lightning redirects it to training_step)
             stack.callback(_put_back, module, module.__dict__.get("forward"))
             module.forward = forward
         return module(*args, **kwargs)
