@@ -238,3 +238,18 @@ def is_hf_trainer(obj) -> bool:
     set attribute."""
     return (trainer_model(obj) is not None and hasattr(obj, "train_dataset")
             and any(klass.__name__ == "Trainer" for klass in type(obj).__mro__))
+
+
+def qualified_name(prefix: str, name: str) -> str:
+    """`prefix.name` as `named_modules()` joins names ("" stands for the model itself)."""
+    return name if not prefix else (f"{prefix}.{name}" if name else prefix)
+
+
+def compiled_original(module) -> Optional[torch.nn.Module]:
+    """The original model of a `torch.compile` wrapper, else None (without importing Dynamo: no
+    wrapper exists before it is imported)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return None
+

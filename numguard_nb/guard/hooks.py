@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._schema import BUFFER, FORWARD, PARAM
+from .._util import compiled_original, qualified_name
 from . import copies
 from ..callstate import take as take_call_state
 from .passes import CallRecord
@@ -222,19 +223,6 @@ class ParamHook:
         return None
 
 
-def _join(prefix: str, name: str) -> str:
-    return name if not prefix else (f"{prefix}.{name}" if name else prefix)
-
-
-def _compiled_original(module: nn.Module) -> Optional[nn.Module]:
-    """The original model of a `torch.compile` wrapper, else None (without importing Dynamo:
-    no wrapper exists before it is imported)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
-    return None
-
-
 def _is_uninitialised(param) -> bool:
     return isinstance(param, nn.parameter.UninitializedParameter)
 
@@ -327,7 +315,7 @@ class ModuleHooks:
                 cls = getattr(module, "original_name", type(module).__name__)
                 self.hook_params(guard, module, id(module), name, cls, recurse=True)
             return
-        original = _compiled_original(module)
+        original = compiled_original(module)
         if original is not None:
             self._add_compiled(guard, module, original, name, caller, watch_backward)
             return
@@ -339,7 +327,7 @@ class ModuleHooks:
             caller = id(module)
         for child_name, child in module._modules.items():
             if child is not None:
-                self._add_tree(guard, child, _join(name, child_name), caller, watch_backward)
+                self._add_tree(guard, child, qualified_name(name, child_name), caller, watch_backward)
 
     def _add_compiled(self, guard, wrapper: nn.Module, original: nn.Module, name: str,
                       caller: Optional[int], watch_backward: bool) -> None:
@@ -354,7 +342,7 @@ class ModuleHooks:
             if id(sub) not in self.names:
                 self.compiled.add(id(sub))
             if watch_backward:
-                self.hook_params(guard, sub, id(sub), _join(name, sub_name), type(sub).__name__)
+                self.hook_params(guard, sub, id(sub), qualified_name(name, sub_name), type(sub).__name__)
 
     def _hook_module(self, guard, module: nn.Module, name: str, cls: str, caller: Optional[int],
                      watch_backward: bool) -> None:
@@ -386,7 +374,7 @@ class ModuleHooks:
                 self.param_hooks[id(param)] = ParamHook(guard, param, module_id, name, cls,
                                                         pname + ".grad")
             except Exception as error:  # a tensor subclass refusing hooks: watch the rest
-                self.unwatched.append(f"{_join(name, pname)} ({type(error).__name__})")
+                self.unwatched.append(f"{qualified_name(name, pname)} ({type(error).__name__})")
 
     def rehook_swapped(self) -> None:
         """Hook the tensors swapped into parameters since the last pass. Looked for only where
@@ -398,7 +386,7 @@ class ModuleHooks:
             if hook.param._cdata != hook.cdata:
                 failed = hook.rehook()
                 if failed:
-                    self.unwatched.append(f"{_join(hook.module_name, hook.role[:-5])} ({failed})")
+                    self.unwatched.append(f"{qualified_name(hook.module_name, hook.role[:-5])} ({failed})")
         if self.unwatched:
             self._warn_unwatched()
 

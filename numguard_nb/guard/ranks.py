@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import numerics
+from .._util import qualified_name
 from .._schema import CAUSE_OTHER_RANK, DETECTION
 from ..errors import NonFiniteError
 from ..report import Frame, Report
@@ -131,7 +132,7 @@ class RankFlags:
         from .sentinel_rerun import gradient_frame  # (its import of the sentinel's checks)
 
         name, model = next(iter(guard.models.items()))
-        bad = numerics.nonfinite_of((_join(name, key), p.grad)
+        bad = numerics.nonfinite_of((qualified_name(name, key), p.grad)
                                     for key, p in model.named_parameters() if p.grad is not None)
         seen = gradient_frame(name, type(model).__name__, guard.batch_number, 0, bad)
         report = guard.detection = received_report(seen, source, source in ranks[1],
@@ -224,10 +225,6 @@ def _ddp_around(model):
                 m is model for m in candidate.module.modules()):
             return candidate
     return None
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _allreduce(group, tensor: torch.Tensor):

@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics
+from .._util import compiled_original, qualified_name
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
@@ -63,7 +64,7 @@ from .sentinel_checks import (
 from .ranks import RankFlags, received_report
 from .sentinel_batches import SampledBatches
 from .sentinel_rerun import (
-    compiled_original, gradient_frame, original_name, rerun_backward, rerun_forward,
+    gradient_frame, original_name, rerun_backward, rerun_forward,
     run_alone,
 )
 
@@ -79,10 +80,6 @@ def _queue_callback(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def _join(prefix: str, name: str) -> str:
-    return name if not prefix else (f"{prefix}.{name}" if name else prefix)
-
-
 # ---- the modules watched: models and their first callable submodules ---------------------------
 def _entry_modules(prefix: str, root: nn.Module):
     """(name, module) of the modules whose calls can be top-level: `root`, then (unless it runs
@@ -90,12 +87,12 @@ def _entry_modules(prefix: str, root: nn.Module):
     yield prefix, root
     if compiled_original(root) is not None:
         return  # hooks inside compiled code would be traced into it
-    stack = [(_join(prefix, key), child) for key, child in reversed(root._modules.items())
+    stack = [(qualified_name(prefix, key), child) for key, child in reversed(root._modules.items())
              if child is not None]
     while stack:
         name, module = stack.pop()
         if type(module).forward is _UNIMPLEMENTED_FORWARD and compiled_original(module) is None:
-            stack.extend((_join(name, key), child) for key, child in reversed(module._modules.items())
+            stack.extend((qualified_name(name, key), child) for key, child in reversed(module._modules.items())
                          if child is not None)
         else:
             yield name, module
@@ -657,7 +654,7 @@ class Sentinel:
         self._known_parameters = self.checks.guarded_ids = None
 
     def _parameter_names(self) -> dict:
-        return {id(p): original_name(_join(prefix, name))
+        return {id(p): original_name(qualified_name(prefix, name))
                 for prefix, root in self.guard.models.items()
                 for name, p in root.named_parameters()}
 

@@ -25,7 +25,6 @@ back: the buffers (running statistics), the random state, the swapped submodules
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -36,7 +35,7 @@ from .._schema import (
     BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FOUND_BY_RERUN,
     GRAD_PARAM, MODE_FULL,
 )
-from .._util import collective_in, dtype_name, without_parallel_wrapper
+from .._util import collective_in, compiled_original, dtype_name, without_parallel_wrapper
 from ..callstate import enter_autocast, take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
@@ -52,15 +51,6 @@ _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: i
 
 
 # ---- compiled models -------------------------------------------------------------------------
-def compiled_original(module) -> Optional[nn.Module]:
-    """The original model of a `torch.compile` wrapper, else None (without importing Dynamo: no
-    wrapper exists before it is imported)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
-    return None
-
-
 def _eager(module: nn.Module) -> nn.Module:
     original = compiled_original(module)
     return module if original is None else _eager(original)
