@@ -92,8 +92,8 @@ def _entry_modules(prefix: str, root: nn.Module):
     while stack:
         name, module = stack.pop()
         if type(module).forward is _UNIMPLEMENTED_FORWARD and compiled_original(module) is None:
-            stack.extend((qualified_name(name, key), child) for key, child in reversed(module._modules.items())
-                         if child is not None)
+            stack.extend((qualified_name(name, key), child)
+                         for key, child in reversed(module._modules.items()) if child is not None)
         else:
             yield name, module
 
@@ -525,10 +525,10 @@ class Sentinel:
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
             if ranks is not None and len(self.guard.models) == 1:
                 # DDP's reduction carried every rank's own check: no second read of the grads
-                if ranks[0]:
+                if self.ranks.rank in ranks[0]:
                     self._backward_problem(done, parameters)
-                elif ranks[1]:
-                    self._across_ranks(done, None)  # a forward problem held on some rank
+                elif ranks[0] or ranks[1]:  # (FSDP2: this rank's shard may have stayed finite)
+                    self._across_ranks(done, None)
                 return
             unread: list = []
             if grads and not numerics.all_finite(grads, unread):
@@ -548,7 +548,7 @@ class Sentinel:
         groups = gradients_by_device(parameters)
         for group in groups:
             self.checks.add(numerics.grad_norms([p.grad for p in group]),
-                            partial(self._late_backward_problem, calls, parameters, group),
+                            partial(_late_backward_problem, self, calls, parameters, group),
                             partial(_forget_gradients, calls))
         if not groups:
             return calls
@@ -556,12 +556,6 @@ class Sentinel:
         self.checks.seal()
         self.checks.look()  # earlier steps, if their values are there
         return []
-
-    def _late_backward_problem(self, calls: List[_Call], parameters: list, group: list,
-                               norms: list) -> None:
-        """Gradients held inf or nan (read after their backward): run the calls again; raise."""
-        self._gradients_problem(calls, parameters, nonfinite_gradients(
-            self._parameter_names(), group, norms))
 
     def _note_unread(self, call: _Call, parameters: list, unread: list) -> None:
         """Keep the gradients that had no numbers to read (meta, fake) as rows of the report,
@@ -598,10 +592,12 @@ class Sentinel:
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
         """Re-run the calls of a backward pass whose gradients hold inf/nan; raise."""
-        names = self._parameter_names()
-        bad = numerics.nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
-                            if p.grad is not None)
-        self._gradients_problem(calls, parameters, bad)
+        self._gradients_problem(calls, parameters, self._bad_gradients(parameters))
+
+    def _bad_gradients(self, parameters: list) -> list:
+        names = self._parameter_names()  # [(name, gradient)] that hold inf or nan, exactly
+        return numerics.nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
+                                     if p.grad is not None)
 
     def _gradients_problem(self, calls: List[_Call], parameters: list, bad: list) -> None:
         """Re-run the calls of a backward pass whose gradients `bad` [(name, grad)] hold inf/nan;
@@ -634,9 +630,11 @@ class Sentinel:
         source = min(set(made) | set(forward), default=None)
         if source is None or self.ranks.rank in made:
             return False
+        first = calls[0]
         self._raise(received_report(seen or gradient_frame(
-            calls[0].entry.name, calls[0].entry.cls, calls[0].batch_number, calls[0].call_index,
-            []), source, source in forward, self.guard.options))
+            first.entry.name, first.entry.cls, first.batch_number, first.call_index,
+            self._bad_gradients(self._parameters())), source, source in forward,
+            self.guard.options))
 
     def _parameters(self) -> list:
         """The guarded parameters (each once), as of the last parameter or submodule set."""
@@ -674,6 +672,13 @@ class Sentinel:
         guard.detection = report
         error = options.on_detect(report) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(report)
+
+
+def _late_backward_problem(sentinel: Sentinel, calls: List[_Call], parameters: list, group: list,
+                           norms: list) -> None:
+    """Gradients held inf or nan (read after their backward): run the calls again; raise."""
+    sentinel._gradients_problem(calls, parameters, nonfinite_gradients(
+        sentinel._parameter_names(), group, norms))
 
 
 def _forget_gradients(calls: List[_Call]) -> None:
