@@ -53,6 +53,7 @@ class RankFlags:
         self.reduced: Optional[torch.Tensor] = None  # the last step's flags, summed over ranks
         self.fresh = False  # reduced since `take_fresh` last looked
         self.held: Optional[BaseException] = None  # full mode: a forward detection held (`hold`)
+        self.sharded = False  # FSDP2: a re-run must be made by every rank together
         self._known: Optional[Tuple[List[int], List[int]]] = None  # `reduced`, read
 
     @classmethod
@@ -281,6 +282,7 @@ def _fsdp2_flags(cls, model) -> Optional["RankFlags"]:
     flags = cls(group, group.rank(), group.size())
     if flags.world < 2:
         return None
+    flags.sharded = True
     comm = _flagged_reduce_scatter()(flags)
     for g in groups:  # (FSDP's own setter refuses some layouts: set on each group)
         g._reduce_scatter_comm = comm

@@ -64,7 +64,7 @@ from .sentinel_checks import (
 from .ranks import RankFlags, received_report
 from .sentinel_batches import SampledBatches
 from .sentinel_rerun import (
-    gradient_frame, original_name, rerun_backward, rerun_forward,
+    gradient_frame, original_name, rerun_backward, rerun_forward, rerun_forward_together,
     run_alone,
 )
 
@@ -622,6 +622,8 @@ class Sentinel:
         """Under DDP/FSDP2, what every rank learnt at the reduction: this rank's held forward
         problem, or one another rank made, raised; False: this rank's own gradients, or none."""
         made, forward = self.ranks.producers()
+        if self.ranks.sharded and (made or forward):
+            _rerun_together(self, calls, self.ranks.rank in made + forward)
         held = next((call for call in calls if call.held is not None), None)
         if held is not None:
             self._held = None
@@ -672,6 +674,15 @@ class Sentinel:
         guard.detection = report
         error = options.on_detect(report) if options.on_detect is not None else None
         raise error if isinstance(error, BaseException) else NonFiniteError(report)
+
+
+def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool) -> None:
+    """FSDP2: every rank re-runs the step's forward, together (its all-gathers in step); the rank
+    that made the value raises what its re-run found, if it found it in forward."""
+    found = sentinel._rerun(rerun_forward_together, sentinel.guard, calls)
+    if found is not None and made_here:
+        sentinel._held, found.source_rank = None, sentinel.ranks.rank
+        sentinel._raise(found)
 
 
 def _late_backward_problem(sentinel: Sentinel, calls: List[_Call], parameters: list, group: list,

@@ -43,6 +43,7 @@ from . import frames
 from .sentinel_checks import GradStandIn
 
 __all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
+           "rerun_forward_together",
            "rerun_backward", "rerun_compiled_call", "gradient_frame"]
 
 _INF = float("inf")
@@ -422,6 +423,27 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             outputs, _ = _forwards(calls, _aot_eager, True)
             captured = _has_problem(_backward(calls, outputs, list(parameters)), False, None)
         return _compiled(seen, calls[0], options, captured)
+
+
+def rerun_forward_together(guard, calls) -> Optional[Report]:
+    """Every rank runs the step's calls again, forward only and without grad, under a full guard
+    that traces (it never stops part-way), so that the collectives a sharded model makes (FSDP2's
+    all-gathers) stay in step on every rank. Returns what this rank's trace found, or None."""
+    models, batch = guard.models, calls[0].batch_number
+    with _kept(models):
+        full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
+                          on_trace=None, on_detect=None, history_every=None, scaler=None)
+        full.rerun_task = torch._C._current_graph_task_id()
+        with full:
+            full._batches.started = batch  # (attaching forgot the batch full_guard began)
+            full.begin_batch()
+            for call in calls:
+                _call_again(call.entry.module, call, call.args, call.kwargs, False)
+    report = full.traces.get(batch)
+    if report is None or report.first_nonfinite is None:
+        return None
+    report.kind = DETECTION
+    return _found(report)
 
 
 def _involves_compiled(module: nn.Module) -> bool:
