@@ -109,12 +109,19 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
             frame = report.first_nonfinite
             outcome = ("detected", report.batch_number, frame.module_name if frame else None,
                        report.cause, report.source_rank, report.rank, str(error).splitlines()[0],
-                       report.to_frame().get("source_rank", [None])[0] if frame else None)
+                       _first_source_rank(report))
         results.put((rank, outcome + (time.perf_counter() - started,)))
     except BaseException:
         results.put((rank, ("crashed", traceback.format_exc())))
     finally:
         dist.destroy_process_group()
+
+
+def _first_source_rank(report):
+    """The DataFrame's source_rank column, first row (None: no rows, as where this rank's own
+    shard of the gradients stayed finite)."""
+    table = report.to_frame()
+    return int(table["source_rank"].iloc[0]) if len(table) and "source_rank" in table else None
 
 
 def _healthy(rank: int, setup: str, wrap: str) -> tuple:
@@ -221,6 +228,7 @@ def test_fsdp2_a_nan_made_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(set
         assert got[rank][1] == BAD_STEP and got[rank][4] == 1, got  # made on rank 1
         assert got[rank][-1] < TIMEOUT_S, got
     assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+    assert "?.grad" not in got[0][6], got  # the parameters named, as FSDP2 holds them now
     # Rank 1 names the module: through its hooks (full mode), or through the forward every rank
     # re-ran together (the sentinel). A backward the sentinel cannot re-run: it says why.
     if setup == "forward" or mode != "sentinel":

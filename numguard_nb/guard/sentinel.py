@@ -632,7 +632,7 @@ class Sentinel:
         source = min(set(made) | set(forward), default=None)
         if source is None or self.ranks.rank in made:
             return False
-        first = calls[0]
+        first, self._known_parameters = calls[0], None  # (FSDP2 swaps them, unseen)
         self._raise(received_report(seen or gradient_frame(
             first.entry.name, first.entry.cls, first.batch_number, first.call_index,
             self._bad_gradients(self._parameters())), source, source in forward,
