@@ -221,14 +221,10 @@ def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints
         sign_hints[site] = row is not None
         if row is not None:
             return row
-    magnitude_bits = _abs_into_workspace(t, bits)
-    if magnitude_bits is None:
-        magnitude_bits = t.abs().view(bits)
-    lo, hi = torch.aminmax(magnitude_bits)
-    smallest = None
-    if nonzero_min:
-        magnitude = magnitude_bits.view(t.dtype)
-        smallest = magnitude.masked_fill_(magnitude == 0, _INF).amin()
+    if not read_now and t.numel() * t.element_size() > DEVICE_PIECE_BYTES:
+        lo, hi, smallest = _magnitudes_in_pieces(t, bits, nonzero_min)
+    else:
+        lo, hi, smallest = _magnitudes(t, bits, nonzero_min)
     if read_now:
         as_float = _FLOAT_OF_BITS[t.dtype]
         abs_max = as_float(hi.item())
@@ -237,6 +233,39 @@ def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints
         return row if smallest is None else row + (smallest.item(),)
     lo, hi = lo.view(t.dtype), hi.view(t.dtype)
     return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
+
+
+# |t| is written out to be reduced: on a device, a tensor larger than this (a language model's
+# float32 logits: 1.5 GiB) is reduced in pieces of this size, so the peak memory grows by no more.
+DEVICE_PIECE_BYTES = 64 * 2**20
+
+
+def _magnitudes(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool) -> tuple:
+    """(smallest |t| bits, largest |t| bits, smallest nonzero |t| or None), 0-d tensors."""
+    magnitude_bits = _abs_into_workspace(t, bits)
+    if magnitude_bits is None:
+        magnitude_bits = t.abs().view(bits)
+    lo, hi = torch.aminmax(magnitude_bits)
+    smallest = None
+    if nonzero_min:
+        magnitude = magnitude_bits.view(t.dtype)
+        smallest = magnitude.masked_fill_(magnitude == 0, _INF).amin()
+    return lo, hi, smallest
+
+
+def _magnitudes_in_pieces(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool) -> tuple:
+    """`_magnitudes` of a large device tensor, |t| written a piece at a time."""
+    per_piece = max(1, DEVICE_PIECE_BYTES // t.element_size())
+    if t.is_contiguous():
+        pieces = t.reshape(-1).split(per_piece)
+    else:  # along its longest dimension (no contiguous copy of the whole)
+        dim = max(range(t.dim()), key=lambda d: t.shape[d])
+        pieces = t.split(max(1, per_piece * t.shape[dim] // t.numel()), dim=dim)
+    rows = [_magnitudes(piece, bits, nonzero_min) for piece in pieces]
+    lo = torch.stack([row[0] for row in rows]).amin()
+    hi = torch.stack([row[1] for row in rows]).amax()
+    smallest = torch.stack([row[2] for row in rows]).amin() if nonzero_min else None
+    return lo, hi, smallest
 
 
 _MAGNITUDE_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}

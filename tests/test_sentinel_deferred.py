@@ -8,6 +8,9 @@ its values back (`never_ready`) until the code waits for them, as a GPU still bu
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -300,3 +303,65 @@ def test_a_small_gradient_from_the_loss_code_is_kept_for_the_re_run(deferred_on_
                 deferred_on_host[0] = step < 2
     assert caught.value.report.first_nonfinite.module_name == "fault"
     assert "uniform gradient" not in caught.value.report.reason
+
+
+class OnceNanGradient(torch.autograd.Function):
+    """nan gradients the first time only: a fault a re-run does not repeat."""
+
+    made = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        OnceNanGradient.made += 1
+        return grad * float("nan") if OnceNanGradient.made == 1 else grad
+
+
+class OnceFaulty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return OnceNanGradient.apply(self.layer(x)).sum()
+
+
+def test_a_gradient_fault_the_re_run_does_not_repeat_is_reported_from_the_one_device_flag(
+        deferred_on_host):
+    OnceNanGradient.made = 0
+    model = OnceFaulty()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(3):
+                model(_batch(step, -1)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                deferred_on_host[0] = False
+    report = caught.value.report
+    assert report.cause == "transient" and report.batch_number == 0
+    assert "one check on the device that does not say which tensor" in report.reason
+
+
+def test_with_a_grad_scaler_the_skipped_steps_keep_the_names_of_the_overflowing_gradients(
+        deferred_on_host):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from diagnosis_cases import CASES_BY_NAME, run_steps
+
+    def skipped(deferred: bool):
+        deferred_on_host[0] = False
+        if not deferred:
+            numerics.DEFERRED_DEVICE_TYPES.discard("cpu")
+        run = CASES_BY_NAME["trap_grad_scaler_warmup"].build()
+        with Guard(run.models[""], mode="sentinel", scaler=run.scaler) as guard:
+            run_steps(run)
+        numerics.DEFERRED_DEVICE_TYPES.add("cpu")
+        return [(s.batch, [row.role for row in s.frame.flagged_rows]) for s in guard.skipped_steps]
+
+    read_later, read_at_once = skipped(True), skipped(False)
+    assert read_later and read_later == read_at_once
+    assert all(roles for _, roles in read_later)
+    assert any(role.endswith(".weight.grad") for _, roles in read_later for role in roles)

@@ -179,3 +179,29 @@ def test_the_device_path_stacks_a_pass_and_reads_it_at_once(dtype):
             assert (posinf, neginf) == (ref_posinf, ref_neginf), name
         else:  # beside a nan, the sum is nan: the infinities are unknown
             assert posinf is None and neginf is None, name
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_large_device_tensor_is_summarised_in_pieces_to_the_same_row(dtype, layout, monkeypatch):
+    """On a device |t| is written out to be reduced: past `DEVICE_PIECE_BYTES` a piece at a time
+    (the peak memory of a step with 1.5 GiB logits grows by a piece, not by the logits), and
+    the row is the one the whole tensor gives."""
+    bits = stats._BITS[dtype]
+    made = []
+    real_abs = torch.Tensor.abs
+    monkeypatch.setattr(torch.Tensor, "abs", lambda t: made.append(t.numel()) or real_abs(t))
+    monkeypatch.setattr(stats, "_abs_into_workspace", lambda t, bits: None)  # as on a device
+    for name, t in special_tensors(dtype, 3000).items():
+        t = t.reshape(60, 50)
+        if layout == "transposed":
+            t = t.t()
+        with torch.no_grad():
+            monkeypatch.setattr(stats, "DEVICE_PIECE_BYTES", 1 << 40)
+            whole = stats._bit_stats(t, bits, True, None, None, read_now=False)
+            monkeypatch.setattr(stats, "DEVICE_PIECE_BYTES", 400 * t.element_size())
+            made.clear()
+            pieces = stats._bit_stats(t, bits, True, None, None, read_now=False)
+        assert made and max(made) <= 400, (name, made)
+        for a, b in zip(whole, pieces):
+            assert torch.equal(a, b) or (a.isnan() and b.isnan()), name

@@ -349,6 +349,7 @@ class Sentinel:
         if depth and not _still_running(local.top_frame):
             depth = 0
         if not depth and self.checks.pending:
+            self.checks.seal()  # a call no backward followed
             self.checks.look()  # the steps before, if the device has their values by now
         local.depth = depth + 1
         if depth:
@@ -396,9 +397,8 @@ class Sentinel:
         if tensors and numerics.deferred(tensors[0]) and not self.guard._sync:
             # an asynchronous device: one value computed there, read when it is ready
             value = numerics.output_flag(t for t in tensors if numerics.readable(t))
-            if value is not None:
+            if value is not None:  # read with the gradients of the backward that follows
                 self.checks.add(value, partial(self._late_forward_problem, call))
-                self.checks.seal()
         else:
             pass_ = PassRecord()
             record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD,
@@ -520,7 +520,7 @@ class Sentinel:
             parameters = self._parameters()
             grads = [p.grad for p in parameters if p.grad is not None]
             if grads and numerics.deferred(grads[0]) and not self.guard._sync:
-                done = self._check_gradients_later(done, parameters)
+                done = _check_gradients_later(self, done, parameters)
                 return
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
             if ranks is not None and len(self.guard.models) == 1:
@@ -540,22 +540,6 @@ class Sentinel:
         finally:
             for call in done:
                 call.grads = [None] * len(call.grads)
-
-    def _check_gradients_later(self, calls: List[_Call], parameters: list) -> list:
-        """On an asynchronous device: the gradients' norms, per device, read when ready. The
-        calls keep the gradients their outputs got until then (a re-run needs them); returns
-        the calls whose gradients can go now."""
-        groups = gradients_by_device(parameters)
-        for group in groups:
-            self.checks.add(numerics.grad_norms([p.grad for p in group]),
-                            partial(_late_backward_problem, self, calls, parameters, group),
-                            partial(_forget_gradients, calls))
-        if not groups:
-            return calls
-        drop_large_gradients(calls)
-        self.checks.seal()
-        self.checks.look()  # earlier steps, if their values are there
-        return []
 
     def _note_unread(self, call: _Call, parameters: list, unread: list) -> None:
         """Keep the gradients that had no numbers to read (meta, fake) as rows of the report,
@@ -599,13 +583,14 @@ class Sentinel:
         return numerics.nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
                                      if p.grad is not None)
 
-    def _gradients_problem(self, calls: List[_Call], parameters: list, bad: list) -> None:
-        """Re-run the calls of a backward pass whose gradients `bad` [(name, grad)] hold inf/nan;
-        raise."""
-        if not bad:
+    def _gradients_problem(self, calls: List[_Call], parameters: list, bad: list,
+                           flagged: bool = False) -> None:
+        """Re-run the calls of a backward pass whose gradients `bad` [(name, grad)] hold inf/nan
+        (`flagged`: some did, which ones is not known); raise."""
+        if not bad and not flagged:
             return  # a norm overflowed on huge finite values
         first = calls[0]  # one at least: its output's gradient hook queued this check
-        if self._loss_scaling_excuses(first, bad):
+        if bad and self._loss_scaling_excuses(first, bad):
             return
         seen = gradient_frame(first.entry.name, first.entry.cls, first.batch_number,
                               first.call_index, bad)
@@ -685,11 +670,38 @@ def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool) -> 
         sentinel._raise(found)
 
 
-def _late_backward_problem(sentinel: Sentinel, calls: List[_Call], parameters: list, group: list,
-                           norms: list) -> None:
-    """Gradients held inf or nan (read after their backward): run the calls again; raise."""
-    sentinel._gradients_problem(calls, parameters, nonfinite_gradients(
-        sentinel._parameter_names(), group, norms))
+def _check_gradients_later(sentinel: Sentinel, calls: List[_Call], parameters: list) -> list:
+    """On an asynchronous device: one flag of the gradients per device (their norms where a
+    GradScaler is watched), read when ready. The calls keep the gradients their outputs got
+    until then (a re-run needs them); returns the calls whose gradients can go now."""
+    groups = gradients_by_device(parameters)
+    # One flag per device unless a GradScaler needs the names of the gradients it overflowed
+    # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
+    per_parameter = sentinel.guard._scaling.scaler_of(sentinel.guard.options) is not None
+    for group in groups:
+        grads = [p.grad for p in group]
+        flag = None if per_parameter else numerics.nonfinite_flag(grads)
+        sentinel.checks.add(numerics.grad_norms(grads) if flag is None else flag,
+                            partial(_late_backward_problem, sentinel, calls, parameters,
+                                    group if flag is None else None),
+                            partial(_forget_gradients, calls))
+    if not groups:
+        return calls
+    drop_large_gradients(calls)
+    sentinel.checks.seal()
+    sentinel.checks.look()  # earlier steps, if their values are there
+    return []
+
+
+def _late_backward_problem(sentinel: Sentinel, calls: List[_Call], parameters: list,
+                           group: Optional[list], norms: list) -> None:
+    """Gradients held inf or nan (read after their backward): run the calls again; raise.
+    `group`: the parameters whose norms `norms` are, or None for one flag of them all."""
+    if group is None:
+        sentinel._gradients_problem(calls, parameters, [], flagged=True)
+    else:
+        sentinel._gradients_problem(calls, parameters, nonfinite_gradients(
+            sentinel._parameter_names(), group, norms))
 
 
 def _forget_gradients(calls: List[_Call]) -> None:

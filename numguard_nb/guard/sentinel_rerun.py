@@ -467,7 +467,8 @@ def _found(report: Report) -> Report:
 
 def _holds(frame: Frame) -> str:
     return "; ".join(f"{row.role} holds {row.nonfinite_words or 'values beyond the limit'}"
-                     for row in frame.flagged_rows)
+                     for row in frame.flagged_rows) or (
+        "inf or nan, found by one check on the device that does not say which tensor")
 
 
 def _where(seen: Frame, call) -> str:
