@@ -100,6 +100,8 @@ def main() -> int:
     finally:
         if dist.is_initialized():
             dist.barrier()
+            # Torn down here, not at interpreter exit, where gloo's threads sometimes abort.
+            dist.destroy_process_group()
     return 0
 
 

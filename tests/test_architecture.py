@@ -234,3 +234,42 @@ def test_every_instance_attribute_is_first_set_in_init():
                 for attr in sorted(_self_assignments(method) - initialised):
                     late.append(f"{name}.{cls.name}.{method_name} sets self.{attr}")
     assert not late, late
+
+
+def test_each_module_imports_alone():
+    """Every module imports as the first of the package to load (a fresh `numguard_nb` each
+    time): no module works only because another one was imported before it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import importlib, sys, traceback\n"
+        "failed = []\n"
+        f"for name in {sorted(MODULES)!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'numguard_nb' or m.startswith('numguard_nb.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module('numguard_nb.' + name if name else 'numguard_nb')\n"
+        "    except Exception as error:\n"
+        "        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
+        "print('\\n'.join(failed))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not done.stdout.strip(), done.stdout
+
+
+def test_no_object_is_made_through_type_of_another():
+    """`type(x)(...)` builds an object of a class its module never imports: a dependency the
+    import checks above cannot see (the sentinel's re-run gets its full guard from `Guard.twin`)."""
+    found = []
+    for name, path in MODULES.items():
+        if name == "_tree":  # containers rebuilt as their own type (a namedtuple, a dict subclass)
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Call) \
+                    and isinstance(node.func.func, ast.Name) and node.func.func.id == "type" \
+                    and not (isinstance(node.func.args[0], ast.Name)
+                             and node.func.args[0].id == "self"):  # a class making its twin
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found

@@ -177,27 +177,27 @@ class Guard:
     raises `NonFiniteError` (a FloatingPointError) with `.report` naming the module that produced
     the first non-finite value, with the `max_frames` frames leading up to it.
 
-    Args:
-        model_or_models: a module, a list of modules, or a dict of name -> module (names are then
-            used as prefixes; a loss module can be watched alongside the model).
-
-    The options are checked into `guard.options` (a `GuardOptions`); each is also an attribute
-    (`guard.sync`, ...; `capture` is `guard.capture_enabled`), settable between attaches.
+    `model_or_models`: a module, a list of modules, or a dict name -> module (names become
+    prefixes; a loss module can be watched beside the model). The options are checked into
+    `guard.options` (a `GuardOptions`); each is also an attribute (`guard.sync`, ...; `capture`
+    is `guard.capture_enabled`), settable between attaches.
 
     Threads may call a guarded model at once: each runs its own pass, and a nan made in one is
     raised in that thread. `with guard:` nested in `with guard:` keeps the hooks until the
     outermost block ends. Copies of the model made meanwhile (deepcopy, pickle) are not watched.
     """
 
-    max_frames, trace_batches = _Option("max_frames"), _Option("trace_batches")
+    max_frames, trace_batches, mode = _Option("max_frames"), _Option("trace_batches"), _Option("mode")
     abort_after_batch, backward, sync = _Option("abort_after_batch"), _Option("backward"), _Option("sync")
-    allow_inf, limit_dtype = _Option("allow_inf"), _Option("limit_dtype")
-    stop_at_limit, history_every, mode = _Option("stop_at_limit"), _Option("history_every"), _Option("mode")
-    on_trace, on_detect, ops = _Option("on_trace"), _Option("on_detect"), _Option("ops")
-    # Whether attach takes a capture (the magics turn it off when the weights' host copy stops
-    # fitting in memory); `capture` is the latest captured call.
-    capture_enabled = _Option("capture")
-    scaler, max_skipped_steps = _Option("scaler"), _Option("max_skipped_steps")
+    allow_inf, limit_dtype, stop_at_limit = _Option("allow_inf"), _Option("limit_dtype"), _Option("stop_at_limit")
+    on_trace, on_detect, ops, history_every = (_Option(name) for name in (
+        "on_trace", "on_detect", "ops", "history_every"))
+    # Whether attach takes a capture (off in the magics when the weights' host copy stops fitting)
+    capture_enabled, scaler, max_skipped_steps = (_Option(name) for name in (
+        "capture", "scaler", "max_skipped_steps"))
+
+    def twin(self, models: Dict[str, nn.Module], options: GuardOptions) -> "Guard":
+        return type(self)(models, **options.as_kwargs())  # for the sentinel's re-runs
 
     def __init__(self, model_or_models, **options):
         self.models = _normalise_models(model_or_models)

@@ -128,7 +128,7 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
     options = guard.options.replace(mode=MODE_FULL, capture=False, abort_after_batch=None,
                                     full_every=None,
                                     **changes)
-    full = type(guard)(models, **options.as_kwargs())
+    full = guard.twin(models, options)
     full._outside.may_hold = False  # the code after the call is the sentinel's to judge
     full._steps = _LentSteps(guard._steps)
     full._batches.started = batch  # numbered as the sentinel numbers its batches
