@@ -59,9 +59,22 @@ class BackwardNet(nn.Module):
         return self.last(self.back(self.first(x), marked=bool(x[0, 0] == 1000.0)))
 
 
+class MaskedNet(nn.Module):
+    """Two outputs; the loss uses the first only, so a nan in the second reaches no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.log = Log()
+        self.last = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.last(self.first(x)), self.log(x[:, :1] + 1)
+
+
 def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
     x = torch.rand(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-    if rank == 1 and step == BAD_STEP and setup == "forward":
+    if rank == 1 and step == BAD_STEP and setup in ("forward", "masked"):
         x[:, 0] = -1e4  # log of a negative value in rank 1's forward
     if rank == 1 and step == BAD_STEP and setup == "backward":
         x[0, 0] = 1000.0  # rank 1's backward makes nan
@@ -69,6 +82,17 @@ def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
 
 
 MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
+NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet}
+
+
+def _as_on_a_gpu(rank: int) -> None:
+    """The sentinel's checks read later, as on a GPU: rank 0's device has them at once, rank
+    1's never before they are waited for (the earliest and the latest a rank could act)."""
+    from numguard_nb import numerics
+
+    numerics.DEFERRED_DEVICE_TYPES.add("cpu")
+    if rank == 1:
+        numerics.DeferredRead.ready = lambda self: self._values is not None
 
 
 def _wrapped(net: nn.Module, wrap: str) -> nn.Module:
@@ -90,18 +114,23 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
     from numguard_nb import Guard, NonFiniteError
 
     started = time.perf_counter()
+    fused = mode == "sentinel on a gpu"  # the optimizer skips a step on a device flag: no read
+    if fused:
+        _as_on_a_gpu(rank)
+        mode = "sentinel"
     try:
         torch.manual_seed(0)
         if setup == "healthy":
             results.put((rank, _healthy(rank, setup, wrap)))
             return
-        model = _wrapped(ForwardNet() if setup == "forward" else BackwardNet(), wrap)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = _wrapped(NETS[setup](), wrap)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused or None)
         outcome = ("clean",)
         try:
             with Guard(model, **MODES[mode]):
                 for step in range(4):
-                    model(_batch(rank, step, setup)).pow(2).mean().backward()
+                    out = model(_batch(rank, step, setup))
+                    (out[0] if setup == "masked" else out).pow(2).mean().backward()
                     optimizer.step()
                     optimizer.zero_grad()
         except NonFiniteError as error:
@@ -188,6 +217,21 @@ def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(set
         assert got[rank][4] == 1 and got[rank][5] == rank, got  # made on rank 1; this rank
         assert got[rank][7] == 1, got  # the DataFrame's source_rank column
         assert got[rank][-1] < TIMEOUT_S, got  # no rank waited for a collective's timeout
+    assert got[1][2] == module, got
+    assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+
+
+@pytest.mark.parametrize("setup, module", [("masked", "module.log"), ("backward", "module.back")])
+def test_on_a_gpu_the_sentinel_stops_every_rank_at_the_same_point_of_the_program(setup, module):
+    """The GPU path (checks read later, never waited for): every rank acts on a step's reduced
+    flags at the same point (the next step's backward), so none is left in a collective; even a
+    nan that only rank 1's outputs hold (its loss masks it, every gradient stays finite)."""
+    got = _run(setup, "sentinel on a gpu")
+    assert sorted(got) == [0, 1], got
+    for rank in (0, 1):
+        assert got[rank][0] == "detected", got
+        assert got[rank][1] == BAD_STEP and got[rank][4] == 1, got
+        assert got[rank][-1] < TIMEOUT_S, got
     assert got[1][2] == module, got
     assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
 

@@ -21,8 +21,9 @@ user's keeps it, and reports there do not name the producing rank.
 
 from __future__ import annotations
 
+import math
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -49,7 +50,9 @@ class RankFlags:
         self.active = False  # False: the hook is DDP's own all-reduce, nothing added
         self.users = 0  # guards attached that use these flags (a sentinel and its sampled batches)
         self.local: Optional[torch.Tensor] = None  # this rank's buckets held inf/nan (device)
-        self.forward_problem = False  # this rank's sentinel holds a forward problem this step
+        # this rank's sentinel holds a forward problem this step: True, or on an asynchronous
+        # device its outputs' flag (`numerics.output_flag`), not read
+        self.forward_problem: Union[bool, torch.Tensor] = False
         self.reduced: Optional[torch.Tensor] = None  # the last step's flags, summed over ranks
         self.fresh = False  # reduced since `take_fresh` last looked
         self.held: Optional[BaseException] = None  # full mode: a forward detection held (`hold`)
@@ -168,9 +171,35 @@ class RankFlags:
         mine = torch.zeros(2 * self.world, dtype=like.dtype, device=like.device)
         if self.local is not None:
             mine[self.rank] = self.local.to(like.dtype)
-        if self.forward_problem:
+        if isinstance(self.forward_problem, torch.Tensor):
+            mine[self.world + self.rank] = (~(self.forward_problem < math.inf)).to(like.dtype).sum()
+        elif self.forward_problem:
             mine[self.world + self.rank] = 1
         return mine
+
+    def note_forward_flag(self, flag: torch.Tensor) -> None:
+        """An asynchronous device: a forward's outputs flag, carried by this step's reduction
+        without being read (a held forward problem on the host is `forward_problem = True`)."""
+        if isinstance(self.forward_problem, torch.Tensor):
+            flag = torch.maximum(self.forward_problem, flag)
+        if self.forward_problem is not True:
+            self.forward_problem = flag
+
+    def take_fresh_verdict(self) -> Optional[torch.Tensor]:
+        """A reduction made since the last look, as a float32 vector on its device, not read:
+        +inf where a rank's gradients (first `world` places) or forward (the next `world`) held
+        inf/nan, else -1 (`numerics.fine` tells); None where nothing was reduced."""
+        if not self.fresh or self.reduced is None:
+            return None
+        self.fresh = False
+        self.local, self.forward_problem = None, False
+        return torch.where(self.reduced > 0, math.inf, -1.0).float()
+
+    def producers_of(self, verdict: list) -> Tuple[List[int], List[int]]:
+        """`producers()` from a verdict's host values (`take_fresh_verdict`)."""
+        world = self.world
+        return ([r for r in range(world) if not numerics.fine(verdict[r])],
+                [r for r in range(world) if not numerics.fine(verdict[world + r])])
 
     def _reduced(self, flags: torch.Tensor) -> None:
         """Flags summed over the ranks by one reduction of this step (FSDP2: one per group)."""

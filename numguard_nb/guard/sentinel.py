@@ -119,7 +119,7 @@ class _Call:
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
                  "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
-                 "held", "forward")
+                 "held", "forward", "ranks_settled")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
@@ -141,6 +141,7 @@ class _Call:
         self.inputs_changed = False  # its inputs changed in place after it started
         self.order = next(self._made)
         self.held = None  # under DDP: its forward problem, raised once every rank knows (ranks)
+        self.ranks_settled = False  # on a device: its step's reduction was acted on
         self.forward = entry.module.__dict__.get("forward")  # an instance's own (redirected)
 
     def inputs_now_changed(self) -> bool:
@@ -399,6 +400,8 @@ class Sentinel:
             value = numerics.output_flag(t for t in tensors if numerics.readable(t))
             if value is not None:  # read with the gradients of the backward that follows
                 self.checks.add(value, partial(self._late_forward_problem, call))
+                if self.ranks is not None and torch.is_grad_enabled() and options.backward:
+                    self.ranks.note_forward_flag(value)  # every rank learns of it, unread
         else:
             pass_ = PassRecord()
             record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD,
@@ -603,10 +606,14 @@ class Sentinel:
             report.reason += self.guard._scaling.refusal() + stood_in(calls)
             self._raise(report)
 
-    def _across_ranks(self, calls: List[_Call], seen) -> bool:
+    def _across_ranks(self, calls: List[_Call], seen, producers=None,
+                      own_named_later: bool = False) -> bool:
         """Under DDP/FSDP2, what every rank learnt at the reduction: this rank's held forward
-        problem, or one another rank made, raised; False: this rank's own gradients, or none."""
-        made, forward = self.ranks.producers()
+        problem, or one another rank made, raised; False: this rank's own gradients, or none
+        (or, `own_named_later`, its own forward problem)."""
+        if calls and calls[0].ranks_settled:
+            return False  # its reduction's verdict was acted on already
+        made, forward = producers or self.ranks.producers()
         if self.ranks.sharded and (made or forward):
             _rerun_together(self, calls, self.ranks.rank in made + forward)
         held = next((call for call in calls if call.held is not None), None)
@@ -615,7 +622,8 @@ class Sentinel:
             self._rerun_forward(held, *held.held)
             return True
         source = min(set(made) | set(forward), default=None)
-        if source is None or self.ranks.rank in made:
+        if source is None or self.ranks.rank in made or (own_named_later
+                                                          and self.ranks.rank in forward):
             return False
         first, self._known_parameters = calls[0], None  # (FSDP2 swaps them, unseen)
         self._raise(received_report(seen or gradient_frame(
@@ -685,12 +693,24 @@ def _check_gradients_later(sentinel: Sentinel, calls: List[_Call], parameters: l
                             partial(_late_backward_problem, sentinel, calls, parameters,
                                     group if flag is None else None),
                             partial(_forget_gradients, calls))
-    if not groups:
+    verdict = sentinel.ranks.take_fresh_verdict() if sentinel.ranks is not None else None
+    if verdict is not None:  # acted on first: what every rank made, as every rank learnt it
+        sentinel.checks.add(verdict, partial(_late_rank_problem, sentinel, calls), first=True)
+    if not groups and verdict is None:
         return calls
     drop_large_gradients(calls)
-    sentinel.checks.seal()
+    sentinel.checks.seal(in_step=verdict is not None)
     sentinel.checks.look()  # earlier steps, if their values are there
     return []
+
+
+def _late_rank_problem(sentinel: Sentinel, calls: List[_Call], verdict: list) -> None:
+    """DDP/FSDP2 on a device: a step's reduction said a rank made inf/nan (read at the same
+    point on every rank). Another rank's: raised here; this rank's own: its checks that
+    follow name it (FSDP2: every rank re-runs the forward together first)."""
+    sentinel._across_ranks(calls, None, sentinel.ranks.producers_of(verdict), own_named_later=True)
+    for call in calls:
+        call.ranks_settled = True
 
 
 def _late_backward_problem(sentinel: Sentinel, calls: List[_Call], parameters: list,

@@ -41,13 +41,14 @@ MAX_KEPT_GRAD_BYTES = 64 * 2**20
 class _Sealed:
     """One step's values, in flight to the host, and what to do with each that is not fine."""
 
-    __slots__ = ("read", "actions", "device_values", "finish")
+    __slots__ = ("read", "actions", "device_values", "finish", "in_step")
 
-    def __init__(self, values: list, actions: list, finish: list):
+    def __init__(self, values: list, actions: list, finish: list, in_step: bool):
         self.device_values = values  # kept on the device for an optimizer's found_inf
         self.read = numerics.DeferredRead(values)
         self.actions = actions
         self.finish = finish
+        self.in_step = in_step  # acted on in program order, as every rank does (see `look`)
 
     def found_inf(self, device: torch.device) -> torch.Tensor:
         """1.0 where a value is not fine, else 0.0: a float32 flag on `device`, never read."""
@@ -115,33 +116,46 @@ class StepChecks:
 
     # ---- gathering -----------------------------------------------------------------------------
     def add(self, value: torch.Tensor, action: Callable[[list], None],
-            finish: Optional[Callable[[], None]] = None) -> None:
+            finish: Optional[Callable[[], None]] = None, first: bool = False) -> None:
         """A float32 vector on the device, and what to do with its host values if one is not
-        fine (`numerics.fine`); `finish` runs once it is read either way."""
-        self._values.append(value)
-        self._actions.append(action)
+        fine (`numerics.fine`); `finish` runs once it is read either way. `first`: acted on
+        before the values added earlier."""
+        position = 0 if first else len(self._values)
+        self._values.insert(position, value)
+        self._actions.insert(position, action)
         if finish is not None:
             self._finish.append(finish)
 
-    def seal(self) -> None:
-        """The open step is complete: start bringing its values to the host."""
+    def seal(self, in_step: bool = False) -> None:
+        """The open step is complete: start bringing its values to the host. `in_step`: acted
+        on at the same point of the program on every rank (a DDP or FSDP2 step's)."""
         if not self._values:
             return
         if len(self._sealed) >= MAX_SEALED:
             self._sealed.popleft()
-        self._sealed.append(_Sealed(self._values, self._actions, self._finish))
+        self._sealed.append(_Sealed(self._values, self._actions, self._finish, in_step))
         self._values, self._actions, self._finish = [], [], []
 
     # ---- reading -------------------------------------------------------------------------------
     def look(self, wait: bool = False) -> None:
         """Act on the sealed steps whose values are on the host, oldest first (all of them,
         waiting, with `wait`). An action that raises drops the steps after it: they ran from
-        what the failing step left."""
+        what the failing step left.
+
+        A step sealed `in_step` (several ranks) is acted on once a later step is sealed, waiting
+        for it then (the device finished it long before: no stall), and never sooner: every
+        rank acts on it at the same point of the program, where no collective is pending, so
+        that none raises while another waits for it in a collective."""
         if wait and self._sealed:
             self._sealed[-1].read.values(wait=True)  # one wait: the steps before it are done too
         while self._sealed:
             sealed = self._sealed[0]
-            values = sealed.read.values(wait, counted=False)
+            if sealed.in_step and not wait:
+                if sealed is self._sealed[-1]:
+                    return
+                values = sealed.read.values(wait=True, counted=False)
+            else:
+                values = sealed.read.values(wait, counted=False)
             if values is None:
                 return
             self._sealed.popleft()
