@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from . import numerics
 from . import stats as _stats
 from ._schema import LATEST
 from .guard import Guard
@@ -152,7 +153,7 @@ def detect_overflow(var, ctx):
         return False
     _, _, nan, posinf, neginf, _ = _stats.decode(_stats.to_host([vec])[0])
     if posinf is None:  # a nan hides the infinities: look for them directly
-        posinf = bool(torch.isinf(var).any())
+        posinf = bool(numerics.read(torch.isinf(var).any()))
     detected = False
     if nan:
         detected = True

@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from . import numerics
 from ._util import first_line
 
 BACKENDS = ("nccl", "gloo")
@@ -253,7 +254,7 @@ class _RankCheck:
         payload = pattern + rank
         dist.all_reduce(payload)
         expected = pattern * world + world * (world - 1) // 2
-        wrong = int((payload != expected).sum())
+        wrong = int(numerics.read((payload != expected).sum()))
         if wrong:
             self.problems.append(f"all_reduce returned {wrong} wrong values of {numel}")
         return wrong == 0, payload
@@ -264,7 +265,7 @@ class _RankCheck:
         expected = torch.randn(numel, generator=generator).to(self.device)
         received = expected.clone() if dist.get_rank() == 0 else torch.zeros_like(expected)
         dist.broadcast(received, src=0)
-        wrong = int((received != expected).sum())
+        wrong = int(numerics.read((received != expected).sum()))
         if wrong:
             self.problems.append(f"broadcast from rank 0 delivered {wrong} wrong values of {numel}")
         return wrong == 0

@@ -20,14 +20,14 @@ once, as there is nothing to wait for; tests add "cpu" to run the deferred path 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
-           "deferred", "fine", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
+           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
            "readable", "stats_flag"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
@@ -51,6 +51,24 @@ READS = _Reads()
 
 def count_read() -> None:
     READS.waited += 1
+
+
+def read(t: torch.Tensor, counted: bool = True):
+    """`t`'s values on the host now (a number for a 0-d tensor, else nested lists). The one
+    blocking read of device values outside `DeferredRead`: the engine reads nothing else (see
+    tests/test_architecture.py), and a read of a deferred device's values is counted (unless
+    the caller knows `t` is a host tensor: tests count the host among the deferred devices)."""
+    if counted and deferred(t):
+        count_read()
+    return t.tolist()
+
+
+def nonfinite_kinds(t: torch.Tensor) -> Tuple[bool, bool, bool]:
+    """Whether a floating-point tensor holds (nan, +inf, -inf), exactly: one read."""
+    with torch.no_grad():
+        flags = torch.stack([t.isnan().any(), (t == _INF).any(), (t == -_INF).any()])
+    nan, posinf, neginf = read(flags)
+    return nan, posinf, neginf
 
 
 def deferred(t: torch.Tensor) -> bool:

@@ -273,3 +273,32 @@ def test_no_object_is_made_through_type_of_another():
                              and node.func.args[0].id == "self"):  # a class making its twin
                 found.append(f"{name}:{node.lineno}")
     assert not found, found
+
+
+# Host reads outside numerics: the demo prints its loss; render and guard.history work on host
+# arrays (numpy); the doctor copies the user's batch and model to the host for its CPU replay.
+HOST_READS_ALLOWED = {"numerics", "stats", "demo", "render.history", "guard.history",
+                      "doctor.samples", "doctor.run"}
+_READ_METHODS = {"item", "tolist", "cpu", "numpy"}
+_REDUCTIONS = {"any", "all", "max", "min", "amax", "amin", "sum", "item"}
+
+
+def test_device_values_are_read_on_the_host_only_in_numerics():
+    """`.item()`, `.tolist()`, `.cpu()`, `.numpy()` and `bool/float/int(t.any() ...)` drain a
+    GPU's queue: the engine reads through `numerics.read` (counted) and `DeferredRead`."""
+    found = []
+    for name, path in MODULES.items():
+        if name in HOST_READS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in _READ_METHODS and not node.args:
+                found.append(f"{name}:{node.lineno} .{func.attr}()")
+            elif isinstance(func, ast.Name) and func.id in ("bool", "float", "int") \
+                    and node.args and isinstance(node.args[0], ast.Call) \
+                    and isinstance(node.args[0].func, ast.Attribute) \
+                    and node.args[0].func.attr in _REDUCTIONS:
+                found.append(f"{name}:{node.lineno} {func.id}(.{node.args[0].func.attr}())")
+    assert not found, found

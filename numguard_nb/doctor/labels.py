@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .. import numerics
 from .checklist import StepFailed
 from .samples import numeric_leaves
 
@@ -68,7 +69,7 @@ def raise_on_label_range(values: torch.Tensor | None, num_outputs: int, fix: Cal
     """Fail when a label is not a class of ``num_outputs``; ``fix(needed)`` says how to get enough."""
     if values is None or values.numel() == 0:
         return
-    highest, lowest = int(values.max()), int(values.min())
+    highest, lowest = (int(numerics.read(x)) for x in (values.max(), values.min()))
     if highest >= num_outputs:
         raise StepFailed(f"labels go up to {highest} but the model outputs {num_outputs} logits", fix(highest + 1))
     if lowest < 0:

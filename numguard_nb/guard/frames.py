@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from .. import numerics
 from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
@@ -227,11 +228,11 @@ def name_samples(pass_: PassRecord, call: CallRecord, flagged_ids, frame: Frame)
             with torch.no_grad():
                 bad = ~torch.isfinite(value)
                 held = (bad.flatten(1).any(1) if bad.dim() > 1 else bad).nonzero().flatten()
-                row.nonfinite_samples = tuple(held[:MAX_SAMPLES_NAMED].tolist())
+                row.nonfinite_samples = tuple(numerics.read(held[:MAX_SAMPLES_NAMED]))
                 row.nonfinite_sample_count = held.numel()
                 if bad.dim() > 1:  # which columns (channels): one broken feature for every sample
                     features = bad.transpose(0, 1).flatten(1).any(1).nonzero().flatten()
-                    row.nonfinite_features = tuple(features[:MAX_SAMPLES_NAMED].tolist())
+                    row.nonfinite_features = tuple(numerics.read(features[:MAX_SAMPLES_NAMED]))
                     row.nonfinite_feature_count = features.numel()
         except Exception:  # a tensor subclass that cannot be read this way: samples unknown
             row.nonfinite_samples = row.nonfinite_sample_count = None

@@ -125,7 +125,7 @@ def _finite(t: torch.Tensor) -> bool:
         _set_grad_enabled(False)
     try:
         total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
-        return math.isfinite(total.item())
+        return math.isfinite(numerics.read(total))
     finally:
         if grad_was_enabled:
             _set_grad_enabled(True)

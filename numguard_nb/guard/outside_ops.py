@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _tree
+from .. import _tree, numerics
 from .._schema import PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_POSINF
 from .._util import code_where, is_internal_file, user_frame
 from .passes import FINE
@@ -103,12 +103,9 @@ def _kinds_of(value) -> frozenset:
     for _, leaf in _tree.leaves(value):
         if isinstance(leaf, torch.Tensor):
             if leaf.is_floating_point() and leaf.numel() and not leaf.is_meta:
-                if bool(leaf.isnan().any()):
-                    kinds.add(PROBLEM_NAN)
-                if bool((leaf == float("inf")).any()):
-                    kinds.add(PROBLEM_POSINF)
-                if bool((leaf == float("-inf")).any()):
-                    kinds.add(PROBLEM_NEGINF)
+                nan, posinf, neginf = numerics.nonfinite_kinds(leaf)
+                kinds.update(kind for kind, held in ((PROBLEM_NAN, nan), (PROBLEM_POSINF, posinf),
+                                                     (PROBLEM_NEGINF, neginf)) if held)
         else:
             kinds |= scalar_kinds(leaf)
     return frozenset(kinds)

@@ -152,7 +152,7 @@ class RankFlags:
         if self.reduced is None:
             return [], []
         if self._known is None:
-            values, world = self.reduced.tolist(), self.world
+            values, world = numerics.read(self.reduced), self.world
             self._known = ([r for r in range(world) if values[r] > 0],
                            [r for r in range(world) if values[world + r] > 0])
         return self._known

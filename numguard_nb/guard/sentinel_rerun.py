@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import _tree
+from .. import _tree, numerics
 from .._schema import (
     BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FOUND_BY_RERUN,
     GRAD_PARAM, MODE_FULL,
@@ -46,7 +46,6 @@ __all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rer
            "rerun_forward_together",
            "rerun_backward", "rerun_compiled_call", "gradient_frame"]
 
-_INF = float("inf")
 _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
                        "(Distributed)DataParallel wrapper would start collectives on this rank alone")
 
@@ -298,9 +297,10 @@ def _has_problem(tensors, allow_inf: bool, limit: Optional[float]) -> bool:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
             continue
         with torch.no_grad():
-            if bool(t.isnan().any()) or (not allow_inf and bool(t.isinf().any())):
+            nan, posinf, neginf = numerics.nonfinite_kinds(t)
+            if nan or (not allow_inf and (posinf or neginf)):
                 return True
-            if limit is not None and not allow_inf and float(t.abs().max()) > limit:
+            if limit is not None and not allow_inf and numerics.read(t.abs().max()) > limit:
                 return True
     return False
 
@@ -512,11 +512,11 @@ def gradient_frame(name: str, cls: str, batch: int, call_index: int, grads) -> F
     with torch.no_grad():
         for role, grad in grads:
             values = grad.coalesce().values() if grad.is_sparse else grad
-            abs_max = float(values.abs().max()) if values.numel() else None
+            abs_max = float(numerics.read(values.abs().max())) if values.numel() else None
+            nan, posinf, neginf = numerics.nonfinite_kinds(values)
             rows.append(TensorRow(
                 role=f"{role}.grad", category=GRAD_PARAM, dtype=dtype_name(grad.dtype),
-                shape=tuple(grad.shape), abs_max=abs_max, nan=bool(values.isnan().any()),
-                posinf=bool((values == _INF).any()), neginf=bool((values == -_INF).any()),
+                shape=tuple(grad.shape), abs_max=abs_max, nan=nan, posinf=posinf, neginf=neginf,
                 flagged=True))
     return Frame(module_name=name, module_class=cls, phase=BACKWARD, batch_number=batch,
                  call_index=call_index, rows=rows)

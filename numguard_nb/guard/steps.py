@@ -29,6 +29,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
+from .. import numerics
 from .._schema import ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD
 from .._util import WeakStepHook, user_stacklevel
 from ..report import OptimizerStep
@@ -208,5 +209,5 @@ def _own_step_number(optimizer) -> Optional[int]:
     if isinstance(step, torch.Tensor):
         if step.device.type != "cpu" or step.numel() != 1:
             return None  # capturable or fused: on the device, where reading it waits
-        return int(step.item())
+        return int(numerics.read(step, counted=False))  # a host tensor: nothing to wait for
     return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .. import _tree
+from .. import _tree, numerics
 from .._schema import FORWARD, PROBLEM_NAN
 from .._util import error_line, user_frame
 
@@ -99,7 +99,7 @@ def nonfinite_kinds(values, limit=None) -> frozenset:
             continue
     for pairs in flags.values():
         try:
-            host = torch.stack(pairs).tolist()
+            host = numerics.read(torch.stack(pairs))
         except Exception:
             continue
         if any(host[0::2]):
