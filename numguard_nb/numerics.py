@@ -60,6 +60,8 @@ def read(t: torch.Tensor, counted: bool = True):
     the caller knows `t` is a host tensor: tests count the host among the deferred devices)."""
     if counted and deferred(t):
         count_read()
+    if type(t) not in _PLAIN and t.dim() <= 1:  # a subclass (DTensor) lists no values: each read
+        return t.item() if not t.dim() else [x.item() for x in t]
     return t.tolist()
 
 

@@ -57,14 +57,11 @@ from ..report import Frame, Report
 from . import copies, detect, frames
 from .hooks import forward_raised, inert_context, is_dynamo_compiling
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
-from .sentinel_checks import (
-    StepChecks, drop_large_gradients, gradients_by_device, kept_gradient, nonfinite_gradients,
-    stood_in,
-)
+from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from .ranks import RankFlags, received_report
 from .sentinel_batches import SampledBatches
 from .sentinel_rerun import (
-    gradient_frame, original_name, rerun_backward, rerun_forward, rerun_forward_together,
+    gradient_frame, original_name, rerun_backward, rerun_forward, rerun_step_together,
     run_alone,
 )
 
@@ -523,7 +520,7 @@ class Sentinel:
             parameters = self._parameters()
             grads = [p.grad for p in parameters if p.grad is not None]
             if grads and numerics.deferred(grads[0]) and not self.guard._sync:
-                done = _check_gradients_later(self, done, parameters)
+                done = check_gradients_later(self, done, parameters)
                 return
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
             if ranks is not None and len(self.guard.models) == 1:
@@ -615,7 +612,7 @@ class Sentinel:
             return False  # its reduction's verdict was acted on already
         made, forward = producers or self.ranks.producers()
         if self.ranks.sharded and (made or forward):
-            _rerun_together(self, calls, self.ranks.rank in made + forward)
+            _rerun_together(self, calls, self.ranks.rank in made + forward, bool(made))
         held = next((call for call in calls if call.held is not None), None)
         if held is not None:
             self._held = None
@@ -669,64 +666,15 @@ class Sentinel:
         raise error if isinstance(error, BaseException) else NonFiniteError(report)
 
 
-def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool) -> None:
-    """FSDP2: every rank re-runs the step's forward, together (its all-gathers in step); the rank
-    that made the value raises what its re-run found, if it found it in forward."""
-    found = sentinel._rerun(rerun_forward_together, sentinel.guard, calls)
+def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool,
+                    backward: bool) -> None:
+    """FSDP2: every rank re-runs the step together (its all-gathers and reduce-scatters in step):
+    the forward, and the backward where a rank's gradients held the value (`backward`); the rank
+    that made it raises what its re-run found."""
+    found = sentinel._rerun(rerun_step_together, sentinel.guard, calls, backward, sentinel.ranks)
     if found is not None and made_here:
         sentinel._held, found.source_rank = None, sentinel.ranks.rank
         sentinel._raise(found)
-
-
-def _check_gradients_later(sentinel: Sentinel, calls: List[_Call], parameters: list) -> list:
-    """On an asynchronous device: one flag of the gradients per device (their norms where a
-    GradScaler is watched), read when ready. The calls keep the gradients their outputs got
-    until then (a re-run needs them); returns the calls whose gradients can go now."""
-    groups = gradients_by_device(parameters)
-    # One flag per device unless a GradScaler needs the names of the gradients it overflowed
-    # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
-    per_parameter = sentinel.guard._scaling.scaler_of(sentinel.guard.options) is not None
-    for group in groups:
-        grads = [p.grad for p in group]
-        flag = None if per_parameter else numerics.nonfinite_flag(grads)
-        sentinel.checks.add(numerics.grad_norms(grads) if flag is None else flag,
-                            partial(_late_backward_problem, sentinel, calls, parameters,
-                                    group if flag is None else None),
-                            partial(_forget_gradients, calls))
-    verdict = sentinel.ranks.take_fresh_verdict() if sentinel.ranks is not None else None
-    if verdict is not None:  # acted on first: what every rank made, as every rank learnt it
-        sentinel.checks.add(verdict, partial(_late_rank_problem, sentinel, calls), first=True)
-    if not groups and verdict is None:
-        return calls
-    drop_large_gradients(calls)
-    sentinel.checks.seal(in_step=verdict is not None)
-    sentinel.checks.look()  # earlier steps, if their values are there
-    return []
-
-
-def _late_rank_problem(sentinel: Sentinel, calls: List[_Call], verdict: list) -> None:
-    """DDP/FSDP2 on a device: a step's reduction said a rank made inf/nan (read at the same
-    point on every rank). Another rank's: raised here; this rank's own: its checks that
-    follow name it (FSDP2: every rank re-runs the forward together first)."""
-    sentinel._across_ranks(calls, None, sentinel.ranks.producers_of(verdict), own_named_later=True)
-    for call in calls:
-        call.ranks_settled = True
-
-
-def _late_backward_problem(sentinel: Sentinel, calls: List[_Call], parameters: list,
-                           group: Optional[list], norms: list) -> None:
-    """Gradients held inf or nan (read after their backward): run the calls again; raise.
-    `group`: the parameters whose norms `norms` are, or None for one flag of them all."""
-    if group is None:
-        sentinel._gradients_problem(calls, parameters, [], flagged=True)
-    else:
-        sentinel._gradients_problem(calls, parameters, nonfinite_gradients(
-            sentinel._parameter_names(), group, norms))
-
-
-def _forget_gradients(calls: List[_Call]) -> None:
-    for call in calls:
-        call.grads = [None] * len(call.grads)
 
 
 def _top_of(tensors: list) -> tuple:

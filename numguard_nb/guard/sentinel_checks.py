@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -29,7 +30,7 @@ from .. import numerics
 from .._util import WeakStepHook
 from ..errors import NonFiniteError
 
-__all__ = ["StepChecks"]
+__all__ = ["StepChecks", "check_gradients_later"]
 
 _FOUND_INF = "found_inf"
 MAX_SEALED = 64  # steps sealed and never looked at (no later call, no optimizer): past this, forgotten
@@ -211,6 +212,58 @@ class StepChecks:
         lent = self._lent.pop(optimizer, None)
         if lent is not None and getattr(optimizer, _FOUND_INF, None) is lent:
             delattr(optimizer, _FOUND_INF)
+
+
+# ---- the sentinel's gradients, checked on the device -----------------------------------------
+def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
+    """On an asynchronous device: one flag of the gradients per device (their norms where a
+    GradScaler is watched), read when ready. The calls keep the gradients their outputs got
+    until then (a re-run needs them); returns the calls whose gradients can go now."""
+    groups = gradients_by_device(parameters)
+    # One flag per device unless a GradScaler needs the names of the gradients it overflowed
+    # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
+    per_parameter = sentinel.guard._scaling.scaler_of(sentinel.guard.options) is not None
+    for group in groups:
+        grads = [p.grad for p in group]
+        flag = None if per_parameter else numerics.nonfinite_flag(grads)
+        sentinel.checks.add(numerics.grad_norms(grads) if flag is None else flag,
+                            partial(_late_backward_problem, sentinel, calls, parameters,
+                                    group if flag is None else None),
+                            partial(_forget_gradients, calls))
+    verdict = sentinel.ranks.take_fresh_verdict() if sentinel.ranks is not None else None
+    if verdict is not None:  # acted on first: what every rank made, as every rank learnt it
+        sentinel.checks.add(verdict, partial(_late_rank_problem, sentinel, calls), first=True)
+    if not groups and verdict is None:
+        return calls
+    drop_large_gradients(calls)
+    sentinel.checks.seal(in_step=verdict is not None)
+    sentinel.checks.look()  # earlier steps, if their values are there
+    return []
+
+
+def _late_rank_problem(sentinel, calls: list, verdict: list) -> None:
+    """DDP/FSDP2 on a device: a step's reduction said a rank made inf/nan (read at the same
+    point on every rank). Another rank's: raised here; this rank's own: its checks that
+    follow name it (FSDP2: every rank re-runs the step together first)."""
+    sentinel._across_ranks(calls, None, sentinel.ranks.producers_of(verdict), own_named_later=True)
+    for call in calls:
+        call.ranks_settled = True
+
+
+def _late_backward_problem(sentinel, calls: list, parameters: list,
+                           group: Optional[list], norms: list) -> None:
+    """Gradients held inf or nan (read after their backward): run the calls again; raise.
+    `group`: the parameters whose norms `norms` are, or None for one flag of them all."""
+    if group is None:
+        sentinel._gradients_problem(calls, parameters, [], flagged=True)
+    else:
+        sentinel._gradients_problem(calls, parameters, nonfinite_gradients(
+            sentinel._parameter_names(), group, norms))
+
+
+def _forget_gradients(calls: list) -> None:
+    for call in calls:
+        call.grads = [None] * len(call.grads)
 
 
 def gradients_by_device(parameters: list) -> list:

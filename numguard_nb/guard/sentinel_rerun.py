@@ -43,7 +43,7 @@ from . import frames
 from .sentinel_checks import GradStandIn
 
 __all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
-           "rerun_forward_together",
+           "rerun_step_together",
            "rerun_backward", "rerun_compiled_call", "gradient_frame"]
 
 _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
@@ -425,25 +425,54 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
         return _compiled(seen, calls[0], options, captured)
 
 
-def rerun_forward_together(guard, calls) -> Optional[Report]:
-    """Every rank runs the step's calls again, forward only and without grad, under a full guard
-    that traces (it never stops part-way), so that the collectives a sharded model makes (FSDP2's
-    all-gathers) stay in step on every rank. Returns what this rank's trace found, or None."""
+def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]:
+    """Every rank runs the step's calls again under a full guard that traces (it never stops
+    part-way), so that the collectives a sharded model makes (FSDP2's all-gathers, and with
+    `backward` its reduce-scatters) stay in step on every rank: forward only and without grad,
+    or forward and backward from the gradients the outputs got. The re-run's gradients never
+    reach `.grad` (each is set aside, then put back) and its reductions carry no flags (`ranks`,
+    every rank alike). Returns what this rank's trace found, or None."""
     models, batch = guard.models, calls[0].batch_number
+    parameters = [p for model in models.values() for p in model.parameters()] if backward else []
+    kept_grads, flagging = [p.grad for p in parameters], ranks.active
     with _kept(models):
         full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
                           on_trace=None, on_detect=None, history_every=None, scaler=None)
         full.rerun_task = torch._C._current_graph_task_id()
-        with full:
-            full._batches.started = batch  # (attaching forgot the batch full_guard began)
-            full.begin_batch()
-            for call in calls:
-                _call_again(call.entry.module, call, call.args, call.kwargs, False)
+        try:
+            ranks.active = False
+            for p in parameters:
+                p.grad = None
+            with full:
+                full._batches.started = batch  # (attaching forgot the batch full_guard began)
+                full.begin_batch()
+                outputs = [_call_again(call.entry.module, call, call.args, call.kwargs, backward)
+                           for call in calls]
+                if backward:
+                    _backward_together(calls, outputs)
+        finally:
+            ranks.active = flagging
+            for p, grad in zip(parameters, kept_grads):
+                p.grad = grad
     report = full.traces.get(batch)
     if report is None or report.first_nonfinite is None:
         return None
     report.kind = DETECTION
     return _found(report)
+
+
+def _backward_together(calls, outputs) -> None:
+    """The backward of a joint re-run, from the gradients the original outputs got (every rank
+    has some: the reduce-scatters need every rank)."""
+    pairs = []
+    for call, output in zip(calls, outputs):
+        tensors = _tree.tensors(output)
+        for position, grad in enumerate(call.grads or ()):
+            if grad is not None and position < len(tensors) and tensors[position].requires_grad:
+                pairs.append((tensors[position], grad.materialise()
+                              if isinstance(grad, GradStandIn) else grad))
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _involves_compiled(module: nn.Module) -> bool:
