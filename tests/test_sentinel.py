@@ -830,3 +830,63 @@ def test_a_backward_re_run_starts_no_thread(monkeypatch):
     with pytest.raises(NonFiniteError) as caught, Guard(model, mode="sentinel"):
         model(big).sum().backward()
     assert caught.value.report.found_by == "re-run" and started == []
+
+
+# ---- the hooks of entries nested in a running model ------------------------------------------
+class Blocks(nn.Module):
+    """A model over a list of blocks, each of which could be called at top level too."""
+
+    def __init__(self, probe=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3))
+        self.probe = probe
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.probe is not None:
+                self.probe(block)
+            x = block(x)
+        return x.sum()
+
+
+def test_inside_a_model_s_call_its_nested_entries_are_not_hooked_and_are_again_after():
+    seen = []
+    model = Blocks(probe=lambda block: seen.append(len(block._forward_hooks)
+                                                  + len(block._forward_pre_hooks)))
+    with Guard(model, mode="sentinel"):
+        model(x4()).backward()
+        assert seen == [0, 0, 0], "the blocks' hooks ran inside the model's own call"
+        bad = x4()
+        bad[0, 0] = float("inf")
+        with pytest.raises(NonFiniteError) as caught:  # a block called at top level: checked
+            model.blocks[1](bad * 0)
+        assert caught.value.report.first_nonfinite.module_name == "blocks.1"
+    assert hooks_left(model) == []
+
+
+def test_a_nested_entry_with_a_hook_of_the_user_s_keeps_its_hooks_in_their_order():
+    order = []
+    model = Blocks()
+    with Guard(model, mode="sentinel"):
+        handle = model.blocks[0].register_forward_hook(lambda *a: order.append("user"))
+        before = list(model.blocks[0]._forward_hooks)
+        model(x4()).backward()
+        assert list(model.blocks[0]._forward_hooks) == before and order == ["user"]
+        handle.remove()
+    assert hooks_left(model) == []
+
+
+def test_a_model_call_that_raises_puts_the_nested_hooks_back():
+    calls = []
+
+    def probe(block):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("the user's forward fails")
+
+    model = Blocks(probe=probe)
+    with Guard(model, mode="sentinel"):
+        with pytest.raises(ValueError):
+            model(x4())
+        assert all(len(block._forward_hooks) == 1 for block in model.blocks)
+    assert hooks_left(model) == []

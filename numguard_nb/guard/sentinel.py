@@ -55,7 +55,7 @@ from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import copies, detect, frames
-from .hooks import forward_raised, inert_context, is_dynamo_compiling
+from .hooks import QuietHooks, forward_raised, inert_context, is_dynamo_compiling
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from .ranks import RankFlags, received_report
@@ -98,7 +98,8 @@ def _entry_modules(prefix: str, root: nn.Module):
 class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
-    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans")
+    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans",
+                 "nested")
 
     def __init__(self, module: nn.Module, name: str, primary: bool):
         self.module = module
@@ -109,6 +110,7 @@ class _Entry:
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
+        self.nested: list = []  # a model's: the entries inside it (quiet while it runs)
 
 
 class _Call:
@@ -251,6 +253,7 @@ class Sentinel:
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
         self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
         self._held: Optional[_Call] = None  # its forward problem, held for the backward's end
+        self._quiet = QuietHooks()
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -261,6 +264,8 @@ class Sentinel:
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, position == 0 and module is root)
+                        if module is not root:
+                            self.entries[id(root)].nested.append(self.entries[id(module)])
             # optimizer steps: what wrote weights found non-finite
             self.guard._steps.start(self.guard.models)
             self.checks.start()
@@ -307,6 +312,7 @@ class Sentinel:
                 self.ranks.detach()
                 self.ranks = None
         self.attached = False
+        self._quiet.restore()
         for handle in self._handles + self._grad_handles + self._registration_handles:
             handle.remove()
         for entry in self.entries.values():
@@ -354,6 +360,9 @@ class Sentinel:
             return
         local.call = None
         local.top_frame = id(_call_impl_frame())
+        nested = self.entries[id(module)].nested
+        if nested:  # their calls cannot be top-level while this one runs
+            self._quiet.quiet((entry.module, entry.hook_ids) for entry in nested)
         # Compiled, traced or exported; or recomputed in backward (activation checkpointing).
         if inert_context() or _current_graph_task_id() != -1:
             return
@@ -379,6 +388,8 @@ class Sentinel:
         local.depth = max(local.depth - 1, 0)
         if local.depth:
             return
+        if self._quiet.owner is not None:
+            self._quiet.restore(threading.get_ident())
         call, local.call = local.call, None
         if call is None or output is _RAISED or call.entry.module is not module \
                 or forward_raised():
