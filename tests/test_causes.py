@@ -235,7 +235,7 @@ def test_the_step_record_stays_small_and_holds_no_tensor():
             model(batch()).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-        kept = list(guard._steps._steps)
+        kept = list(guard.steps._steps)
     assert len(kept) <= MAX_STEPS
     for record in kept:
         assert type(record) is tuple

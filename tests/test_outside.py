@@ -317,7 +317,7 @@ def test_a_compiled_optimizer_step_is_not_compiled_again_and_again_under_the_gua
     finally:
         torch._dynamo.reset()
     assert compiled_after[2] == compiled_after[-1]
-    assert guard._steps._steps[-1][STEP_NUMBER] == 20  # every step seen, Adam's own count
+    assert guard.steps._steps[-1][STEP_NUMBER] == 20  # every step seen, Adam's own count
 
 
 def test_a_value_still_to_be_read_is_raised_at_the_next_optimizer_step(monkeypatch):
@@ -402,7 +402,7 @@ def test_memory_stays_flat_over_2000_steps(reading):
                 if step in (1000, 2000):
                     gc.collect()
                     traced[step] = tracemalloc.get_traced_memory()[0]
-                    handles[step] = len(guard._outside.node_handles)
+                    handles[step] = len(guard.outside.node_handles)
     finally:
         tracemalloc.stop()
     assert traced[2000] - traced[1000] < 32 * 1024, traced

@@ -416,7 +416,7 @@ def test_threads_calling_one_guarded_model_get_what_they_get_without_it():
     assert errors == {}
     assert bit_identical([results[i] for i in range(4)], expected)
     assert guard.detection is None
-    assert guard._batches.started == 100  # 100 calls of the model, numbered across the threads
+    assert guard.batches.started == 100  # 100 calls of the model, numbered across the threads
 
 
 class Sqrt(nn.Module):

@@ -83,20 +83,20 @@ def _rerun_compiled(guard, report: Report, phase) -> Report:
     """A detection in a model that ran compiled names only its wrapper: as the sentinel does, the
     call is run again eagerly under a full guard, whose report names the submodule (with a note
     that the first detection came from compiled code); else the report says how to find it."""
-    state = guard._threads.state
+    state = guard.threads.state
     kept, state.compiled_call = state.compiled_call, None
     if phase != FORWARD or kept is None:
         report.reason += _COMPILED_NOTE
         return report
     from .sentinel_rerun import rerun_compiled_call
 
-    guard._paused = True  # the eager re-run calls the original model, never the guard's hooks
+    guard.paused = True  # the eager re-run calls the original model, never the guard's hooks
     try:
         found = rerun_compiled_call(guard, kept, report.first_nonfinite)
     except Exception:  # the re-run itself failed: the detection as it is, and how to go on
         found = None
     finally:
-        guard._paused = False
+        guard.paused = False
     if found is None or found.first_nonfinite is None:
         report.reason += _COMPILED_NOTE
         return report
@@ -208,13 +208,13 @@ class Guard:
         self.traces: Dict[int, Report] = {}
         self.history = History()  # sampled batches' ranges, with history_every (`see`)
         self.headroom = Headroom()  # what would not fit in limit_dtype, over the run
-        self._scaling = LossScaling()  # backward overflows a GradScaler skips: let through
-        self.skipped_steps = self._scaling.skipped_steps  # the steps it skipped (SkippedStep)
+        self.scaling = LossScaling()  # backward overflows a GradScaler skips: let through
+        self.skipped_steps = self.scaling.skipped_steps  # the steps it skipped (SkippedStep)
         self.batch_number = 0  # the batch being run (or last run, in any thread)
-        self._batches = BatchCounter()
+        self.batches = BatchCounter()
         self._lifecycle_lock = threading.RLock()  # attach, detach and `with` from threads
         self._entered = 0  # `with` blocks this guard is in (nested, or in several threads)
-        self._paused = False  # True while the guard re-runs a step itself (op localisation)
+        self.paused = False  # True while the guard re-runs a step itself (op localisation)
         self.rerun_task = -1  # a sentinel's re-run: the backward whose end started it
         self._batches_counted_by_caller = False  # begin_batch() was called
         self._module_hooks = ModuleHooks()
@@ -222,20 +222,20 @@ class Guard:
         self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
         self._sentinel = Sentinel(self)  # mode="sentinel": its checks, and its re-runs
         self._ranks = None  # DDP: the flags its gradient all-reduce carries (`ranks`)
-        self._outside = OutsideWatch(self)  # the code between top-level calls (a loss)
+        self.outside = OutsideWatch(self)  # the code between top-level calls (a loss)
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
         self._tracing = False  # the latest batch is traced (read in backward, in any thread)
-        self._steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
+        self.steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
     def _use_options(self, options: GuardOptions) -> None:
         self.options = options
         # Read by the hooks on every module call: plain attributes, not options lookups.
         self._watch_backward = options.backward
-        self._sync = options.sync
+        self.synchronous = options.sync
         self._nonzero_min = options.limit_dtype is not None
         self._op_recorder = (self._op_recorder or OpRecorder()) if options.ops else None
 
@@ -248,10 +248,10 @@ class Guard:
             self._forget_passes()
             if self.options.mode == MODE_SENTINEL:  # no hooks on modules: checks per step
                 self._attached = self._sentinel.attach()
-                self._outside.start()  # the loss is checked as in full mode
+                self.outside.start()  # the loss is checked as in full mode
                 return self
             try:
-                self._steps.start(self.models)
+                self.steps.start(self.models)
                 if self.rerun_task == -1:  # (a sentinel's re-run raises on its own rank)
                     self._ranks = RankFlags.attach_any(self.models)  # DDP: which rank made it
                 self._module_hooks.add(self, self.models, self._watch_backward)
@@ -260,7 +260,7 @@ class Guard:
 
                     self._capture = None  # never an earlier attach's capture, should this one fail
                     self._capture = Capture(self.models)
-                self._outside.start(self._capture)
+                self.outside.start(self._capture)
             except BaseException:
                 self.detach()
                 raise
@@ -275,13 +275,13 @@ class Guard:
             self._sentinel.detach()
             self._module_hooks.remove()
             self._grad_hooks.remove()
-            self._steps.stop()
-            self._outside.stop()
-            self._ranks = self._ranks and self._ranks.detach(self._outside)  # (None)
+            self.steps.stop()
+            self.outside.stop()
+            self._ranks = self._ranks and self._ranks.detach(self.outside)  # (None)
             if self._capture is not None:
                 self._capture.stop_watching_optimizers()  # the capture itself stays, for replay
             self._sign_hints.clear()
-            self._scaling.detach()  # the scaler's own update() back
+            self.scaling.detach()  # the scaler's own update() back
             if self._op_recorder is not None:
                 self._op_recorder.clear()
             self._forget_passes()
@@ -306,15 +306,15 @@ class Guard:
             if self._entered <= 0:
                 self.detach()
                 self._sentinel.checks.raise_found(exc_type is None)
-                self._outside.raise_found(exc_type is None)
+                self.outside.raise_found(exc_type is None)
 
     def reset(self) -> None:
         """Forget unfinished passes (Ctrl-C) in every thread, and an unconfirmed overflow."""
         self._forget_passes()
-        self._scaling.forget_step()
+        self.scaling.forget_step()
 
     def _forget_passes(self) -> None:
-        self._threads = ThreadPasses(lambda: self.batch_number)
+        self.threads = ThreadPasses(lambda: self.batch_number)
         self._grad_hooks.forget_targets()  # the threads' calls given to leaves go with them
         self._backward_passes = BackwardPasses()
         self._first_calls.clear()
@@ -336,14 +336,14 @@ class Guard:
         """The detection report if there was one, else a report of the last frames seen."""
         if self.detection is not None or self.options.mode == MODE_SENTINEL:
             return self.detection or self._sentinel.report()
-        return self._outside.noted(self._scaling.noted(frames.make_report(
+        return self.outside.noted(self.scaling.noted(frames.make_report(
             self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options)))
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
-        if is_dynamo_compiling() or self._paused:
+        if is_dynamo_compiling() or self.paused:
             return
-        state = self._threads.state
+        state = self.threads.state
         stack = state.stack
         module_id = id(module)
         name, cls, caller = self._names.get(module_id, _UNNAMED)
@@ -354,7 +354,7 @@ class Guard:
         if not stack:
             if inert_context():
                 return  # compiled, traced or exported: not run on values the guard can read
-            self._outside.enter_model()
+            self.outside.enter_model()
             # Activation checkpointing re-runs forward inside backward: no new batch (`rerun_task`)
             recomputing = _graph_task_id() not in (-1, self.rerun_task)
             self._begin_forward(state, module_id, recomputing)
@@ -394,9 +394,9 @@ class Guard:
         stack.append(call)
 
     def _post_hook(self, module, args, kwargs, output=_RAISED):
-        if is_dynamo_compiling() or self._paused:
+        if is_dynamo_compiling() or self.paused:
             return
-        state = self._threads.state
+        state = self.threads.state
         stack = state.stack
         if output is _RAISED or forward_raised():  # its forward (or another hook) raised
             if stack and stack[-1].module_id == id(module):
@@ -419,7 +419,7 @@ class Guard:
         pass_ = state.forward
         call.seq = next(pass_.seq)
         pass_.calls.append(call)
-        if self._sync and not raising and not state.tracing:
+        if self.synchronous and not raising and not state.tracing:
             pass_.read_back()
             culprit = detect.forward_culprit(pass_, [call], self.options.stop_rules)
             if culprit is not None:
@@ -427,7 +427,7 @@ class Guard:
         if not state.stack:
             self._end_forward(state, raising)
             if not raising:  # (a forward that raised: no code of the user's follows to watch)
-                self._outside.leave_model()
+                self.outside.leave_model()
 
     # ---- batches and passes ---------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -435,10 +435,10 @@ class Guard:
         LightningModule's training_step calls its submodules): once called, only these calls
         count batches."""
         self._batches_counted_by_caller = True
-        self._start_batch(self._threads.state)
+        self._start_batch(self.threads.state)
 
     def _start_batch(self, state: PassState) -> None:
-        batch = state.batch_number = self.batch_number = self._batches.next(
+        batch = state.batch_number = self.batch_number = self.batches.next(
             self.options.abort_after_batch)
         state.call_counts.clear()
         state.first_calls.clear()
@@ -452,7 +452,7 @@ class Guard:
                 self._backward_passes.forget_open()
             if module_id == self._module_hooks.primary_root_id and not self._batches_counted_by_caller:
                 self._start_batch(state)
-            self._steps.forward_began(module_id, state.batch_number)
+            self.steps.forward_began(module_id, state.batch_number)
             if self._watch_backward and torch.is_grad_enabled():
                 self._module_hooks.rehook_swapped()
         state.forward = PassRecord()
@@ -502,7 +502,7 @@ class Guard:
                 targets = entry[ENTRY_TARGETS]
             targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
             if leaf:
-                self._threads.state.note_leaf_targets(targets)
+                self.threads.state.note_leaf_targets(targets)
 
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:
@@ -519,13 +519,13 @@ class Guard:
         return pass_
 
     def _on_grad(self, targets, grad):
-        if self._attached and not self._paused and grad is not None and not is_dynamo_compiling():
+        if self._attached and not self.paused and grad is not None and not is_dynamo_compiling():
             self._record_grad(targets, grad)
         return None
 
     def _on_leaf_grad(self, leaf_targets, grad):
         """A leaf's gradient, for the calls of the thread running this backward (`LeafTargets`)."""
-        if not self._attached or self._paused or grad is None or is_dynamo_compiling():
+        if not self._attached or self.paused or grad is None or is_dynamo_compiling():
             return None
         for targets in leaf_targets.delivering():
             self._record_grad(tuple(targets), grad)  # a copy: its thread may start a batch
@@ -533,9 +533,9 @@ class Guard:
         return None
 
     def _on_param_grad(self, hook: ParamHook, grad):
-        if not self._attached or self._paused or grad is None or is_dynamo_compiling():
+        if not self._attached or self.paused or grad is None or is_dynamo_compiling():
             return None
-        forward_call = hook.forward_call(self._threads.state, self)
+        forward_call = hook.forward_call(self.threads.state, self)
         self._record_grad((forward_call, hook.role, GRAD_PARAM), grad)
         if hook.input_targets:  # the calls it was an input of
             self._on_leaf_grad(hook.input_targets, grad)
@@ -555,10 +555,10 @@ class Guard:
             call = pass_.backward_call(forward_call)
             slot = (role, category, kind, grad.dtype, shape, index, next(pass_.seq))
             call.slots.append(slot)
-            if self._sync and not self._tracing:
+            if self.synchronous and not self._tracing:
                 pass_.read_back()
                 culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
-                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
+                if culprit is not None and not self.scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
 
     def _end_backward(self, task) -> None:
@@ -574,7 +574,7 @@ class Guard:
                 return
             if self.headroom.collect_and_check(pass_, self.options, partial(_locate_op, self)):
                 culprit = detect.find_in_backward(pass_, self.options.stop_rules)
-                if culprit is not None and not self._scaling.excuses(self.options, pass_, *culprit):
+                if culprit is not None and not self.scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
             self._recent.remember(pass_, self.options.max_frames)
         finally:
@@ -588,7 +588,7 @@ class Guard:
         """Build the report for a detection and raise it. A -inf mask reaching the model's output
         (illegal actions' logits) is judged by the loss first, as the code after it (`outside`)."""
         if not held and phase == FORWARD and detect.only_minus_inf(pass_, call, bad_slots, cause) \
-                and self._outside.hold(pass_, call, self, ("_detect", (pass_, phase, call,
+                and self.outside.hold(pass_, call, self, ("_detect", (pass_, phase, call,
                                                                         bad_slots, cause, True))):
             return
         options = self.options
@@ -599,15 +599,15 @@ class Guard:
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
             pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
-            batch, self._steps)
+            batch, self.steps)
         self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
             self.detection = _rerun_compiled(self, self.detection, phase)
-        self.detection.reason += self._scaling.refusal()
+        self.detection.reason += self.scaling.refusal()
         if self._ranks is not None:  # DDP: this rank's own hooks saw the value made
             self.detection.source_rank = self._ranks.rank
         pass_.release()
-        self._forget_pass(self._threads.state)
+        self._forget_pass(self.threads.state)
         error = options.on_detect(self.detection) if options.on_detect is not None else None
         error = error if isinstance(error, BaseException) else NonFiniteError(self.detection)
         if phase == FORWARD and self._ranks is not None and self._ranks.hold(error):
@@ -622,13 +622,13 @@ class Guard:
 def _locate_op(guard: Guard, frame, call: CallRecord, cause, rules) -> None:
     """ops=True: name the op and line of a code culprit, re-running the step (hooks paused)."""
     if guard._op_recorder is not None and cause in CODE_CAUSES:
-        guard._paused = True  # the re-run of the step must not reach the hooks
+        guard.paused = True  # the re-run of the step must not reach the hooks
         try:
             frames.add_op_location(frame, guard._op_recorder.localise(
                 call.root_id, guard._module_hooks.modules.get(call.module_id), call.module_id,
                 call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
         finally:
-            guard._paused = False
+            guard.paused = False
 
 
 def _record_trace(guard: Guard, pass_: PassRecord, batch: int) -> None:
@@ -636,7 +636,7 @@ def _record_trace(guard: Guard, pass_: PassRecord, batch: int) -> None:
     guard.headroom.collect(pass_, guard.options, partial(_locate_op, guard))
     culprit = detect.find_in_trace(pass_, guard.options)
     report = guard.traces[batch] = frames.add_to_trace(
-        guard.traces.get(batch), pass_, culprit, guard.options, batch, guard._steps)
+        guard.traces.get(batch), pass_, culprit, guard.options, batch, guard.steps)
     if guard.options.on_trace is not None:
         guard.options.on_trace(report)
 

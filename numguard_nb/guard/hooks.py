@@ -260,9 +260,9 @@ class _CompiledWeights:
 
     def __call__(self, module, args, kwargs):
         guard = self.guard
-        if is_dynamo_compiling() or guard._paused:
+        if is_dynamo_compiling() or guard.paused:
             return
-        state = guard._threads.state
+        state = guard.threads.state
         if not state.stack or state.stack[-1].module_id != id(module):
             return  # not watched now (traced, exported)
         pass_, site = state.forward, id(module)

@@ -195,7 +195,7 @@ class OutsideWatch(BackwardWatch):
 
     def watching(self) -> bool:
         guard = self.guard
-        return (self.attached and not guard._paused and not guard._tracing
+        return (self.attached and not guard.paused and not guard._tracing
                 and not inert_context() and _current_graph_task_id() == -1)
 
     # ---- forward --------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ class OutsideWatch(BackwardWatch):
         return self.guard.options.inf_allowed(OUTSIDE_MODULE)
 
     def _batch(self) -> int:
-        return self.guard._threads.state.batch_number
+        return self.guard.threads.state.batch_number
 
     def _settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False):
         """Read the region's statistics back (one transfer on a GPU) and check what was not

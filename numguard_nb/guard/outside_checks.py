@@ -149,7 +149,7 @@ class BackwardWatch:
         self.backward_passes.clear()
 
     def _immediate(self, tensors) -> bool:
-        return self.guard._sync or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
+        return self.guard.synchronous or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
 
     def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:
         """Put a post-hook on each autograd node the function created: those reached from its
@@ -175,7 +175,7 @@ class BackwardWatch:
         finite, nothing more; else record what it received and gave, and check it (at once on
         the host, at the end of the backward on a device)."""
         forward = hook.forward
-        if not self.attached or self.guard._paused or forward.clean is False \
+        if not self.attached or self.guard.paused or forward.clean is False \
                 or is_dynamo_compiling():
             return
         culprit = None
@@ -259,7 +259,7 @@ class BackwardWatch:
     def _read_later(self, pass_: PassRecord, action) -> bool:
         """Hand the pass's statistics to the sentinel's checks as one value on the device, with
         `action` for when it is not fine; False where they are on the host (or no sentinel)."""
-        if self.deferred is None or self.guard._sync:
+        if self.deferred is None or self.guard.synchronous:
             return False
         value = numerics.stats_flag(pass_.vectors)
         if value is None:
@@ -271,6 +271,6 @@ class BackwardWatch:
         """Raise a node's culprit, unless it is an overflow the loss scaler skips the step for
         (recorded in `guard.skipped_steps`, as the model's own gradients are)."""
         guard = self.guard
-        if guard._scaling.excuses(guard.options, pass_, call, bad, CAUSE_OUTSIDE):
+        if guard.scaling.excuses(guard.options, pass_, call, bad, CAUSE_OUTSIDE):
             return
         self._raise(pass_, call, bad)

@@ -118,7 +118,7 @@ class OutsideMode(TorchFunctionMode):
         if watch is None or is_dynamo_compiling():
             return func(*args, **kwargs)
         if func is TENSOR_TO:  # in GradScaler.scale(loss)? the loop's scaler, found
-            watch.guard._scaling.note_caller(sys._getframe(1))
+            watch.guard.scaling.note_caller(sys._getframe(1))
         if func in ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
         if func is _AUTOGRAD_GRAD and (state.held is not None or state.held_mask is not None):

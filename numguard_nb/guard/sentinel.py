@@ -267,9 +267,9 @@ class Sentinel:
                         if module is not root:
                             self.entries[id(root)].nested.append(self.entries[id(module)])
             # optimizer steps: what wrote weights found non-finite
-            self.guard._steps.start(self.guard.models)
+            self.guard.steps.start(self.guard.models)
             self.checks.start()
-            self.guard._outside.deferred = self.checks  # the loss code's values: read alike
+            self.guard.outside.deferred = self.checks  # the loss code's values: read alike
             self.ranks = RankFlags.attach_any(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
@@ -307,7 +307,7 @@ class Sentinel:
                 self.checks.unraised = self.checks.unraised or error
         if self.attached:
             self.checks.stop()
-            self.guard._outside.deferred = None
+            self.guard.outside.deferred = None
             if self.ranks is not None:
                 self.ranks.detach()
                 self.ranks = None
@@ -341,7 +341,7 @@ class Sentinel:
         unwatched = frames.unwatched_note(seen)
         if unwatched:
             note = f"{note}; {unwatched}"
-        return self.guard._outside.noted(self.guard._scaling.noted(frames.make_report(
+        return self.guard.outside.noted(self.guard.scaling.noted(frames.make_report(
             seen, None, LATEST, note, "", self.guard.batch_number, options)))
 
     # ---- forward ---------------------------------------------------------------------------
@@ -367,10 +367,10 @@ class Sentinel:
         if inert_context() or _current_graph_task_id() != -1:
             return
         entry, guard = self.entries[id(module)], self.guard
-        guard._outside.enter_model()  # the code before this call (a loss) is over: checked
+        guard.outside.enter_model()  # the code before this call (a loss) is over: checked
         if entry.primary and not guard._batches_counted_by_caller:
-            guard.batch_number = guard._batches.next(guard.options.abort_after_batch)
-        guard._threads.state.batch_number = guard.batch_number  # what the outside watch reports
+            guard.batch_number = guard.batches.next(guard.options.abort_after_batch)
+        guard.threads.state.batch_number = guard.batch_number  # what the outside watch reports
         if guard.batch_number != self._batch:
             self._batch = guard.batch_number
             self._call_counts.clear()
@@ -397,13 +397,13 @@ class Sentinel:
         if call.inputs_now_changed():  # the call itself changed them: copy from the next call on
             call.inputs_changed = call.entry.copy_inputs = True
         self._check_outputs(call, output)
-        self.guard._outside.leave_model()  # watch the code that follows, up to its backward
+        self.guard.outside.leave_model()  # watch the code that follows, up to its backward
 
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options
         tensors = list(_tree.tensors(output))
         rerun = False
-        if tensors and numerics.deferred(tensors[0]) and not self.guard._sync:
+        if tensors and numerics.deferred(tensors[0]) and not self.guard.synchronous:
             # an asynchronous device: one value computed there, read when it is ready
             value = numerics.output_flag(t for t in tensors if numerics.readable(t))
             if value is not None:  # read with the gradients of the backward that follows
@@ -428,7 +428,7 @@ class Sentinel:
             self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
         if not rerun:  # (a re-run counted it in the full guard)
-            self.guard._steps.forward_began(entry.run_id, call.batch_number)
+            self.guard.steps.forward_began(entry.run_id, call.batch_number)
         if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._keep_for_backward(call, tensors)
 
@@ -456,7 +456,7 @@ class Sentinel:
             call.held = (pass_, record, bad)  # raised at the backward's end, on every rank
             self.ranks.forward_problem, self._held = True, call
             return False
-        if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard._outside.hold(
+        if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard.outside.hold(
                 pass_, record, self, ("_rerun_forward", (call, pass_, record, bad))):
             return False  # a -inf mask in the model's output (illegal actions): the loss judges it
         return self._rerun_forward(call, pass_, record, bad)
@@ -516,7 +516,7 @@ class Sentinel:
             calls.append(call)
         if call.top[position] or not call.top_seen:  # else: the pass started outside the call
             call.top_seen = call.top_seen or call.top[position]
-            call.grads[position] = kept_gradient(grad, not self.guard._sync)
+            call.grads[position] = kept_gradient(grad, not self.guard.synchronous)
 
     def _end_backward(self, task, first_round: bool) -> None:
         if first_round:  # once more: after every callback queued meanwhile (DDP's all-reduce)
@@ -530,7 +530,7 @@ class Sentinel:
             self.passes_checked += 1
             parameters = self._parameters()
             grads = [p.grad for p in parameters if p.grad is not None]
-            if grads and numerics.deferred(grads[0]) and not self.guard._sync:
+            if grads and numerics.deferred(grads[0]) and not self.guard.synchronous:
                 done = check_gradients_later(self, done, parameters)
                 return
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
@@ -580,10 +580,10 @@ class Sentinel:
         skipped steps and counts them) lets it through, recorded in `guard.skipped_steps`.
         `bad`: the [(parameter name, gradient)] found non-finite."""
         options = self.guard.options
-        if self.guard._scaling.scaler_of(options) is None:
+        if self.guard.scaling.scaler_of(options) is None:
             return False
         pass_, record = self._gradients_read(call, bad)
-        return self.guard._scaling.excuses(options, pass_, record, record.slots, CAUSE_BACKWARD)
+        return self.guard.scaling.excuses(options, pass_, record, record.slots, CAUSE_BACKWARD)
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
         """Re-run the calls of a backward pass whose gradients hold inf/nan; raise."""
@@ -611,7 +611,7 @@ class Sentinel:
             call.inputs_changed = call.inputs_changed or call.inputs_now_changed()
         report = self._rerun(rerun_backward, self.guard, calls, seen, parameters)
         if report is not None:
-            report.reason += self.guard._scaling.refusal() + stood_in(calls)
+            report.reason += self.guard.scaling.refusal() + stood_in(calls)
             self._raise(report)
 
     def _across_ranks(self, calls: List[_Call], seen, producers=None,

@@ -29,29 +29,29 @@ class SampledBatches:
         sampled = (every and batch % every == 0) or (full and batch % full == full - 1)
         if batch not in guard.options.trace_batches and not sampled:
             if tracer is not None:
-                tracer._paused = True
+                tracer.paused = True
             return
         joining = tracer is None
         if joining:
             tracer = self.tracer = full_guard(guard, guard.models, batch,
                                               on_detect=self._detected)
             tracer.traces, tracer.history, tracer.headroom = guard.traces, guard.history, guard.headroom
-            tracer._scaling, tracer.skipped_steps = guard._scaling, guard.skipped_steps
+            tracer.scaling, tracer.skipped_steps = guard.scaling, guard.skipped_steps
             tracer.attach()
-        tracer._paused = False
-        tracer._batches.started = batch
+        tracer.paused = False
+        tracer.batches.started = batch
         tracer.begin_batch()
         if joining:  # attached inside this call: its pre-hook missed it
             tracer._pre_hook(module, args, kwargs)
 
     def running(self) -> bool:
-        return self.tracer is not None and not self.tracer._paused
+        return self.tracer is not None and not self.tracer.paused
 
     def stop(self, paused_only: bool = False) -> None:
         tracer = self.tracer
-        if tracer is not None and (tracer._paused or not paused_only):
+        if tracer is not None and (tracer.paused or not paused_only):
             self.tracer = None
-            tracer._paused = True  # a hook of a call running now may still be called
+            tracer.paused = True  # a hook of a call running now may still be called
             tracer.detach()
 
     def _detected(self, report: Report):

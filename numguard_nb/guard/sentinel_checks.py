@@ -222,7 +222,7 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
     groups = gradients_by_device(parameters)
     # One flag per device unless a GradScaler needs the names of the gradients it overflowed
     # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
-    per_parameter = sentinel.guard._scaling.scaler_of(sentinel.guard.options) is not None
+    per_parameter = sentinel.guard.scaling.scaler_of(sentinel.guard.options) is not None
     for group in groups:
         grads = [p.grad for p in group]
         flag = None if per_parameter else numerics.nonfinite_flag(grads)

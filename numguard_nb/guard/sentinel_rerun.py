@@ -128,9 +128,9 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
                                     full_every=None,
                                     **changes)
     full = guard.twin(models, options)
-    full._outside.may_hold = False  # the code after the call is the sentinel's to judge
-    full._steps = _LentSteps(guard._steps)
-    full._batches.started = batch  # numbered as the sentinel numbers its batches
+    full.outside.may_hold = False  # the code after the call is the sentinel's to judge
+    full.steps = _LentSteps(guard.steps)
+    full.batches.started = batch  # numbered as the sentinel numbers its batches
     full.begin_batch()
     return full
 
@@ -444,7 +444,7 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
             for p in parameters:
                 p.grad = None
             with full:
-                full._batches.started = batch  # (attaching forgot the batch full_guard began)
+                full.batches.started = batch  # (attaching forgot the batch full_guard began)
                 full.begin_batch()
                 outputs = [_call_again(call.entry.module, call, call.args, call.kwargs, backward)
                            for call in calls]
