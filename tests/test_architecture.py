@@ -302,3 +302,55 @@ def test_device_values_are_read_on_the_host_only_in_numerics():
                     and node.args[0].func.attr in _REDUCTIONS:
                 found.append(f"{name}:{node.lineno} {func.id}(.{node.args[0].func.attr}())")
     assert not found, found
+
+
+# Private attributes of a class that another module reaches: the documented exceptions.
+PRIVATE_REACHES_ALLOWED = {
+    # guard.hooks is Guard's hook machinery: the callbacks it calls back, and the guard's
+    # per-pass settings its hot path reads
+    ("guard.hooks", "_on_grad"), ("guard.hooks", "_on_leaf_grad"),
+    ("guard.hooks", "_on_param_grad"), ("guard.hooks", "_first_calls"),
+    ("guard.hooks", "_nonzero_min"), ("guard.hooks", "_sign_hints"),
+    # IPython's display and traceback protocols
+    ("guard.history", "_repr_html_"), ("magics", "_render_traceback_"),
+}
+
+
+def _private_names_by_module() -> dict:
+    """module -> the private attribute names its classes set on self or define."""
+    names = {}
+    for name, path in MODULES.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in ast.walk(node):
+                if isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store) \
+                        and isinstance(item.value, ast.Name) and item.value.id == "self":
+                    found.add(item.attr)
+                elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.add(item.name)
+        names[name] = {n for n in found if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def test_no_module_reaches_into_another_module_s_private_attributes():
+    """A module uses another's objects through their public names (a private name of its own
+    classes, or torch's, is its own business)."""
+    import torch
+
+    by_module = _private_names_by_module()
+    ours = set().union(*by_module.values())
+    torch_names = set(dir(torch.nn.Module())) | set(dir(torch.Tensor)) | set(
+        dir(torch.optim.SGD([torch.zeros(1, requires_grad=True)])))
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or node.attr not in ours \
+                    or node.attr in by_module[name] or node.attr in torch_names:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if (name, node.attr) not in PRIVATE_REACHES_ALLOWED:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found

@@ -216,25 +216,25 @@ class Guard:
         self._entered = 0  # `with` blocks this guard is in (nested, or in several threads)
         self.paused = False  # True while the guard re-runs a step itself (op localisation)
         self.rerun_task = -1  # a sentinel's re-run: the backward whose end started it
-        self._batches_counted_by_caller = False  # begin_batch() was called
-        self._module_hooks = ModuleHooks()
-        self._names = self._module_hooks.names  # read in every pre-hook: no lookup through
-        self._grad_hooks = GradHooks(self, self._module_hooks.param_hooks)
+        self.batches_counted_by_caller = False  # begin_batch() was called
+        self.module_hooks = ModuleHooks()
+        self._names = self.module_hooks.names  # read in every pre-hook: no lookup through
+        self._grad_hooks = GradHooks(self, self.module_hooks.param_hooks)
         self._sentinel = Sentinel(self)  # mode="sentinel": its checks, and its re-runs
         self._ranks = None  # DDP: the flags its gradient all-reduce carries (`ranks`)
         self.outside = OutsideWatch(self)  # the code between top-level calls (a loss)
         self._attached = False
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
-        self._recent = frames.RecentPasses()  # context for a report of a later pass
+        self.recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
-        self._tracing = False  # the latest batch is traced (read in backward, in any thread)
+        self.tracing = False  # the latest batch is traced (read in backward, in any thread)
         self.steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
     def _use_options(self, options: GuardOptions) -> None:
         self.options = options
         # Read by the hooks on every module call: plain attributes, not options lookups.
-        self._watch_backward = options.backward
+        self.watch_backward = options.backward
         self.synchronous = options.sync
         self._nonzero_min = options.limit_dtype is not None
         self._op_recorder = (self._op_recorder or OpRecorder()) if options.ops else None
@@ -254,7 +254,7 @@ class Guard:
                 self.steps.start(self.models)
                 if self.rerun_task == -1:  # (a sentinel's re-run raises on its own rank)
                     self._ranks = RankFlags.attach_any(self.models)  # DDP: which rank made it
-                self._module_hooks.add(self, self.models, self._watch_backward)
+                self.module_hooks.add(self, self.models, self.watch_backward)
                 if self.options.capture:
                     from ..replay import Capture
 
@@ -273,7 +273,7 @@ class Guard:
             self._entered = 0
             self._attached = False  # first: a backward's end queued already does nothing
             self._sentinel.detach()
-            self._module_hooks.remove()
+            self.module_hooks.remove()
             self._grad_hooks.remove()
             self.steps.stop()
             self.outside.stop()
@@ -318,7 +318,7 @@ class Guard:
         self._grad_hooks.forget_targets()  # the threads' calls given to leaves go with them
         self._backward_passes = BackwardPasses()
         self._first_calls.clear()
-        self._tracing = False
+        self.tracing = False
 
     def _forget_pass(self, state: PassState) -> None:
         """Forget this thread's forward pass (and the backward pass running here, if any)."""
@@ -337,10 +337,10 @@ class Guard:
         if self.detection is not None or self.options.mode == MODE_SENTINEL:
             return self.detection or self._sentinel.report()
         return self.outside.noted(self.scaling.noted(frames.make_report(
-            self._recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options)))
+            self.recent.frames(self.options), None, LATEST, "", "", self.batch_number, self.options)))
 
     # ---- forward --------------------------------------------------------------------------
-    def _pre_hook(self, module, args, kwargs):
+    def pre_hook(self, module, args, kwargs):
         if is_dynamo_compiling() or self.paused:
             return
         state = self.threads.state
@@ -378,7 +378,7 @@ class Guard:
             call.parent = stack[-1]
             call.root_id = stack[0].module_id
         pass_, slots, nonzero_min, hints = state.forward, call.slots, self._nonzero_min, self._sign_hints
-        watch_grads = self._watch_backward and torch.is_grad_enabled()
+        watch_grads = self.watch_backward and torch.is_grad_enabled()
         for pname, param in module._parameters.items():
             if param is not None:
                 slots.append(pass_.weight_slot(param, pname, PARAM, (module_id, pname), nonzero_min, hints))
@@ -393,7 +393,7 @@ class Guard:
             self._add(pass_, call, f"input[{key}]", INPUT, value, watch_grads)
         stack.append(call)
 
-    def _post_hook(self, module, args, kwargs, output=_RAISED):
+    def post_hook(self, module, args, kwargs, output=_RAISED):
         if is_dynamo_compiling() or self.paused:
             return
         state = self.threads.state
@@ -407,7 +407,7 @@ class Guard:
         call = _pop_call(stack, id(module))
         if call is None:
             return
-        watch_grads = self._watch_backward and torch.is_grad_enabled()
+        watch_grads = self.watch_backward and torch.is_grad_enabled()
         self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
         if self._capture is not None and not stack:
             self._capture.note_output(output)  # the code after the call reads it
@@ -434,7 +434,7 @@ class Guard:
         """Start the next batch now. For loops that never call the guarded model itself (a
         LightningModule's training_step calls its submodules): once called, only these calls
         count batches."""
-        self._batches_counted_by_caller = True
+        self.batches_counted_by_caller = True
         self._start_batch(self.threads.state)
 
     def _start_batch(self, state: PassState) -> None:
@@ -442,7 +442,7 @@ class Guard:
             self.options.abort_after_batch)
         state.call_counts.clear()
         state.first_calls.clear()
-        state.tracing = self._tracing = batch in self.options.trace_batches
+        state.tracing = self.tracing = batch in self.options.trace_batches
         self._first_calls.clear()
         state.forget_leaf_targets()
 
@@ -450,11 +450,11 @@ class Guard:
         if not recomputing:
             if self._backward_passes:
                 self._backward_passes.forget_open()
-            if module_id == self._module_hooks.primary_root_id and not self._batches_counted_by_caller:
+            if module_id == self.module_hooks.primary_root_id and not self.batches_counted_by_caller:
                 self._start_batch(state)
             self.steps.forward_began(module_id, state.batch_number)
-            if self._watch_backward and torch.is_grad_enabled():
-                self._module_hooks.rehook_swapped()
+            if self.watch_backward and torch.is_grad_enabled():
+                self.module_hooks.rehook_swapped()
         state.forward = PassRecord()
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
@@ -472,7 +472,7 @@ class Guard:
             culprit = detect.find_in_forward(pass_, self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
-        self._recent.remember(pass_, self.options.max_frames)
+        self.recent.remember(pass_, self.options.max_frames)
 
     # ---- values ---------------------------------------------------------------------------
     def _add(self, pass_: PassRecord, call: CallRecord, role, category, value, watch_grads) -> None:
@@ -555,7 +555,7 @@ class Guard:
             call = pass_.backward_call(forward_call)
             slot = (role, category, kind, grad.dtype, shape, index, next(pass_.seq))
             call.slots.append(slot)
-            if self.synchronous and not self._tracing:
+            if self.synchronous and not self.tracing:
                 pass_.read_back()
                 culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
                 if culprit is not None and not self.scaling.excuses(self.options, pass_, *culprit):
@@ -569,14 +569,14 @@ class Guard:
             self._grad_hooks.drop_dead(force=True)  # the graph this pass ran on has been consumed
             pass_.read_back()
             self.history.see(pass_, self.batch_number, self.options)
-            if self._tracing:
+            if self.tracing:
                 _record_trace(self, pass_, self.batch_number)
                 return
             if self.headroom.collect_and_check(pass_, self.options, partial(_locate_op, self)):
                 culprit = detect.find_in_backward(pass_, self.options.stop_rules)
                 if culprit is not None and not self.scaling.excuses(self.options, pass_, *culprit):
                     self._detect(pass_, BACKWARD, *culprit)
-            self._recent.remember(pass_, self.options.max_frames)
+            self.recent.remember(pass_, self.options.max_frames)
         finally:
             if self._op_recorder is not None:
                 self._op_recorder.forget_grads()  # held for a re-run only until this pass ends
@@ -598,10 +598,10 @@ class Guard:
         _locate_op(self, culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
-            pass_, phase, call, bad_slots, culprit, cause, self._recent.frames(options), options,
+            pass_, phase, call, bad_slots, culprit, cause, self.recent.frames(options), options,
             batch, self.steps)
         self.detection.history_note = self.history.note(call, bad_slots)
-        if cause in CODE_CAUSES and call.module_id in self._module_hooks.compiled:
+        if cause in CODE_CAUSES and call.module_id in self.module_hooks.compiled:
             self.detection = _rerun_compiled(self, self.detection, phase)
         self.detection.reason += self.scaling.refusal()
         if self._ranks is not None:  # DDP: this rank's own hooks saw the value made
@@ -625,7 +625,7 @@ def _locate_op(guard: Guard, frame, call: CallRecord, cause, rules) -> None:
         guard.paused = True  # the re-run of the step must not reach the hooks
         try:
             frames.add_op_location(frame, guard._op_recorder.localise(
-                call.root_id, guard._module_hooks.modules.get(call.module_id), call.module_id,
+                call.root_id, guard.module_hooks.modules.get(call.module_id), call.module_id,
                 call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
         finally:
             guard.paused = False

@@ -354,10 +354,10 @@ class ModuleHooks:
             materialised = _WhenMaterialised(self, guard, watch_backward)
             materialised.handle = module.register_forward_pre_hook(materialised)
             handles.append(materialised.handle)
-        handles.append(module.register_forward_pre_hook(guard._pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(guard.pre_hook, with_kwargs=True))
         # One hook after every call: called with the keyword inputs after a forward that
         # returned, and with (module, inputs, None) after one that raised an Exception.
-        handles.append(module.register_forward_hook(guard._post_hook, with_kwargs=True,
+        handles.append(module.register_forward_hook(guard.post_hook, with_kwargs=True,
                                                     always_call=True))
         self.handles += handles
         self.hook_ids[module_id] = [h.id for h in handles]

@@ -126,7 +126,7 @@ class OutsideWatch(BackwardWatch):
         super().__init__()
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
         self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
-        self.contained: list = []  # notes on values made non-finite and discarded (`_settle`)
+        self.contained: list = []  # notes on values made non-finite and discarded (`settle`)
         self.may_hold = True  # False for a sentinel's full guards: the sentinel's watch judges
         self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
         weakref.finalize(self, release_step_hook, self._step_hold)
@@ -149,7 +149,7 @@ class OutsideWatch(BackwardWatch):
             if state.owner is self:
                 withdraw(state, detaching=True)
                 if self.attached:
-                    self.unraised = self._settle(state, raising=False, final=True)
+                    self.unraised = self.settle(state, raising=False, final=True)
         finally:
             self.attached = False
             release_step_hook(self._step_hold)
@@ -190,12 +190,12 @@ class OutsideWatch(BackwardWatch):
             checking = state.active
             state.active = False
             if previous is not None and checking:
-                previous._settle(state)
+                previous.settle(state)
             state.owner, state.pass_ = self, None
 
     def watching(self) -> bool:
         guard = self.guard
-        return (self.attached and not guard.paused and not guard._tracing
+        return (self.attached and not guard.paused and not guard.tracing
                 and not inert_context() and _current_graph_task_id() == -1)
 
     # ---- forward --------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class OutsideWatch(BackwardWatch):
         """`.backward()`: check what the loss made first, then run the backward unwatched."""
         __tracebackhide__ = True  # noqa: F841
         state.active = False  # the mode passes everything through until it can leave the stack
-        self._settle(state, loss=args[0] if args else None)
+        self.settle(state, loss=args[0] if args else None)
         return func(*args, **kwargs)
 
     def run_function(self, state: ThreadState, func, args, kwargs):
@@ -263,7 +263,7 @@ class OutsideWatch(BackwardWatch):
             return None
 
     def _records_graph(self, outputs) -> bool:
-        return self.guard._watch_backward and torch.is_grad_enabled() and any(
+        return self.guard.watch_backward and torch.is_grad_enabled() and any(
             t.grad_fn is not None for t in outputs)
 
     def _region(self, state: ThreadState) -> PassRecord:
@@ -271,7 +271,7 @@ class OutsideWatch(BackwardWatch):
         pass_ = state.pass_
         if pass_ is None or len(pass_.calls) >= MAX_REGION_OPS:
             if pass_ is not None:
-                self._settle(state)
+                self.settle(state)
             pass_ = state.pass_ = PassRecord()
         return pass_
 
@@ -336,7 +336,7 @@ class OutsideWatch(BackwardWatch):
     def _batch(self) -> int:
         return self.guard.threads.state.batch_number
 
-    def _settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False):
+    def settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet: its first culprit is held (`state.held`) and judged where it can do harm,
         by the loss of the backward (`loss`: what it starts from; `_judge`). The next function
@@ -459,7 +459,7 @@ class OutsideWatch(BackwardWatch):
         culprit.op = call.op
         culprit.source = source_of(call.where)
         report = frames.detection_report(
-            pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard._recent.frames(options),
+            pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard.recent.frames(options),
             options, call.batch_number)
         guard.detection = report
         pass_.release()

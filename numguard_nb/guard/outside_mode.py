@@ -122,7 +122,7 @@ class OutsideMode(TorchFunctionMode):
         if func in ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
         if func is _AUTOGRAD_GRAD and (state.held is not None or state.held_mask is not None):
-            watch._settle(state, loss=args[0] if args else kwargs.get("outputs"))  # its loss
+            watch.settle(state, loss=args[0] if args else kwargs.get("outputs"))  # its loss
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
@@ -207,7 +207,7 @@ def leave_region(final: bool = False) -> None:
         state.calls_held += 1
         final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
     if owner is not None and (checking or (final and (state.held or state.held_mask))):
-        owner._settle(state, final=final)
+        owner.settle(state, final=final)
 
 
 # torch.optim's global step pre-hook (its handle), one for all the watches attached, and how many

@@ -368,7 +368,7 @@ class Sentinel:
             return
         entry, guard = self.entries[id(module)], self.guard
         guard.outside.enter_model()  # the code before this call (a loss) is over: checked
-        if entry.primary and not guard._batches_counted_by_caller:
+        if entry.primary and not guard.batches_counted_by_caller:
             guard.batch_number = guard.batches.next(guard.options.abort_after_batch)
         guard.threads.state.batch_number = guard.batch_number  # what the outside watch reports
         if guard.batch_number != self._batch:
@@ -539,13 +539,13 @@ class Sentinel:
                 if self.ranks.rank in ranks[0]:
                     self._backward_problem(done, parameters)
                 elif ranks[0] or ranks[1]:  # (FSDP2: this rank's shard may have stayed finite)
-                    self._across_ranks(done, None)
+                    self.across_ranks(done, None)
                 return
             unread: list = []
             if grads and not numerics.all_finite(grads, unread):
                 self._backward_problem(done, parameters)
             elif any(call.held is not None for call in done):
-                self._across_ranks(done, None)  # held under no_sync: this rank alone knows
+                self.across_ranks(done, None)  # held under no_sync: this rank alone knows
             if unread and done:
                 self._note_unread(done[0], parameters, unread)
         finally:
@@ -555,7 +555,7 @@ class Sentinel:
     def _note_unread(self, call: _Call, parameters: list, unread: list) -> None:
         """Keep the gradients that had no numbers to read (meta, fake) as rows of the report,
         as full mode keeps them: the report says they were not watched."""
-        names, unread_ids = self._parameter_names(), {id(t) for t in unread}
+        names, unread_ids = self.parameter_names(), {id(t) for t in unread}
         pass_, _ = self._gradients_read(call, [(names.get(id(p), "?"), p.grad) for p in parameters
                                                if p.grad is not None and id(p.grad) in unread_ids])
         self._recent.remember(pass_, self.guard.options.max_frames)
@@ -587,14 +587,14 @@ class Sentinel:
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
         """Re-run the calls of a backward pass whose gradients hold inf/nan; raise."""
-        self._gradients_problem(calls, parameters, self._bad_gradients(parameters))
+        self.gradients_problem(calls, parameters, self._bad_gradients(parameters))
 
     def _bad_gradients(self, parameters: list) -> list:
-        names = self._parameter_names()  # [(name, gradient)] that hold inf or nan, exactly
+        names = self.parameter_names()  # [(name, gradient)] that hold inf or nan, exactly
         return numerics.nonfinite_of((names.get(id(p), "?"), p.grad) for p in parameters
                                      if p.grad is not None)
 
-    def _gradients_problem(self, calls: List[_Call], parameters: list, bad: list,
+    def gradients_problem(self, calls: List[_Call], parameters: list, bad: list,
                            flagged: bool = False) -> None:
         """Re-run the calls of a backward pass whose gradients `bad` [(name, grad)] hold inf/nan
         (`flagged`: some did, which ones is not known); raise."""
@@ -605,7 +605,7 @@ class Sentinel:
             return
         seen = gradient_frame(first.entry.name, first.entry.cls, first.batch_number,
                               first.call_index, bad)
-        if self.ranks is not None and self._across_ranks(calls, seen):
+        if self.ranks is not None and self.across_ranks(calls, seen):
             return
         for call in calls:
             call.inputs_changed = call.inputs_changed or call.inputs_now_changed()
@@ -614,7 +614,7 @@ class Sentinel:
             report.reason += self.guard.scaling.refusal() + stood_in(calls)
             self._raise(report)
 
-    def _across_ranks(self, calls: List[_Call], seen, producers=None,
+    def across_ranks(self, calls: List[_Call], seen, producers=None,
                       own_named_later: bool = False) -> bool:
         """Under DDP/FSDP2, what every rank learnt at the reduction: this rank's held forward
         problem, or one another rank made, raised; False: this rank's own gradients, or none
@@ -654,7 +654,7 @@ class Sentinel:
     def _new_parameters(self, module, name, value) -> None:
         self._known_parameters = self.checks.guarded_ids = None
 
-    def _parameter_names(self) -> dict:
+    def parameter_names(self) -> dict:
         return {id(p): original_name(qualified_name(prefix, name))
                 for prefix, root in self.guard.models.items()
                 for name, p in root.named_parameters()}

@@ -42,7 +42,7 @@ class SampledBatches:
         tracer.batches.started = batch
         tracer.begin_batch()
         if joining:  # attached inside this call: its pre-hook missed it
-            tracer._pre_hook(module, args, kwargs)
+            tracer.pre_hook(module, args, kwargs)
 
     def running(self) -> bool:
         return self.tracer is not None and not self.tracer.paused

@@ -245,7 +245,7 @@ def _late_rank_problem(sentinel, calls: list, verdict: list) -> None:
     """DDP/FSDP2 on a device: a step's reduction said a rank made inf/nan (read at the same
     point on every rank). Another rank's: raised here; this rank's own: its checks that
     follow name it (FSDP2: every rank re-runs the step together first)."""
-    sentinel._across_ranks(calls, None, sentinel.ranks.producers_of(verdict), own_named_later=True)
+    sentinel.across_ranks(calls, None, sentinel.ranks.producers_of(verdict), own_named_later=True)
     for call in calls:
         call.ranks_settled = True
 
@@ -255,10 +255,10 @@ def _late_backward_problem(sentinel, calls: list, parameters: list,
     """Gradients held inf or nan (read after their backward): run the calls again; raise.
     `group`: the parameters whose norms `norms` are, or None for one flag of them all."""
     if group is None:
-        sentinel._gradients_problem(calls, parameters, [], flagged=True)
+        sentinel.gradients_problem(calls, parameters, [], flagged=True)
     else:
-        sentinel._gradients_problem(calls, parameters, nonfinite_gradients(
-            sentinel._parameter_names(), group, norms))
+        sentinel.gradients_problem(calls, parameters, nonfinite_gradients(
+            sentinel.parameter_names(), group, norms))
 
 
 def _forget_gradients(calls: list) -> None:

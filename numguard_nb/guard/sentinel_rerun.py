@@ -381,7 +381,7 @@ def rerun_compiled_call(guard, kept: tuple, seen: Frame) -> Optional[Report]:
     """Full mode's detection in a compiled model's call (`kept`: its module, inputs and call
     state): the call run again eagerly under a full guard, as `rerun_forward`."""
     module, args, kwargs, state = kept
-    name = guard._module_hooks.names.get(id(module), ("",))[0]
+    name = guard.module_hooks.names.get(id(module), ("",))[0]
     return rerun_forward(guard, _KeptCall(_KeptEntry(module, name), args, kwargs, state,
                                           seen.batch_number, seen.call_index), seen)
 

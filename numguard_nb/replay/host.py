@@ -24,8 +24,8 @@ class HostCopies:
 
     def of_inputs(self, args, kwargs):
         """(args, kwargs) with every tensor replaced by its host copy."""
-        args_copy = _tree.rebuild(tuple(args), self._copy, self._keep)
-        kwargs_copy = {key: _tree.rebuild(value, self._copy, self._keep, (key,))
+        args_copy = _tree.rebuild(tuple(args), self.copy, self._keep)
+        kwargs_copy = {key: _tree.rebuild(value, self.copy, self._keep, (key,))
                        for key, value in (kwargs or {}).items()}
         return args_copy, kwargs_copy
 
@@ -40,7 +40,7 @@ class HostCopies:
                 events.append(event)
         return events
 
-    def _copy(self, t: torch.Tensor, path) -> torch.Tensor:
+    def copy(self, t: torch.Tensor, path) -> torch.Tensor:
         hit = self._memo.get(id(t))
         if hit is not None:
             return hit

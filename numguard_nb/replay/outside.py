@@ -205,7 +205,7 @@ class _Copies:
             self.too_large = True
             return Ref(_COPY)
         self.recorder.copied += size
-        return Ref(_COPY, tensor=self.host._copy(t, path))
+        return Ref(_COPY, tensor=self.host.copy(t, path))
 
     def other(self, value, path):
         return Ref(_DEVICE) if isinstance(value, torch.device) else value
