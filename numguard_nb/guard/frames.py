@@ -22,6 +22,7 @@ from .._schema import (
     PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
+from ..errors import NonFiniteError
 from ..explain import hint_for
 from ..report import MAX_SAMPLES_NAMED, Frame, Report, TensorRow, module_words
 from . import detect
@@ -31,6 +32,7 @@ from .passes import (
 )
 
 __all__ = [
+    "detection_error",
     "build_frame", "mask_source", "reason_sentence", "value_of", "name_samples", "weights_origin",
     "unwatched_note", "make_report", "detection_report",
     "add_to_trace", "add_op_location", "RecentPasses",
@@ -292,6 +294,16 @@ def make_report(frames, culprit, kind, reason, cause, batch_number, options) -> 
         reason=reason, cause=cause, rank=rank, world_size=world,
         limit_dtype=dtype_name(options.limit_dtype) if options.limit_dtype else None,
     )
+
+
+def detection_error(guard, report: Report) -> BaseException:
+    """The one way every mode stops on a detection: the report kept as `guard.detection`, the
+    `on_detect` option called with it, and the exception to raise: the one it returned, or
+    `NonFiniteError(report)`."""
+    guard.detection = report
+    on_detect = guard.options.on_detect
+    error = on_detect(report) if on_detect is not None else None
+    return error if isinstance(error, BaseException) else NonFiniteError(report)
 
 
 def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots, culprit: Frame,

@@ -608,8 +608,7 @@ class Guard:
             self.detection.source_rank = self._ranks.rank
         pass_.release()
         self._forget_pass(self.threads.state)
-        error = options.on_detect(self.detection) if options.on_detect is not None else None
-        error = error if isinstance(error, BaseException) else NonFiniteError(self.detection)
+        error = frames.detection_error(self, self.detection)
         if phase == FORWARD and self._ranks is not None and self._ranks.hold(error):
             return  # DDP: raised at the backward's end, when every rank knows (`ranks`)
         raise error

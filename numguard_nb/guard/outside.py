@@ -50,7 +50,6 @@ import torch
 
 from .. import _tree
 from .._schema import CAUSE_OUTSIDE, FORWARD, INPUT, OUTPUT, OUTSIDE_MODULE
-from ..errors import NonFiniteError
 from . import detect, frames
 from .function_mode import push as _push, stack_len as _stack_len
 from .hooks import inert_context
@@ -461,10 +460,8 @@ class OutsideWatch(BackwardWatch):
         report = frames.detection_report(
             pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard.recent.frames(options),
             options, call.batch_number)
-        guard.detection = report
         pass_.release()
-        error = options.on_detect(report) if options.on_detect is not None else None
-        error = error if isinstance(error, BaseException) else NonFiniteError(report)
+        error = frames.detection_error(guard, report)
         if raising:
             raise error
         return error

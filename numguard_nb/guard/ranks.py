@@ -30,7 +30,6 @@ import torch
 from .. import numerics
 from .._util import qualified_name
 from .._schema import CAUSE_OTHER_RANK, DETECTION
-from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import frames
 
@@ -139,11 +138,8 @@ class RankFlags:
         bad = numerics.nonfinite_of((qualified_name(name, key), p.grad)
                                     for key, p in model.named_parameters() if p.grad is not None)
         seen = gradient_frame(name, type(model).__name__, guard.batch_number, 0, bad)
-        report = guard.detection = received_report(seen, source, source in ranks[1],
-                                                   guard.options)
-        on_detect = guard.options.on_detect
-        error = on_detect(report) if on_detect is not None else None
-        raise error if isinstance(error, BaseException) else NonFiniteError(report)
+        raise frames.detection_error(guard, received_report(seen, source, source in ranks[1],
+                                                            guard.options))
 
     def producers(self) -> Tuple[List[int], List[int]]:
         """(ranks whose own gradients held inf/nan before the reduction, ranks whose sentinel

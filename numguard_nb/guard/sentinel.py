@@ -669,12 +669,9 @@ class Sentinel:
 
     def _raise(self, report: Report) -> None:
         """Raise a detection as full mode does: on_detect's exception, or NonFiniteError."""
-        guard, options = self.guard, self.guard.options
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
-        guard.detection = report
-        error = options.on_detect(report) if options.on_detect is not None else None
-        raise error if isinstance(error, BaseException) else NonFiniteError(report)
+        raise frames.detection_error(self.guard, report)
 
 
 def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool,
