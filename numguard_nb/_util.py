@@ -154,6 +154,34 @@ class WeakStepHook:
         return f"<numguard WeakStepHook {self.method}>"
 
 
+class LiveHandles(list):
+    """Handles of hooks on tensors and graph nodes. Those whose tensor or graph is gone need no
+    removal and are dropped (`prune`), once the list has doubled since the last time: bounded
+    over a long run, at an amortised cost. `remove_all` removes the rest."""
+
+    __slots__ = ("kept", "slack")
+
+    def __init__(self, slack: int = 64):
+        super().__init__()
+        self.kept = 0  # live handles after the last pruning
+        self.slack = slack
+
+    def add(self, handle) -> None:
+        self.append(handle)
+        if len(self) > 2 * self.kept + self.slack:
+            self.prune()
+
+    def prune(self) -> None:
+        self[:] = [h for h in self if h.hooks_dict_ref() is not None]  # in place: other threads
+        self.kept = len(self)
+
+    def remove_all(self) -> None:
+        for handle in self:
+            handle.remove()
+        self.clear()
+        self.kept = 0
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that makes a warning its caller gives point at the user's line."""
     frame, level = sys._getframe(1), 1

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .._schema import BUFFER, FORWARD, PARAM
-from .._util import compiled_original, qualified_name
+from .._util import LiveHandles, compiled_original, qualified_name
 from . import copies
 from ..callstate import take as take_call_state
 from .passes import CallRecord
@@ -427,9 +427,9 @@ class GradHooks:
     def __init__(self, guard, param_hooks: Dict[int, ParamHook]):
         self.guard = guard
         self.param_hooks = param_hooks
-        self.handles: list = []  # hooks on tensors of a graph
+        self.handles = LiveHandles()  # hooks on tensors of a graph
         self.leaf_targets: Dict[int, tuple] = {}  # id(leaf) -> (handle, LeafTargets)
-        self._kept = (0, 0)  # live handles and leaves after the last pruning
+        self._kept_leaves = 0  # live leaves after the last pruning
 
     def leaf_targets_of(self, leaf: torch.Tensor) -> LeafTargets:
         """The targets of the one hook delivering `leaf`'s gradient, hooking it the first time."""
@@ -443,7 +443,7 @@ class GradHooks:
                 return known[1]
         hook = LeafHook(self.guard)
         self.leaf_targets[id(leaf)] = (leaf.register_hook(hook), hook.targets)
-        if len(self.leaf_targets) > 2 * self._kept[1] + 8:
+        if len(self.leaf_targets) > 2 * self._kept_leaves + 8:
             self._drop_dead_leaves()
         return hook.targets
 
@@ -457,25 +457,21 @@ class GradHooks:
     def drop_dead(self, force: bool = False) -> None:
         """Forget the handles of hooks on freed graphs and tensors, which need no removal; unless
         `force`d, only once they have doubled since the last time (bounded, amortised)."""
-        handles = self.handles
-        if force or len(handles) > 2 * self._kept[0] + 64:
-            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]  # in place: threads
-            self._kept = (len(handles), self._kept[1])
+        if force or len(self.handles) > 2 * self.handles.kept + self.handles.slack:
+            self.handles.prune()
 
     def _drop_dead_leaves(self) -> None:
         for key, known in list(self.leaf_targets.items()):  # a snapshot: threads add theirs
             if known[0].hooks_dict_ref() is None:
                 self.leaf_targets.pop(key, None)
-        self._kept = (self._kept[0], len(self.leaf_targets))
+        self._kept_leaves = len(self.leaf_targets)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.handles.remove_all()
         for handle, _ in self.leaf_targets.values():
             handle.remove()
-        self.handles.clear()
         self.leaf_targets.clear()
-        self._kept = (0, 0)
+        self._kept_leaves = 0
 
 
 class QuietHooks:

@@ -19,6 +19,7 @@ import math
 import torch
 
 from .. import numerics
+from .._util import LiveHandles
 from .._schema import (
     BACKWARD, CAUSE_OUTSIDE, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, OUTSIDE_MODULE,
     VALUE_NONE,
@@ -136,16 +137,12 @@ class BackwardWatch:
     created, and the check of the gradients they give."""
 
     def __init__(self):
-        self.node_handles: list = []  # node hooks (removed on stop; dead ones dropped)
-        self._kept_handles = 0  # live handles after the last pruning
+        self.node_handles = LiveHandles(slack=16)  # node hooks (removed on stop)
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
         self.deferred = None  # a sentinel's `StepChecks`: device values read when ready
 
     def _unhook_nodes(self) -> None:
-        for handle in self.node_handles:
-            handle.remove()
-        self.node_handles.clear()
-        self._kept_handles = 0
+        self.node_handles.remove_all()
         self.backward_passes.clear()
 
     def _immediate(self, tensors) -> bool:
@@ -165,10 +162,7 @@ class BackwardWatch:
             found.append(node)
             todo.extend(fn for fn, _ in node.next_functions if fn is not None)
         for node in found:
-            self.node_handles.append(node.register_hook(_NodeHook(self, call, node.name())))
-        if len(self.node_handles) > 2 * self._kept_handles + 16:  # bounded over long runs
-            self.node_handles[:] = [h for h in self.node_handles if h.hooks_dict_ref() is not None]
-            self._kept_handles = len(self.node_handles)
+            self.node_handles.add(node.register_hook(_NodeHook(self, call, node.name())))
 
     def on_node(self, hook: _NodeHook, grad_inputs, grad_outputs) -> None:
         """A watched node ran in backward: where the gradients it gives are on the host and

@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics
-from .._util import compiled_original, qualified_name
+from .._util import LiveHandles, compiled_original, qualified_name
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
@@ -238,8 +238,7 @@ class Sentinel:
         self.entries: Dict[int, _Entry] = {}
         self.tasks: Dict[int, List[_Call]] = {}  # autograd graph task -> the calls it goes through
         self._handles: list = []  # module hooks
-        self._grad_handles: list = []  # hooks on output tensors (dead once their graph is freed)
-        self._kept_handles = 0  # live ones after the last pruning
+        self._grad_handles = LiveHandles()  # hooks on output tensors (dead once their graph is freed)
         self._local = _ThreadState()
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._accepted: set = set()  # (module id, role, kinds) the full guard's rules accept
@@ -313,16 +312,15 @@ class Sentinel:
                 self.ranks = None
         self.attached = False
         self._quiet.restore()
-        for handle in self._handles + self._grad_handles + self._registration_handles:
+        self._grad_handles.remove_all()
+        for handle in self._handles + self._registration_handles:
             handle.remove()
         for entry in self.entries.values():
             copies.uninstall(entry.module, entry.hook_ids)
         self._sampled.stop()
         self._handles.clear()
-        self._grad_handles.clear()
         self._registration_handles.clear()  # in place: the finalizer holds it
         self._known_parameters = self.checks.guarded_ids = None
-        self._kept_handles = 0
         self.entries.clear()
         self.tasks.clear()
         self._sign_hints.clear()
@@ -482,11 +480,7 @@ class Sentinel:
         for position, t in enumerate(tensors):
             if t.requires_grad and id(t) not in hooked:
                 hooked.add(id(t))
-                self._grad_handles.append(t.register_hook(_OutputGradient(self, call, position)))
-        handles = self._grad_handles
-        if len(handles) > 2 * self._kept_handles + 64:  # forget the dead ones, amortised
-            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]
-            self._kept_handles = len(handles)
+                self._grad_handles.add(t.register_hook(_OutputGradient(self, call, position)))
 
     def _top_outputs(self, entry: _Entry, tensors: list) -> tuple:
         """Per output: whether no other output was computed from it (the loss a model returns
