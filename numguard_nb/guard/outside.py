@@ -1,43 +1,21 @@
-"""Watch the code that runs outside the guarded modules: the loss computed in a cell or a
-training loop, and the autograd nodes it creates.
+"""The loss watch: the code that runs outside the guarded modules (the loss computed in a cell or
+a training loop) and the autograd nodes it creates, checked while a guard is attached.
 
-A loss such as `torch.log(model(x)).mean()` runs in no module, so module hooks never see it.
-While a guard is attached, each thread that ends a top-level call of a guarded module gets one
-`torch.overrides.TorchFunctionMode` (`OutsideMode`, one shared by every guard) pushed on its
-stack, checking the code that follows until `.backward()`; it leaves the stack at the next
-optimizer step (torch.optim's global step pre-hook: any mode on the stack turns off the
-optimizers' and `zero_grad`'s foreach paths, which made an AdamW step 20% slower), at the next
-top-level call of a guarded module, or at detach. From `.backward()` until then it passes
-everything through (a mode cannot take itself off the stack while it handles a call). Module
-internals never run under it; nor does code between a backward and the next model call (the
-data is the data rules', `detect`; weights an optimizer wrote, the weights' rules'). An optimizer
-stepping where code is checked is not blamed either (`outside_ops.in_optimizer`). A GradScaler's
-`scale(loss)` seen here is the loop's scaler (`scaler`).
+Contract: it names the torch function (with its ATen op and the user's line) whose outputs first
+hold a kind of non-finite value that its inputs did not, in forward, and the autograd node whose
+gradients do, in backward. It never blames a function given values already non-finite, nor a
+-inf mask made from a scalar; it changes nothing it watches, and leaves each thread's function
+mode stack as it found it.
 
-- Each torch function the loss calls (`torch.log`, `Tensor.div`, `F.cross_entropy`) that returns
-  floating-point tensors is checked. It is the culprit when its outputs hold a kind of
-  non-finite value (nan, +inf, -inf) that neither its tensor inputs nor its scalar arguments
-  held: log(0), x/0 and exp overflow are, a -inf mask made from a scalar -inf
-  (`masked_fill(mask, -inf)`, `torch.full(..., -inf)`) is not, and nan from a -inf mask is. A
-  function given values that are already non-finite beyond a -inf (the data's, or a module's)
-  is never blamed. Functions that only move, select, copy or make values from scalars are not
-  checked at all.
-- On the host a finite result costs a sum per output; only a non-finite one is summarised like a
-  module call (a `CallRecord` named `<outside>`, its inputs and outputs as rows, in a
-  `PassRecord` of the region). On a GPU every checked function is summarised on the device,
-  and the region is read back once: before the backward, at the next model call, at detach.
-- Autograd nodes such a function creates get a post-hook (node hooks live and die with their
-  graph: nothing is kept alive). In backward a node is the culprit when the gradients it gives
-  hold a kind those it received did not, provided the function that made it gave finite values
-  (else it passed on what it was given: the data's doing); it is named with the forward line
-  that created it. Its gradients are checked like a function's results: at once on the host,
-  at the end of the backward on a GPU.
-- The culprit's ATen op and the user's line are found by `outside_ops`. With capture on, each
-  function is also recorded for the CPU replay (`replay.outside`).
+Limits: module internals, and the code between a backward and the next model call, are not its
+to watch (the data's and the weights' rules cover them); it is inert while compiling, tracing,
+under dispatch modes, inside backward, in the guard's own re-runs, and above a function mode of
+the user's entered after the guard attached.
 
-The mode is inert while compiling, tracing, under dispatch modes (fake tensors, FLOP counters),
-inside backward and while the guard re-runs a step itself; it is never pushed above a function
-mode of the user's that was entered after the guard attached.
+    >>> with Guard(model):
+    ...     loss = torch.log(model(x)).mean()   # a log(0) here is named with its line
+
+How it works: docs/architecture.md, "The loss watch".
 """
 
 from __future__ import annotations

@@ -1,37 +1,22 @@
 """Sentinel mode (`Guard(model, mode="sentinel")`): the guard left on for a whole run at almost no
 cost, and the full diagnosis when a step breaks.
 
-No hooks inside the model. What a step cannot hide is checked, and nothing else:
-- the outputs of each top-level call (the loss, the logits): summarised on their device and read
-  back once per call;
-- the code between a call and its backward (a loss computed outside the model), by the same
-  watch as in full mode (`outside`), which names the op and line making a value non-finite;
-- after each backward pass through those outputs, the gradients of every guarded parameter: one
-  fused norm per device and dtype (`torch._foreach_norm`; sums on CPU, where they are faster),
-  read back once, when autograd ends the pass (after the callbacks queued before it, DDP's
-  all-reduce among them), before an optimizer can apply them. Loss scaling plugs in at one
-  place, `Sentinel._loss_scaling_excuses`: the guard's own rule (`scaler.LossScaling`) lets
-  through, and records, the overflows a GradScaler skips.
-A *top-level call* is a call of a guarded model, or of one of its first callable submodules, with
-no guarded call around it: a LightningModule's training_step calls its submodules, never the
-LightningModule. Those modules get the only module hooks: a compiled model is watched through its
-wrapper (its compiled code is not traced again), and named as the original model.
+Contract: it checks what a step cannot hide (each top-level call's outputs, the code between a
+call and its backward, the gradients after each backward) and, on the first problem, runs the
+failing call(s) again under the full guard (`sentinel_rerun`) and raises that report
+(`found_by="re-run"`), before an optimizer step writes weights from those gradients. A healthy
+step's outputs and gradients are bit-identical, and on a GPU it waits for nothing
+(`sentinel_checks`). Under DDP and FSDP2 every rank stops at the same point (`ranks`).
 
-Kept for a re-run: each call's inputs (copied only for a model seen changing its inputs in
-place, which `Tensor._version` tells), its call state (`callstate.take`: RNG streams, autocast,
-grad mode) and, until its backward pass has been checked, the gradients its outputs got from
-outside it (an output the model's own loss was computed from gets its gradient from the model).
-A call is held by the hooks on its outputs only, so it lives as long as its autograd graph.
+Limits: a value the model clamps or masks inside itself is not seen; a fault the re-run does
+not repeat is reported as transient; full hooks run only in traced or sampled batches
+(`sentinel_batches`).
 
-On the first problem, `sentinel_rerun` runs the failing call(s) again, eagerly, under the full
-guard, and the report it gives is raised as full mode raises its own (`on_detect`, then
-`NonFiniteError`), marked `found_by="re-run"`.
+    >>> with Guard(model, mode="sentinel"):
+    ...     for batch in loader:
+    ...         model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-Batches are counted as in full mode (the first model's top-level calls, or `begin_batch()`). A
-batch in `trace_batches`, or sampled for the numerics history (`history_every`), runs with the
-full hooks (`sentinel_batches`). The optimizer steps are watched as in full mode (`steps`), and
-lent to the re-runs' full guards, so that weights found non-finite name the step that wrote
-them.
+How it works: docs/architecture.md, "Sentinel mode".
 """
 
 from __future__ import annotations
