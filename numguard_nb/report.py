@@ -314,6 +314,8 @@ class Report:
             return (f"no inf/nan produced in the last {len(self.frames)} frames (batch "
                     f"{self.batch_number}); some carry +-inf that only passed through (masks)"
                     f"{note}{where}")
+        if not self.frames:  # checked on a device, where no frame is kept
+            return f"no inf/nan found (batch {self.batch_number}){note}{where}"
         return (f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number})"
                 f"{note}{where}")
 

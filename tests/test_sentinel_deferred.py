@@ -365,3 +365,12 @@ def test_with_a_grad_scaler_the_skipped_steps_keep_the_names_of_the_overflowing_
     assert read_later and read_later == read_at_once
     assert all(roles for _, roles in read_later)
     assert any(role.endswith(".weight.grad") for _, roles in read_later for role in roles)
+
+
+def test_a_healthy_run_read_later_says_no_inf_nan_was_found(deferred_on_host):
+    model = Net()
+    with Guard(model, mode="sentinel") as guard:
+        for step in range(3):
+            model(_batch(step, -1)).backward()
+    summary = guard.report.summary()
+    assert summary.startswith("no inf/nan found (batch 2)") and "0 frames" not in summary, summary
