@@ -297,6 +297,8 @@ def test_the_callbacks_under_torchrun_stop_every_rank_at_the_same_step(framework
          "--master_port", str(_free_port()), str(root / "tests" / "ddp_callbacks_run.py"),
          framework], capture_output=True, text=True, timeout=240, env=env, cwd=root)
     found = dict(re.findall(r"^RESULT rank=(\d) (.*)$", done.stdout, re.M))
+    if done.returncode != 0 or sorted(found) != ["0", "1"]:
+        print(done.stdout, done.stderr, sep="\n")  # in full under "Captured stdout" (pytest)
     assert done.returncode == 0 and sorted(found) == ["0", "1"], (done.stdout, done.stderr[-3000:])
     batches = {re.search(r"batch=(\d+)", line).group(1) for line in found.values()}
     assert len(batches) == 1, found  # the same step on both ranks

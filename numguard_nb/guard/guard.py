@@ -56,7 +56,7 @@ from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .outside import OutsideWatch
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
-    PassRecord, PassState, ThreadPasses,
+    PassRecord, PassState, ThreadPasses, graph_task_id,
 )
 from .ranks import RankFlags
 from .steps import StepWatch
@@ -76,7 +76,6 @@ _COMPILED_NOTE = ("; it ran compiled (torch.compile), so its submodules were not
                   " or guard it with mode=\"sentinel\" (--sentinel), which keeps it compiled and "
                   "re-runs a failing call eagerly")
 
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 
 
 def _rerun_compiled(guard, report: Report, phase) -> Report:
@@ -104,11 +103,6 @@ def _rerun_compiled(guard, report: Report, phase) -> Report:
         found.reason += ("; first seen in compiled code (torch.compile), where only the model's "
                          "call is watched: the call was run again eagerly to name the module")
     return found
-
-
-def _graph_task_id() -> int:
-    """Id of the autograd graph task running this hook (-1 outside backward)."""
-    return _current_graph_task_id()
 
 
 def _pop_call(stack: list, module_id) -> Optional[CallRecord]:
@@ -324,7 +318,7 @@ class Guard:
         """Forget this thread's forward pass (and the backward pass running here, if any)."""
         state.reset()
         self._first_calls.clear()
-        self._backward_passes.pop(_graph_task_id(), None)
+        self._backward_passes.pop(graph_task_id(), None)
 
     @property
     def capture(self):
@@ -356,7 +350,7 @@ class Guard:
                 return  # compiled, traced or exported: not run on values the guard can read
             self.outside.enter_model()
             # Activation checkpointing re-runs forward inside backward: no new batch (`rerun_task`)
-            recomputing = _graph_task_id() not in (-1, self.rerun_task)
+            recomputing = graph_task_id() not in (-1, self.rerun_task)
             self._begin_forward(state, module_id, recomputing)
             if not recomputing:
                 # The state the call starts in (RNG, autocast, grad mode), to re-run it from.
@@ -506,16 +500,10 @@ class Guard:
 
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:
-        task = _graph_task_id()
-        pass_ = self._backward_passes.get(task)
-        if pass_ is None:
-            pass_ = self._backward_passes[task] = PassRecord()
-            # Read everything back once, when the engine finishes this backward pass.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                partial(self._end_backward, task)
-            )
-            if self._ranks is not None:  # then, after DDP's reduction, what the ranks learnt
-                self._ranks.queue_settle(self)
+        # Read everything back once, when the engine finishes this backward pass.
+        _, pass_, opened = self._backward_passes.open(PassRecord, self._end_backward)
+        if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
+            self._ranks.queue_settle(self)
         return pass_
 
     def _on_grad(self, targets, grad):

@@ -40,7 +40,7 @@ from .outside_ops import (
     scalar_kinds, source_of, user_where,
 )
 from .outside_checks import BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new
-from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord
+from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id
 
 __all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active", "outside_checking"]
 
@@ -51,7 +51,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _next_node_number = torch._C._autograd._get_sequence_nr
 _INF_KINDS = detect.INF_KINDS
 _MASK = detect.MASK
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 _inplace_names: dict = {}
@@ -148,7 +147,7 @@ class OutsideWatch(BackwardWatch):
     def leave_model(self) -> None:
         """A top-level call ended: watch the code after it, for this guard, in this thread (never
         above a function mode the user entered since the guard attached)."""
-        if not self.attached or _current_graph_task_id() != -1:
+        if not self.attached or graph_task_id() != -1:
             return
         state = thread_state
         self._own(state)
@@ -173,7 +172,7 @@ class OutsideWatch(BackwardWatch):
     def watching(self) -> bool:
         guard = self.guard
         return (self.attached and not guard.paused and not guard.tracing
-                and not inert_context() and _current_graph_task_id() == -1)
+                and not inert_context() and graph_task_id() == -1)
 
     # ---- forward --------------------------------------------------------------------------------
     def run_backward(self, state: ThreadState, func, args, kwargs):
@@ -406,7 +405,7 @@ class OutsideWatch(BackwardWatch):
         held weakly, and its arguments) raises its detection if the loss is not finite. Whether
         it was held (no: this watch will not see the code after the call)."""
         state = thread_state
-        if not self.may_hold or not self.watching() or _current_graph_task_id() != -1 \
+        if not self.may_hold or not self.watching() or graph_task_id() != -1 \
                 or not (outside_mode_active() or _stack_len() == state.base):
             return False  # (a sentinel's full guard; a function mode of the user's above it)
         self._own(state)

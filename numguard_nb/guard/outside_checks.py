@@ -27,7 +27,7 @@ from .._schema import (
 from . import detect
 from .hooks import is_dynamo_compiling
 from .outside_ops import aten_ops, likeliest, node_op
-from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord
+from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord, graph_task_id
 
 __all__ = ["BackwardWatch", "OutsideCall"]
 
@@ -38,7 +38,6 @@ _INF_KINDS = detect.INF_KINDS
 _MASK = detect.MASK
 _HALF = (torch.float16, torch.bfloat16)  # summed in float32: their own sums overflow early
 _set_grad_enabled = torch._C._set_grad_enabled
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class OutsideCall(CallRecord):
@@ -177,14 +176,7 @@ class BackwardWatch:
             given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
             if not given or (self._immediate(given) and all(_finite(g) for g in given)):
                 return  # the common case: finite gradients, nothing recorded
-            task = _current_graph_task_id()
-            pass_ = self.backward_passes.get(task)
-            if pass_ is None:
-                if len(self.backward_passes) > BackwardPasses.MAX_OPEN:
-                    self.backward_passes.clear()  # passes a culprit or an error ended early
-                pass_ = self.backward_passes[task] = PassRecord()
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    partial(self._end_backward, task))
+            _, pass_, _ = self.backward_passes.open(PassRecord, self._end_backward)
             call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
             call.forward, call.where = forward, forward.where
             grads = []
@@ -206,7 +198,7 @@ class BackwardWatch:
         except Exception:  # never break the user's backward over the watch's own trouble
             return
         if culprit is not None:
-            self.backward_passes.pop(_current_graph_task_id(), None)
+            self.backward_passes.pop(graph_task_id(), None)
             self._raise_backward(*culprit)
 
     def _node_culprit(self, pass_: PassRecord, call: OutsideCall):

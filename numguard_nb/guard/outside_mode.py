@@ -24,13 +24,12 @@ from .function_mode import handling, leave_when_put_back
 from .function_mode import pop as _pop
 from .function_mode import stack_at as _stack_at, stack_len as _stack_len
 from .hooks import is_dynamo_compiling
-from .passes import PassRecord
+from .passes import PassRecord, graph_task_id
 
 __all__ = ["MODE", "ThreadState", "thread_state", "outside_mode_active", "outside_checking",
            "withdraw", "leave_region", "leave_if_ownerless", "hold_step_hook", "release_step_hook",
            "ENDS_REGION", "KEEPS_VALUES", "WRAPPER", "TENSOR_TO"]
 
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _functions(owner, names) -> set:
@@ -198,7 +197,7 @@ def leave_region(final: bool = False) -> None:
     stack. Not inside a backward: a forward re-run there (activation checkpointing), an
     optimizer stepped from a gradient hook. `final` (an optimizer step): what is held is judged
     now, no backward coming for it."""
-    if _current_graph_task_id() != -1:
+    if graph_task_id() != -1:
         return
     state = thread_state
     checking, owner = state.active, state.owner

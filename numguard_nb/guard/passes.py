@@ -277,12 +277,35 @@ def _forget_if_open(state: PassState, pass_: PassRecord, _gone) -> None:
         state.reset()
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def graph_task_id() -> int:
+    """Id of the autograd graph task running the caller (-1 outside backward)."""
+    return _current_graph_task_id()
+
+
 class BackwardPasses(dict):
-    """The backward passes in progress: autograd graph task id -> its PassRecord."""
+    """The backward passes in progress: autograd graph task id -> what one of the guard's parts
+    keeps of it (full mode and the loss watch: a PassRecord; the sentinel: the calls it went
+    through). The one lifecycle: opened on first use in a pass, closed once, at its end."""
 
     # Backward passes that ended in an exception are never closed by autograd; past this many
     # open ones, they are all forgotten.
     MAX_OPEN = 64
+
+    def open(self, make: Callable, at_end: Callable) -> tuple:
+        """(task, state, opened) of the backward pass running the caller: its state, made by
+        `make()` on first use, when `at_end(task)` is queued to run once autograd ends it."""
+        task = _current_graph_task_id()
+        state = self.get(task)
+        if state is not None:
+            return task, state, False
+        if len(self) > self.MAX_OPEN:
+            self.clear()  # passes an error or a culprit ended early
+        state = self[task] = make()
+        torch.autograd.Variable._execution_engine.queue_callback(partial(at_end, task))
+        return task, state, True
 
     def forget_open(self) -> None:
         """This thread starts a forward pass, so it is in no backward: the passes it opened

@@ -41,7 +41,9 @@ from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import copies, detect, frames
 from .hooks import QuietHooks, forward_raised, inert_context, is_dynamo_compiling
-from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, CallRecord, PassRecord
+from .passes import (
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
+)
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from .ranks import RankFlags, received_report
 from .sentinel_batches import SampledBatches
@@ -55,7 +57,6 @@ __all__ = ["Sentinel"]
 _RAISED = object()  # the output an always-called forward hook gets after a forward that raised
 _CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _queue_callback(callback) -> None:
@@ -214,14 +215,13 @@ class Sentinel:
     """The checks of `mode="sentinel"` for one Guard, its kept calls and its re-runs."""
 
     MAX_PLANS = 8  # output layouts remembered per module
-    MAX_OPEN_TASKS = 64  # backward passes whose end never came (they raised): past this, forgotten
 
     def __init__(self, guard):
         self.guard = guard
         self.attached = False
         self.paused = False  # True while a re-run runs the model again
         self.entries: Dict[int, _Entry] = {}
-        self.tasks: Dict[int, List[_Call]] = {}  # autograd graph task -> the calls it goes through
+        self.tasks = BackwardPasses()  # autograd graph task -> the calls it goes through
         self._handles: list = []  # module hooks
         self._grad_handles = LiveHandles()  # hooks on output tensors (dead once their graph is freed)
         self._local = _ThreadState()
@@ -347,7 +347,7 @@ class Sentinel:
         if nested:  # their calls cannot be top-level while this one runs
             self._quiet.quiet((entry.module, entry.hook_ids) for entry in nested)
         # Compiled, traced or exported; or recomputed in backward (activation checkpointing).
-        if inert_context() or _current_graph_task_id() != -1:
+        if inert_context() or graph_task_id() != -1:
             return
         entry, guard = self.entries[id(module)], self.guard
         guard.outside.enter_model()  # the code before this call (a loss) is over: checked
@@ -482,16 +482,11 @@ class Sentinel:
     def _on_output_gradient(self, call: _Call, position: int, grad) -> None:
         if self.paused or grad is None or not self.attached or is_dynamo_compiling():
             return
-        task = _current_graph_task_id()
+        task = graph_task_id()
         if call.task != task:  # the first gradient of this call in this backward pass
             call.task, call.top_seen = task, False
             call.grads = [None] * len(call.grads)
-            calls = self.tasks.get(task)
-            if calls is None:
-                if len(self.tasks) >= self.MAX_OPEN_TASKS:
-                    self.tasks.clear()
-                calls = self.tasks[task] = []
-                _queue_callback(partial(self._end_backward, task, True))
+            _, calls, _ = self.tasks.open(list, partial(self._end_backward, first_round=True))
             calls.append(call)
         if call.top[position] or not call.top_seen:  # else: the pass started outside the call
             call.top_seen = call.top_seen or call.top[position]

@@ -40,6 +40,7 @@ from ..callstate import enter_autocast, take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
 from . import frames
+from .passes import graph_task_id
 from .sentinel_checks import GradStandIn
 
 __all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
@@ -140,7 +141,7 @@ def _rerun_guard(guard, models, batch: int):
     full = full_guard(guard, models, batch, ops=True, sync=False, trace_batches=(), on_trace=None,
                       on_detect=None, history_every=None, scaler=None)
     # Started at a backward's end: its calls there are the step's, not a recomputation.
-    full.rerun_task = torch._C._current_graph_task_id()
+    full.rerun_task = graph_task_id()
     return full
 
 
@@ -438,7 +439,7 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
     with _kept(models):
         full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
                           on_trace=None, on_detect=None, history_every=None, scaler=None)
-        full.rerun_task = torch._C._current_graph_task_id()
+        full.rerun_task = graph_task_id()
         try:
             ranks.active = False
             for p in parameters:
