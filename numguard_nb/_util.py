@@ -120,30 +120,33 @@ def code_where(filename: Optional[str], lineno) -> str:
     return f"{cell}, line {lineno}" if cell else f"{filename}:{lineno}"
 
 
-class WeakStepHook:
-    """A torch.optim global step hook that calls `owner.<method>(optimizer)`, holding the owner
-    weakly (the registry is global: a hook must not keep a guard and its models alive). It runs
-    as it is inside a compiled step (traced, what it reads would recompile the step each time),
-    and its own failure never breaks the user's step: `on_error(owner)` is called instead.
-    Errors of the `raises` types (a detection that must stop the step) go through."""
+class WeakHook:
+    """A hook for one of torch's global registries that calls `owner.<method>(...)` with the
+    first `takes` arguments it is given, holding the owner weakly (the registry is global: a hook
+    must not keep a guard and its models alive). The one form of a global hook here: torch.optim's
+    step hooks (`takes=1`: the optimizer) and the module registration hooks (`takes=3`). It runs
+    as it is inside compiled code (traced, what it reads would recompile each time), and its own
+    failure never breaks the user's code: `on_error(owner)` is called instead. Errors of the
+    `raises` types (a detection that must stop the step) go through."""
 
-    __slots__ = ("owner", "method", "on_error", "raises")
+    __slots__ = ("owner", "method", "on_error", "raises", "takes")
 
-    def __init__(self, owner, method: str, on_error=None, raises: tuple = ()):
+    def __init__(self, owner, method: str, on_error=None, raises: tuple = (), takes: int = 1):
         import weakref
 
         self.owner = weakref.ref(owner)
         self.method = method
         self.on_error = on_error
         self.raises = raises
+        self.takes = takes
 
     @torch.compiler.disable
-    def __call__(self, optimizer, args, kwargs) -> None:
+    def __call__(self, *args) -> None:
         owner = self.owner()
         if owner is None:
             return
         try:
-            getattr(owner, self.method)(optimizer)
+            getattr(owner, self.method)(*args[:self.takes])
         except self.raises:
             raise
         except Exception:
@@ -151,7 +154,7 @@ class WeakStepHook:
                 self.on_error(owner)
 
     def __repr__(self) -> str:
-        return f"<numguard WeakStepHook {self.method}>"
+        return f"<numguard WeakHook {self.method}>"
 
 
 class LiveHandles(list):

@@ -40,7 +40,7 @@ from numguard_nb.report import (
 from models import Exp, SqrtOfZero
 from promises import hooks_left
 
-STEP_HOOK = "WeakStepHook note_step"  # how the guard's optimizer-step hook shows in `hooks_left`
+STEP_HOOK = "WeakHook note_step"  # how the guard's optimizer-step hook shows in `hooks_left`
 
 
 def detection(models, run, **options):

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics
-from .._util import LiveHandles, compiled_original, qualified_name
+from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
 from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
@@ -142,20 +142,6 @@ def _versions(value) -> tuple:
     return tuple(-1 if t.is_inference() else t._version for t in _tree.tensors(value))
 
 
-class _ParametersChanged:
-    """torch's global parameter and submodule registration hook for one Sentinel, held weakly."""
-
-    __slots__ = ("sentinel",)
-
-    def __init__(self, sentinel):
-        self.sentinel = weakref.ref(sentinel)
-
-    def __call__(self, module, name, value) -> None:
-        sentinel = self.sentinel()
-        if sentinel is not None:
-            sentinel._new_parameters(module, name, value)
-
-
 def _remove_all(handles: list) -> None:
     while handles:
         handles.pop().remove()
@@ -257,7 +243,7 @@ class Sentinel:
             self.ranks = RankFlags.attach_any(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
-            changed = _ParametersChanged(self)
+            changed = WeakHook(self, "new_parameters", takes=3)
             self._registration_handles += [
                 module_hooks.register_module_parameter_registration_hook(changed),
                 module_hooks.register_module_module_registration_hook(changed)]
@@ -625,7 +611,7 @@ class Sentinel:
             self._known_parameters = parameters
         return self._known_parameters
 
-    def _new_parameters(self, module, name, value) -> None:
+    def new_parameters(self, module, name, value) -> None:
         self._known_parameters = self.checks.guarded_ids = None
 
     def parameter_names(self) -> dict:

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import numerics
-from .._util import WeakStepHook
+from .._util import WeakHook
 from ..errors import NonFiniteError
 
 __all__ = ["StepChecks", "check_gradients_later"]
@@ -92,8 +92,8 @@ class StepChecks:
         if not self._handles:
             self._handles += [
                 register_optimizer_step_pre_hook(
-                    WeakStepHook(self, "_before_step", raises=(NonFiniteError,))),
-                register_optimizer_step_post_hook(WeakStepHook(self, "_after_step"))]
+                    WeakHook(self, "_before_step", raises=(NonFiniteError,))),
+                register_optimizer_step_post_hook(WeakHook(self, "_after_step"))]
 
     def stop(self) -> None:
         """Read what is unread (waiting) and stop; a detection is kept for `raise_found`."""

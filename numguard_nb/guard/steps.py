@@ -31,7 +31,7 @@ import torch
 
 from .. import numerics
 from .._schema import ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD
-from .._util import WeakStepHook, user_stacklevel
+from .._util import WeakHook, user_stacklevel
 from ..report import OptimizerStep
 
 __all__ = ["MAX_STEPS", "Origin", "StepWatch"]
@@ -97,7 +97,7 @@ class StepWatch:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._handles.append(register_optimizer_step_post_hook(
-                WeakStepHook(self, "note_step", on_error=_cannot_tell)))
+                WeakHook(self, "note_step", on_error=_cannot_tell)))
 
     def stop(self) -> None:
         """Remove the global hook (on detach; idempotent)."""

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from .. import _tree, callstate
-from .._util import WeakStepHook, error_line
+from .._util import WeakHook, error_line
 from ..callstate import CallState
 from ..errors import CaptureTooLarge, ReplayError
 from .call import CapturedCall
@@ -63,7 +63,7 @@ class Capture:
         # The hook is torch's, global: it holds the capture weakly, and goes when the capture
         # does or the guard detaches, whichever comes first.
         self._optimizer_hook = register_optimizer_step_post_hook(
-            WeakStepHook(self, "note_optimizer_step"))
+            WeakHook(self, "note_optimizer_step"))
         weakref.finalize(self, self._optimizer_hook.remove)
 
     def note_optimizer_step(self, optimizer) -> None:
