@@ -1,7 +1,15 @@
 """Guard a run driven by a Hugging Face ``Trainer`` or by Lightning.
 
-``NumguardCallback`` is a ``transformers.TrainerCallback``: the equivalent of
-``--debug underflow_overflow``, with backward watched too and the report kept::
+Contract: ``NumguardCallback`` (a ``transformers.TrainerCallback``) and
+``NumguardLightningCallback`` (a Lightning ``Callback``) guard the trainer's model for the whole
+run, in sentinel mode by default, and leave no hook behind however the run ends (its end, a
+detection, ``with callback:`` around ``train()`` for any other error, a later
+``on_train_begin``). The run's GradScaler is found and handed to the guard, so the steps it
+skips are recorded, not raised. Under torchrun every rank stops at the same step. Importing this
+module needs neither transformers nor Lightning (the classes are built on first access).
+
+Limits: the Trainer has no event for a run that raises (hence ``with callback:``); keyword
+arguments go to ``Guard``.
 
     callback = NumguardCallback()
     trainer = Trainer(..., callbacks=[callback])
@@ -9,39 +17,7 @@
         trainer.train()
     callback.report         # where the first inf/nan came from, or the last frames seen
 
-The Trainer has no event for a run that raises, so the hooks are removed on
-``on_train_end``, when the guard detects inf/nan (just before its
-``NonFiniteError`` propagates), and by ``with callback:`` for any other error;
-a new ``on_train_begin`` also drops hooks a crashed run left behind.
-
-``NumguardLightningCallback`` is a Lightning ``Callback`` doing the same with
-``on_fit_start`` / ``on_fit_end`` / ``on_exception``.
-
-Mixed precision: the run's GradScaler is found and handed to the guard as its ``scaler``, so
-the gradient overflows of the steps it skips (its first steps, at scale 65536) are recorded in
-``callback.skipped_steps`` and in ``callback.report``'s summary rather than stopping training.
-The Trainer's is the one accelerate keeps (``trainer.accelerator.scaler``, which the
-AcceleratedOptimizer handed to callbacks carries); Lightning's is
-``trainer.precision_plugin.scaler``. ``scaler=`` given to the callback takes precedence (an
-older Trainer's ``trainer.scaler``).
-
-Both classes are built on first access, so importing this module needs neither
-transformers nor Lightning.  Keyword arguments go to ``Guard`` (``max_frames``,
-``trace_batches``, ``abort_after_batch``, ``backward``, ``sync``, ``allow_inf``,
-``history_every``...).
-
-With ``history_every=N`` the callbacks also log a few figures of each sampled batch through the
-trainer's own logging (``History.scalars``: ``numguard/max_log10_share``, the log10 of abs max
-over the dtype's largest value for the value nearest its limit, ``numguard/worst_abs_max``,
-``numguard/nonfinite_values``, ``numguard/batch``): the Trainer's ``state.log_history`` (an
-entry like ``trainer.log`` makes, with its ``step``), and Lightning's loggers
-(``logger.log_metrics`` at the global step). ``callback.history`` is the whole history.
-
-For a whole training run their ``mode`` is ``"sentinel"`` by default: the model's outputs and
-the gradients are checked every step at almost no cost, and the step that breaks is re-run with
-the full guard; every 100th batch runs with the full hooks (``full_every``), which see what the
-sentinel cannot (an overflow the model clamps inside itself); ``mode="full"`` hooks every module
-throughout.
+More: docs/callbacks.md.
 """
 
 from __future__ import annotations
