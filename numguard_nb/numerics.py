@@ -186,6 +186,7 @@ def grad_norms(tensors: list) -> Optional[torch.Tensor]:
     values beyond float32's range. One fused kernel per dtype (`torch._foreach_norm`)."""
     if not tensors:
         return None
+    tensors = [_local(t) for t in tensors]
     dtypes = {t.dtype for t in tensors}
     with torch.no_grad():
         if len(dtypes) == 1:  # the common case: one launch, one stack
@@ -201,6 +202,13 @@ def grad_norms(tensors: list) -> Optional[torch.Tensor]:
         return norms[inverse.to(norms.device)]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own values of a DTensor (an FSDP2 gradient's shard): a check on the DTensor
+    itself would be a collective of DTensor's making, every step. Other tensors as they are."""
+    to_local = getattr(t, "to_local", None) if type(t) not in _PLAIN else None
+    return to_local() if to_local is not None else t
+
+
 _ONES: Dict[torch.device, torch.Tensor] = {}  # device -> float32 1.0: a scale that changes nothing
 
 
@@ -213,6 +221,7 @@ def nonfinite_flag(tensors: list) -> Optional[torch.Tensor]:
     the write would count as an in-place change) or a kind it has no kernel for."""
     if not tensors or any(t.requires_grad for t in tensors):
         return None
+    tensors = [_local(t) for t in tensors]
     device = tensors[0].device
     one = _ONES.get(device)
     if one is None:

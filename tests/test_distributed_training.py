@@ -74,7 +74,7 @@ class MaskedNet(nn.Module):
 
 def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
     x = torch.rand(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-    if rank == 1 and step == BAD_STEP and setup in ("forward", "masked"):
+    if rank == 1 and step == BAD_STEP and setup in ("forward", "masked", "masked, called twice"):
         x[:, 0] = -1e4  # log of a negative value in rank 1's forward
     if rank == 1 and step == BAD_STEP and setup == "backward":
         x[0, 0] = 1000.0  # rank 1's backward makes nan
@@ -82,7 +82,8 @@ def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
 
 
 MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
-NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet}
+NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet,
+        "masked, called twice": MaskedNet}
 
 
 def _as_on_a_gpu(rank: int) -> None:
@@ -132,7 +133,9 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
             with Guard(model, **MODES[mode]):
                 for step in range(4):
                     out = model(_batch(rank, step, setup))
-                    (out[0] if setup == "masked" else out).pow(2).mean().backward()
+                    if setup == "masked, called twice":  # two calls before one backward
+                        out = (out[0] + model(_batch(rank, step + 10, setup))[0],)
+                    (out[0] if setup.startswith("masked") else out).pow(2).mean().backward()
                     optimizer.step()
                     optimizer.zero_grad()
         except NonFiniteError as error:
@@ -224,17 +227,19 @@ def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(set
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("setup, module", [("masked", "log"), ("backward", "back")])
+@pytest.mark.parametrize("setup, module", [("masked", "log"), ("backward", "back"),
+                                           ("masked, called twice", "log")])
 def test_on_a_gpu_the_sentinel_stops_every_rank_at_the_same_point_of_the_program(setup, module,
                                                                                   wrap):
     """The GPU path (checks read later, never waited for): every rank acts on a step's reduced
     flags at the same point (the next step's backward), so none is left in a collective; even a
     nan that only rank 1's outputs hold (its loss masks it, every gradient stays finite)."""
     got = _run(setup, "sentinel on a gpu", wrap=wrap)
+    calls = 2 if setup.endswith("twice") else 1  # batches are counted by the model's calls
     assert sorted(got) == [0, 1], got
     for rank in (0, 1):
         assert got[rank][0] == "detected", got
-        assert got[rank][1] == BAD_STEP and got[rank][4] == 1, got
+        assert got[rank][1] == BAD_STEP * calls and got[rank][4] == 1, got
         assert got[rank][-1] < TIMEOUT_S, got
     assert got[1][2] == ("module." if wrap == "ddp" else "") + module, got
     assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got

@@ -6,7 +6,7 @@ Full mode:
 - `passes`: what a pass records (call records, slots, cache entries), its one read-back, and
   each thread's place in its pass;
 - `hooks`: where the hooks go (modules, parameters, tensors), and when they do nothing
-  (compiling, tracing, exporting); `QuietHooks`, hooks set aside while they cannot matter;
+  (compiling, tracing, exporting);
 - `detect`: the producer-vs-carrier rules over recorded slots;
 - `frames`: recorded slots turned into the report's frames, its reason sentence and the report;
 - `copies`: copies of a guarded module (deepcopy, pickle, `torch.save`) come out unwatched.

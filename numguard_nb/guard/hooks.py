@@ -43,7 +43,7 @@ from .passes import CallRecord
 
 __all__ = [
     "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
-    "frame_local_of_call", "is_dynamo_compiling", "forward_raised", "QuietHooks",
+    "frame_local_of_call", "is_dynamo_compiling", "forward_raised",
 ]
 
 # Constant True inside code Dynamo traces, so a hook's body drops out of compiled graphs; a plain
@@ -472,47 +472,3 @@ class GradHooks:
             handle.remove()
         self.leaf_targets.clear()
         self._kept_leaves = 0
-
-
-class QuietHooks:
-    """A guard's forward pre-hook and forward hook (with kwargs, always called) on some modules,
-    set aside while a call that makes theirs pointless runs (the sentinel's: a model's own call,
-    inside which the entries nested in it cannot be top-level), then put back: each hooked call
-    costs torch's slow path and the hooks' own (about 13 us a call on a GPU host). Only where
-    those two are a module's only forward hooks, so that no one else's order changes; put back
-    by the thread that set them aside (`restore(thread)`), or by anyone (`restore()`)."""
-
-    __slots__ = ("owner", "set_aside")
-
-    def __init__(self):
-        self.owner: Optional[int] = None  # the thread whose call set them aside
-        self.set_aside: list = []
-
-    def quiet(self, hooked) -> None:
-        """Set aside the hooks of (module, [pre-hook id, hook id]) in `hooked`."""
-        if self.owner is not None:
-            return
-        self.owner = threading.get_ident()
-        for module, hook_ids in hooked:
-            pre_id, post_id = hook_ids[:2]
-            pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
-            if len(pre_hooks) != 1 or len(post_hooks) != 1 or pre_id not in pre_hooks \
-                    or post_id not in post_hooks:
-                continue
-            self.set_aside.append((module, pre_id, pre_hooks.pop(pre_id), post_id,
-                                   post_hooks.pop(post_id)))
-            module._forward_pre_hooks_with_kwargs.pop(pre_id, None)
-            module._forward_hooks_with_kwargs.pop(post_id, None)
-            module._forward_hooks_always_called.pop(post_id, None)
-
-    def restore(self, thread: Optional[int] = None) -> None:
-        if self.owner is None or (thread is not None and thread != self.owner):
-            return
-        for module, pre_id, pre, post_id, post in self.set_aside:
-            module._forward_pre_hooks[pre_id] = pre
-            module._forward_pre_hooks_with_kwargs[pre_id] = True
-            module._forward_hooks[post_id] = post
-            module._forward_hooks_with_kwargs[post_id] = True
-            module._forward_hooks_always_called[post_id] = True
-        self.set_aside.clear()
-        self.owner = None

@@ -40,7 +40,7 @@ from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import copies, detect, frames
-from .hooks import QuietHooks, forward_raised, inert_context, is_dynamo_compiling
+from .hooks import forward_raised, inert_context, is_dynamo_compiling
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
@@ -57,6 +57,9 @@ __all__ = ["Sentinel"]
 _RAISED = object()  # the output an always-called forward hook gets after a forward that raised
 _CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
+
+
+MAX_OPEN_CALL_VALUES = 64  # calls' values left open for a backward (several ranks), at most
 
 
 def _queue_callback(callback) -> None:
@@ -84,8 +87,7 @@ def _entry_modules(prefix: str, root: nn.Module):
 class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
-    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans",
-                 "nested")
+    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans")
 
     def __init__(self, module: nn.Module, name: str, primary: bool):
         self.module = module
@@ -96,7 +98,6 @@ class _Entry:
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
-        self.nested: list = []  # a model's: the entries inside it (quiet while it runs)
 
 
 class _Call:
@@ -223,7 +224,6 @@ class Sentinel:
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
         self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
         self._held: Optional[_Call] = None  # its forward problem, held for the backward's end
-        self._quiet = QuietHooks()
         self.passes_checked = 0
 
     # ---- attach / detach ------------------------------------------------------------------
@@ -234,8 +234,6 @@ class Sentinel:
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, position == 0 and module is root)
-                        if module is not root:
-                            self.entries[id(root)].nested.append(self.entries[id(module)])
             # optimizer steps: what wrote weights found non-finite
             self.guard.steps.start(self.guard.models)
             self.checks.start()
@@ -282,7 +280,6 @@ class Sentinel:
                 self.ranks.detach()
                 self.ranks = None
         self.attached = False
-        self._quiet.restore()
         self._grad_handles.remove_all()
         for handle in self._handles + self._registration_handles:
             handle.remove()
@@ -322,16 +319,14 @@ class Sentinel:
         if depth and not _still_running(local.top_frame):
             depth = 0
         if not depth and self.checks.pending:
-            self.checks.seal()  # a call no backward followed
+            if not self._backward_due():
+                self.checks.seal()  # a call no backward followed
             self.checks.look()  # the steps before, if the device has their values by now
         local.depth = depth + 1
         if depth:
             return
         local.call = None
         local.top_frame = id(_call_impl_frame())
-        nested = self.entries[id(module)].nested
-        if nested:  # their calls cannot be top-level while this one runs
-            self._quiet.quiet((entry.module, entry.hook_ids) for entry in nested)
         # Compiled, traced or exported; or recomputed in backward (activation checkpointing).
         if inert_context() or graph_task_id() != -1:
             return
@@ -357,8 +352,6 @@ class Sentinel:
         local.depth = max(local.depth - 1, 0)
         if local.depth:
             return
-        if self._quiet.owner is not None:
-            self._quiet.restore(threading.get_ident())
         call, local.call = local.call, None
         if call is None or output is _RAISED or call.entry.module is not module \
                 or forward_raised():
@@ -367,6 +360,13 @@ class Sentinel:
             call.inputs_changed = call.entry.copy_inputs = True
         self._check_outputs(call, output)
         self.guard.outside.leave_model()  # watch the code that follows, up to its backward
+
+    def _backward_due(self) -> bool:
+        """Several ranks, a forward flag riding on the coming reduction: the calls before that
+        backward stay open, to be sealed with it and acted on at the same point on every rank
+        (a bound keeps calls that never get a backward from piling up)."""
+        return (self.ranks is not None and isinstance(self.ranks.forward_problem, torch.Tensor)
+                and self.checks.open_values < MAX_OPEN_CALL_VALUES)
 
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options

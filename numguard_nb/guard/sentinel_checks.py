@@ -115,6 +115,10 @@ class StepChecks:
     def pending(self) -> bool:
         return bool(self._values or self._sealed)
 
+    @property
+    def open_values(self) -> int:
+        return len(self._values)
+
     # ---- gathering -----------------------------------------------------------------------------
     def add(self, value: torch.Tensor, action: Callable[[list], None],
             finish: Optional[Callable[[], None]] = None, first: bool = False) -> None:
