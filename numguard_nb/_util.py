@@ -62,39 +62,6 @@ def user_frame():
     return None
 
 
-def without_parallel_wrapper(module):
-    """The module a re-run on this rank alone calls: inside a (Distributed)DataParallel wrapper,
-    whose forward would broadcast buffers or scatter inputs (a collective the other ranks never
-    join)."""
-    from torch import nn
-
-    while isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        module = module.module
-    return module
-
-
-def collective_in(module) -> Optional[str]:
-    """Why running `module` again on this rank alone would start a collective the other ranks
-    never join ('' or None: it would not): FSDP's parameter all-gathers, SyncBatchNorm's
-    all-reduce in training. Only with more than one rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    from torch import nn
-
-    fsdp2 = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
-    for name, sub in module.named_modules():
-        kind = type(sub).__name__
-        if (fsdp2 is not None and isinstance(sub, fsdp2)) or kind == "FullyShardedDataParallel":
-            return (f"{name or 'the model'} is sharded with FSDP: a re-run on this rank alone "
-                    "would all-gather its parameters, a collective the other ranks never join")
-        if isinstance(sub, nn.SyncBatchNorm) and sub.training:
-            return (f"{name or 'the model'} is a SyncBatchNorm in training: a re-run on this rank "
-                    "alone would all-reduce its statistics, a collective the other ranks never join")
-    return None
-
-
 def cell_name(filename: Optional[str]) -> Optional[str]:
     """'Cell In[5]' where `filename` is the file IPython compiled a notebook cell (or a terminal
     input) under, as its tracebacks name it; None for any other file. IPython is never imported

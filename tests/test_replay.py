@@ -290,12 +290,12 @@ def test_a_bundle_in_the_format_1_layout_loads_and_replays(tmp_path):
 
 
 def test_record_uses_the_call_state_it_is_given_else_takes_one():
-    from numguard_nb import callstate
+    from numguard_nb import rerun
 
     torch.manual_seed(0)
     model, x = M.Classifier(dropout=0.5).train(), torch.randn(6, 8)
     capture = Capture(model)
-    state = callstate.take()  # the guard takes it once, before the call
+    state = rerun.take()  # the guard takes it once, before the call
     out = model(x)
     call = capture.record("", model, (x,), {}, state=state)  # after the call drew its mask
     assert call.state is state

@@ -35,13 +35,12 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from .. import _tree
+from .. import _tree, rerun
 from .. import stats as _stats
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
     MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
 )
-from ..callstate import take as take_call_state
 from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
 from ..report import Report
@@ -354,7 +353,7 @@ class Guard:
             self._begin_forward(state, module_id, recomputing)
             if not recomputing:
                 # The state the call starts in (RNG, autocast, grad mode), to re-run it from.
-                call_state = (take_call_state()
+                call_state = (rerun.take()
                               if self._op_recorder is not None or self._capture is not None else None)
                 if self._capture is not None:
                     self._capture.record(name, module, args, kwargs, state=call_state)

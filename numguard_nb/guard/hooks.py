@@ -15,8 +15,10 @@
 - `GradHooks`: the gradient hooks on tensors of a graph and on leaf tensors fed to modules.
 - `inert_context()`: whether module calls are being compiled, traced or exported rather than
   run (or run under a dispatch mode: fake tensors, FLOP counters), when the hooks do nothing.
-- `running_calls()`: the modules whose forward is running in this thread, from its frames, and
-  `frame_local_of_call()`: an object that goes with the frame of a module call.
+- Calls an interrupt (Ctrl-C) left open, found one way for the guard and the sentinel, from the
+  frames of torch's `_call_impl`: `running_calls()` (the modules whose forward runs in this
+  thread), `still_running(own_call_frame_id())`, and `frame_local_of_call()` (an object that goes
+  with the frame of a module call).
 - `forward_raised()`: whether an always-called forward hook runs because the call raised.
 
 Nothing is put on parameters but their gradient hook: no weak references outlive a pass, so
@@ -35,15 +37,16 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from .. import rerun
 from .._schema import BUFFER, FORWARD, PARAM
 from .._util import LiveHandles, compiled_original, qualified_name
 from . import copies
-from ..callstate import take as take_call_state
 from .passes import CallRecord
 
 __all__ = [
     "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
-    "frame_local_of_call", "is_dynamo_compiling", "forward_raised",
+    "frame_local_of_call", "own_call_frame_id", "still_running", "is_dynamo_compiling",
+    "forward_raised",
 ]
 
 # Constant True inside code Dynamo traces, so a hook's body drops out of compiled graphs; a plain
@@ -81,17 +84,46 @@ def forward_raised() -> bool:
     return caller.f_code is _CALL_IMPL
 
 
+# ---- calls an interrupt left open --------------------------------------------------------------
+# An interrupt (Ctrl-C), or an error a forward catches from a submodule, skips the hooks that close
+# calls. The guard and the sentinel find the calls that still run in one way: from the frames of
+# torch's `_call_impl` up this thread's stack.
+def _own_call_frame(frame):
+    """The `_call_impl` frame of the module call whose hook is running, looking up from `frame`
+    past the guard's own frames; None where there is none."""
+    for _ in range(8):
+        if frame is None or frame.f_code is _CALL_IMPL:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def own_call_frame_id() -> int:
+    """Id of the frame of the module call whose hook asks (0 where there is none): held by a
+    part of the guard that tracks calls by depth only, for `still_running`."""
+    frame = _own_call_frame(sys._getframe(1))
+    return id(frame) if frame is not None else 0
+
+
+def still_running(frame_id: int) -> bool:
+    """Whether the module call whose frame has id `frame_id` (from `own_call_frame_id`) is further
+    up this thread's stack than the call whose hook asks."""
+    own = _own_call_frame(sys._getframe(1))
+    frame = own.f_back if own is not None else None
+    for _ in range(256):
+        if frame is None:
+            return False
+        if id(frame) == frame_id and frame.f_code is _CALL_IMPL:
+            return True
+        frame = frame.f_back
+    return True  # deeper than looked: assume it runs
+
+
 def frame_local_of_call():
     """An object living exactly as long as the frame of the module call whose hook asks (the
     `inner` closure torch's `_call_impl` makes per call), or None where there is none."""
-    frame = sys._getframe(1)
-    for _ in range(8):  # the guard's own frames, then the hook's caller
-        if frame is None or frame.f_code is _CALL_IMPL:
-            break
-        frame = frame.f_back
-    if frame is None or frame.f_code is not _CALL_IMPL:
-        return None
-    local = frame.f_locals.get("inner")
+    frame = _own_call_frame(sys._getframe(1))
+    local = frame.f_locals.get("inner") if frame is not None else None
     return local if callable(local) else None
 
 
@@ -99,14 +131,11 @@ def running_calls() -> collections.Counter:
     """How many times each module (by id) is being called further up this thread's stack,
     leaving out the innermost call (the one whose hook asks)."""
     running: collections.Counter = collections.Counter()
-    frame = sys._getframe(1)
-    own_call = True
+    own = _own_call_frame(sys._getframe(1))
+    frame = own.f_back if own is not None else None
     while frame is not None:
         if frame.f_code is _CALL_IMPL:
-            if own_call:
-                own_call = False
-            else:
-                running[id(frame.f_locals.get("self"))] += 1
+            running[id(frame.f_locals.get("self"))] += 1
         frame = frame.f_back
     return running
 
@@ -270,7 +299,7 @@ class _CompiledWeights:
             pass_.weight_slot(t, name, category, (site, name), guard._nonzero_min, guard._sign_hints)
             for name, category, t in self.weights]
         if len(state.stack) == 1:
-            state.compiled_call = (module, args, kwargs, take_call_state())
+            state.compiled_call = (module, args, kwargs, rerun.take())
 
 
 class ModuleHooks:

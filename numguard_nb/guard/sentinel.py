@@ -22,7 +22,6 @@ How it works: docs/architecture.md, "Sentinel mode".
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
 import warnings
 import weakref
@@ -33,29 +32,26 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from .. import _tree, numerics
+from .. import _tree, numerics, rerun
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
-from ..callstate import take as take_call_state
 from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import copies, detect, frames
-from .hooks import forward_raised, inert_context, is_dynamo_compiling
+from .hooks import (
+    forward_raised, inert_context, is_dynamo_compiling, own_call_frame_id, still_running,
+)
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from .ranks import RankFlags, received_report
 from .sentinel_batches import SampledBatches
-from .sentinel_rerun import (
-    gradient_frame, original_name, rerun_backward, rerun_forward, rerun_step_together,
-    run_alone,
-)
+from .sentinel_rerun import gradient_frame, rerun_backward, rerun_forward, rerun_step_together
 
 __all__ = ["Sentinel"]
 
 _RAISED = object()  # the output an always-called forward hook gets after a forward that raised
-_CALL_IMPL = nn.Module._call_impl.__code__
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 
 
@@ -94,7 +90,7 @@ class _Entry:
         self.name = name
         self.cls = type(compiled_original(module) or module).__name__
         self.primary = primary  # the first model: its calls start batches
-        self.run_id = id(run_alone(module))  # the module a re-run calls, as a full guard sees it
+        self.run_id = id(rerun.run_alone(module))  # the module a re-run calls, as a full guard sees it
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
@@ -116,7 +112,7 @@ class _Call:
         self.args = args
         self.kwargs = kwargs
         self.versions = _versions((args, kwargs))
-        self.state = take_call_state()
+        self.state = rerun.take()
         self.batch_number = batch_number
         self.call_index = call_index  # calls of this module before it in the batch
         self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
@@ -159,29 +155,6 @@ class _ThreadState(threading.local):
         self.depth = 0
         self.top_frame = 0  # id of the top-level call's `_call_impl` frame
         self.call = None
-
-
-def _call_impl_frame():
-    frame = sys._getframe(2)  # the hook's caller: `inner` in torch's `_call_impl`
-    for _ in range(4):
-        if frame is None or frame.f_code is _CALL_IMPL:
-            return frame
-        frame = frame.f_back
-    return None
-
-
-def _still_running(frame_id: int) -> bool:
-    """Whether the top-level call's frame is further up this thread's stack (an interrupt such as
-    Ctrl-C skips the hooks that close calls)."""
-    own = _call_impl_frame()
-    frame = own.f_back if own is not None else None
-    for _ in range(256):
-        if frame is None:
-            return False
-        if id(frame) == frame_id and frame.f_code is _CALL_IMPL:
-            return True
-        frame = frame.f_back
-    return True  # deeper than looked: assume it runs
 
 
 class _OutputGradient:
@@ -316,7 +289,7 @@ class Sentinel:
             return
         local = self._local
         depth = local.depth
-        if depth and not _still_running(local.top_frame):
+        if depth and not still_running(local.top_frame):
             depth = 0
         if not depth and self.checks.pending:
             if not self._backward_due():
@@ -326,7 +299,7 @@ class Sentinel:
         if depth:
             return
         local.call = None
-        local.top_frame = id(_call_impl_frame())
+        local.top_frame = own_call_frame_id()
         # Compiled, traced or exported; or recomputed in backward (activation checkpointing).
         if inert_context() or graph_task_id() != -1:
             return
@@ -615,7 +588,7 @@ class Sentinel:
         self._known_parameters = self.checks.guarded_ids = None
 
     def parameter_names(self) -> dict:
-        return {id(p): original_name(qualified_name(prefix, name))
+        return {id(p): rerun.original_name(qualified_name(prefix, name))
                 for prefix, root in self.guard.models.items()
                 for name, p in root.named_parameters()}
 

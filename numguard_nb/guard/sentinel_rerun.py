@@ -25,81 +25,28 @@ back: the buffers (running statistics), the random state, the swapped submodules
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .. import _tree, numerics
+from .. import _tree, numerics, rerun
 from .._schema import (
     BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FOUND_BY_RERUN,
     GRAD_PARAM, MODE_FULL,
 )
-from .._util import collective_in, compiled_original, dtype_name, without_parallel_wrapper
-from ..callstate import enter_autocast, take as take_call_state
+from .._util import dtype_name
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
 from . import frames
 from .passes import graph_task_id
 from .sentinel_checks import GradStandIn
 
-__all__ = ["compiled_original", "original_name", "run_alone", "full_guard", "rerun_forward",
-           "rerun_step_together",
-           "rerun_backward", "rerun_compiled_call", "gradient_frame"]
+__all__ = ["full_guard", "rerun_forward", "rerun_step_together", "rerun_backward",
+           "rerun_compiled_call", "gradient_frame"]
 
 _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
                        "(Distributed)DataParallel wrapper would start collectives on this rank alone")
-
-
-# ---- compiled models -------------------------------------------------------------------------
-def _eager(module: nn.Module) -> nn.Module:
-    original = compiled_original(module)
-    return module if original is None else _eager(original)
-
-
-def run_alone(module: nn.Module) -> nn.Module:
-    """What a re-run calls for `module`: eager, and inside a (Distributed)DataParallel wrapper,
-    whose forward would start collectives on this rank alone (the names stay the wrapper's)."""
-    module = without_parallel_wrapper(_eager(module))
-    return run_alone(module) if compiled_original(module) is not None else module
-
-
-def original_name(name: str) -> str:
-    """A name as in the original model: 'encoder._orig_mod.layer' -> 'encoder.layer'."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
-def _compiled_parts(root: nn.Module) -> List[Tuple[Optional[nn.Module], str, nn.Module]]:
-    """(parent, key, wrapper) of every compiled wrapper in `root`, itself included (parent None)."""
-    parts, stack = [], [(None, "", root)]
-    while stack:
-        parent, key, module = stack.pop()
-        original = compiled_original(module)
-        if original is not None:
-            parts.append((parent, key, module))
-            module = original
-        stack.extend((module, k, child) for k, child in module._modules.items() if child is not None)
-    return parts
-
-
-@contextlib.contextmanager
-def _swapped(parts, replacement: Callable[[nn.Module], nn.Module]):
-    """Each compiled submodule replaced in its parent by `replacement(wrapper)`, then put back."""
-    done = []
-    try:
-        for parent, key, wrapper in parts:
-            if parent is not None:
-                parent._modules[key] = replacement(wrapper)
-                done.append((parent, key, wrapper))
-        yield
-    finally:
-        for parent, key, wrapper in reversed(done):
-            parent._modules[key] = wrapper
-
-
-def _eager_stance():
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 # ---- the full guard --------------------------------------------------------------------------
@@ -145,53 +92,12 @@ def _rerun_guard(guard, models, batch: int):
     return full
 
 
-# ---- what a re-run changes, put back -----------------------------------------------------------
-class _Restorer:
-    """Takes the random state and the buffers of `models`; `restore()` puts them back."""
-
-    def __init__(self, models: Dict[str, nn.Module]):
-        self.state = take_call_state()
-        self.buffers = []
-        with torch.no_grad():
-            for root in models.values():
-                for module in root.modules():
-                    for name, buffer in module._buffers.items():
-                        if buffer is not None:
-                            self.buffers.append((module, name, buffer, buffer.clone()))
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for module, name, buffer, saved in self.buffers:
-                module._buffers[name] = buffer
-                try:
-                    buffer.copy_(saved)
-                except RuntimeError:  # an inference tensor: written only in inference mode
-                    with torch.inference_mode():
-                        buffer.copy_(saved)
-        self.state.restore()
-
-
-@contextlib.contextmanager
-def _kept(models: Dict[str, nn.Module]):
-    restorer = _Restorer(models)
-    try:
-        yield
-    finally:
-        restorer.restore()
-
-
 # ---- running a kept call again -------------------------------------------------------------------
 def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
     """`module(*args, **kwargs)` from the call's random state, under its autocast, with grad mode
     `grad` (inference mode where the call ran in it)."""
-    state = call.state
-    state.restore()
     with contextlib.ExitStack() as stack:
-        enter_autocast(state, stack)
-        if state.inference and not grad:
-            stack.enter_context(torch.inference_mode())
-        else:
-            stack.enter_context(torch.set_grad_enabled(grad))
+        rerun.entered(call.state, stack, grad)
         forward = getattr(call, "forward", None)
         if forward is not None and module is call.entry.module:  # (not a compiled one's)
             # the forward the call ran under (Lightning redirects it to training_step)
@@ -237,8 +143,8 @@ def _forwards(calls, eager: Callable, grad: bool) -> Tuple[list, list]:
     return outputs, leaves
 
 
-def _backward(calls, outputs, inputs: list) -> list:
-    """Gradients of `inputs` from the re-run's outputs and the gradients the originals got."""
+def _output_grads(calls, outputs) -> Tuple[list, list]:
+    """(re-run outputs, the gradients the original outputs got) of the outputs that take one."""
     pairs = []
     for call, output in zip(calls, outputs):
         tensors = _tree.tensors(output)
@@ -247,10 +153,15 @@ def _backward(calls, outputs, inputs: list) -> list:
                 if isinstance(grad, GradStandIn):
                     grad = grad.materialise()
                 pairs.append((tensors[position], grad))
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _backward(calls, outputs, inputs: list) -> list:
+    """Gradients of `inputs` from the re-run's outputs and the gradients the originals got."""
+    outputs_, grads = _output_grads(calls, outputs)
     wanted = [t for t in inputs if t.requires_grad]
-    if not pairs or not wanted:
+    if not outputs_ or not wanted:
         return []
-    outputs_, grads = [o for o, _ in pairs], [g for _, g in pairs]
     try:  # the graph kept: a reentrant checkpoint refuses only once the nodes after it ran
         return list(torch.autograd.grad(outputs_, wanted, grads, allow_unused=True,
                                         retain_graph=True))
@@ -308,15 +219,16 @@ def _has_problem(tensors, allow_inf: bool, limit: Optional[float]) -> bool:
 
 # ---- the re-runs -------------------------------------------------------------------------------
 def _eager_models(models: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
-    return {prefix: _eager(root) for prefix, root in models.items()}
+    return {prefix: rerun.eager(root) for prefix, root in models.items()}
 
 
 def _all_parts(models: Dict[str, nn.Module]) -> list:
-    return [part for root in models.values() for part in _compiled_parts(root)]
+    return [part for root in models.values() for part in rerun.compiled_parts(root)]
 
 
 def _collective(models: Dict[str, nn.Module]) -> Optional[str]:
-    return next(filter(None, (collective_in(run_alone(root)) for root in models.values())), None)
+    return next(filter(None, (rerun.collective_in(rerun.run_alone(root))
+                              for root in models.values())), None)
 
 
 def _not_rerun(seen: Frame, call, options, why: str) -> Report:
@@ -337,29 +249,29 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
     if refused:
         return _not_rerun(seen, call, options, refused)
     allow_inf = options.inf_allowed(call.entry.name)
-    with _kept(models):
+    with rerun.Kept(models.values()):
         parts = _all_parts(models)
-        with _swapped(parts, _eager), _eager_stance():
+        with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
             full = _rerun_guard(guard, _eager_models(models), call.batch_number)
             try:
                 with full:
-                    output = _call_again(run_alone(call.entry.module), call, call.args,
+                    output = _call_again(rerun.run_alone(call.entry.module), call, call.args,
                                          call.kwargs, call.state.grad_enabled)
             except NonFiniteError as error:
                 return _found(error.report)
             if _has_problem(_tree.tensors(output), allow_inf, options.stop_rules.limit_max):
                 return None  # the same values again, and the full guard's rules accept them
             output = None
-        if not _involves_compiled(call.entry.module):
+        if not rerun.involves_compiled(call.entry.module):
             return _transient(seen, call, options, "the re-run's outputs were finite")
-        if run_alone(call.entry.module) is not _eager(call.entry.module):
+        if rerun.run_alone(call.entry.module) is not rerun.eager(call.entry.module):
             return _transient(seen, call, options, _NOT_COMPILED_AGAIN)
         again = _call_again(call.entry.module, call, call.args, call.kwargs, False)
         if not _has_problem(_tree.tensors(again), allow_inf, options.stop_rules.limit_max):
             return _transient(seen, call, options, "run again, eagerly and compiled, its outputs "
                               "were finite")
-        with _swapped(parts, _aot_eager):
-            aot = _call_again(_aot_eager(call.entry.module), call, call.args, call.kwargs, False)
+        with rerun.swapped(parts, rerun.aot_eager):
+            aot = _call_again(rerun.aot_eager(call.entry.module), call, call.args, call.kwargs, False)
         captured = _has_problem(_tree.tensors(aot), allow_inf, options.stop_rules.limit_max)
         return _compiled(seen, call, options, captured)
 
@@ -395,13 +307,13 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
     if refused:
         return _not_rerun(seen, calls[0], options, refused)
     batch = calls[0].batch_number
-    with _kept(models):
+    with rerun.Kept(models.values()):
         parts = _all_parts(models)
-        with _swapped(parts, _eager), _eager_stance():
+        with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
             full = _rerun_guard(guard, _eager_models(models), batch)
             try:
                 with full:
-                    outputs, leaves = _forwards(calls, run_alone, True)
+                    outputs, leaves = _forwards(calls, rerun.run_alone, True)
                     grads = _backward(calls, outputs, parameters + leaves)
             except NonFiniteError as error:
                 return _found(error.report)
@@ -413,15 +325,16 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             outputs = grads = None
         finite = ("the gradients of a re-run through the model's calls were finite (or the "
                   "inf/nan came from code outside them that uses the weights directly)")
-        if not any(_involves_compiled(call.entry.module) for call in calls):
+        if not any(rerun.involves_compiled(call.entry.module) for call in calls):
             return _transient(seen, calls[0], options, finite)
-        if any(run_alone(call.entry.module) is not _eager(call.entry.module) for call in calls):
+        if any(rerun.run_alone(call.entry.module) is not rerun.eager(call.entry.module)
+               for call in calls):
             return _transient(seen, calls[0], options, f"{finite}; {_NOT_COMPILED_AGAIN}")
         outputs, _ = _forwards(calls, lambda m: m, True)
         if not _has_problem(_backward(calls, outputs, list(parameters)), False, None):
             return _transient(seen, calls[0], options, finite + ", run compiled again too")
-        with _swapped(parts, _aot_eager):
-            outputs, _ = _forwards(calls, _aot_eager, True)
+        with rerun.swapped(parts, rerun.aot_eager):
+            outputs, _ = _forwards(calls, rerun.aot_eager, True)
             captured = _has_problem(_backward(calls, outputs, list(parameters)), False, None)
         return _compiled(seen, calls[0], options, captured)
 
@@ -436,7 +349,7 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
     models, batch = guard.models, calls[0].batch_number
     parameters = [p for model in models.values() for p in model.parameters()] if backward else []
     kept_grads, flagging = [p.grad for p in parameters], ranks.active
-    with _kept(models):
+    with rerun.Kept(models.values()):
         full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
                           on_trace=None, on_detect=None, history_every=None, scaler=None)
         full.rerun_task = graph_task_id()
@@ -465,28 +378,9 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
 def _backward_together(calls, outputs) -> None:
     """The backward of a joint re-run, from the gradients the original outputs got (every rank
     has some: the reduce-scatters need every rank)."""
-    pairs = []
-    for call, output in zip(calls, outputs):
-        tensors = _tree.tensors(output)
-        for position, grad in enumerate(call.grads or ()):
-            if grad is not None and position < len(tensors) and tensors[position].requires_grad:
-                pairs.append((tensors[position], grad.materialise()
-                              if isinstance(grad, GradStandIn) else grad))
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-
-
-def _involves_compiled(module: nn.Module) -> bool:
-    return any(compiled_original(m) is not None for m in module.modules())
-
-
-def _aot_eager(module: nn.Module) -> nn.Module:
-    """The original of a compiled wrapper compiled again with backend="aot_eager": Dynamo's graph
-    and AOTAutograd's decompositions, run by eager kernels."""
-    original = compiled_original(module)
-    if original is None:
-        return module
-    return torch.compile(_eager(original), backend="aot_eager")
+    outputs_, grads = _output_grads(calls, outputs)
+    if outputs_:
+        torch.autograd.backward(outputs_, grads)
 
 
 # ---- reports ---------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The guard finds the culprit at module granularity. With `Guard(..., ops=True)` it keeps what a
 re-run needs (`recorder.OpRecorder`) and, on a detection, re-runs the last top-level call of the
-model inside the culprit (`rerun.localise_forward` / `rerun.localise_backward`) under a dispatch
+model inside the culprit (`localise.localise_forward` / `localise.localise_backward`) under a dispatch
 mode that checks every ATen op and protects the model's state (`mode.RerunMode`).
 
 - `rerun`: the re-run and its conclusion, an `OpLocation` (never raises);
@@ -10,7 +10,7 @@ mode that checks every ATen op and protects the model's state (`mode.RerunMode`)
 - `recorder`: the Guard's side: the recorded calls and the gradients at their outputs.
 """
 
-from ..callstate import CallState, take as rng_state
-from .rerun import OpLocation, localise_backward, localise_forward
+from ..rerun import CallState, take as rng_state
+from .localise import OpLocation, localise_backward, localise_forward
 
 __all__ = ["OpLocation", "CallState", "rng_state", "localise_forward", "localise_backward"]

@@ -13,9 +13,8 @@ from typing import Dict
 
 from .. import _tree
 from .._schema import CAUSE_FORWARD
-from .._util import collective_in, without_parallel_wrapper
-from ..callstate import CallState
-from .rerun import OpLocation, localise_backward, localise_forward
+from ..rerun import CallState, collective_in, without_parallel_wrapper
+from .localise import OpLocation, localise_backward, localise_forward
 
 __all__ = ["OpRecorder"]
 

@@ -20,7 +20,7 @@ from torch import nn
 from .. import _tree
 from .._util import dtype_name, error_line, first_line
 from .._version import __version__
-from ..callstate import CallState
+from ..rerun import CallState
 from ..errors import ReplayError
 from . import outside
 from .location import CALL_SITE, Location

@@ -11,7 +11,7 @@ from typing import List, Optional, Union
 import torch
 
 from .._util import dtype_name
-from ..callstate import CallState
+from ..rerun import CallState
 from . import bundle, run
 from .location import Location
 

@@ -15,9 +15,9 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from .. import _tree, callstate
+from .. import _tree, rerun
 from .._util import WeakHook, error_line
-from ..callstate import CallState
+from ..rerun import CallState
 from ..errors import CaptureTooLarge, ReplayError
 from .call import CapturedCall
 from .host import HostCopies
@@ -127,7 +127,7 @@ class Capture:
         """
         try:
             if state is None:
-                state = callstate.take()
+                state = rerun.take()
             call = self._record(root_name, module, args, kwargs, state)
             self.recorder.start_call(call)
             return call

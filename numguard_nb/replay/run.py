@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import _tree
 from .._util import dtype_name, error_line
+from ..rerun import CallerRandomState
 from .location import CALL_SITE, Location, error_location, format_traceback, with_source_line
 from .outside import Unreplayable, replay_records
 from .snapshot import LOW_PRECISION, build_module
@@ -220,29 +221,6 @@ class _ModuleTracker:
             self.stack.pop()
 
 
-class _CallerRNG:
-    """The caller's generator states, set back after the replay drew from the captured ones."""
-
-    def __init__(self):
-        self.cpu = torch.get_rng_state()
-        self.cuda: Optional[Tuple[int, torch.Tensor]] = None
-
-    def set_for(self, call, device: torch.device) -> None:
-        """Set the generators to the state `call` ran with."""
-        if call.state.cpu is not None:
-            torch.set_rng_state(call.state.cpu)
-        if device.type == "cuda" and call.cuda_rng_state is not None:
-            index = device.index if device.index is not None else 0
-            if self.cuda is None:
-                self.cuda = (index, torch.cuda.get_rng_state(index))
-            torch.cuda.set_rng_state(call.cuda_rng_state, index)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda[1], self.cuda[0])
-
-
 def _autocast_context(call, device: torch.device, upcast: bool, notes: list):
     """The call's autocast on the replay device (none when upcast); a note for other devices'."""
     autocast = dict(call.state.autocast)
@@ -264,7 +242,7 @@ def _run_chain(chain: list, device: torch.device, upcast: bool) -> ReplayResult:
     outputs: dict = {}  # call index, or (call index, function number) -> output
     steps: List[str] = []
     tracker = _ModuleTracker()
-    caller_rng = _CallerRNG()
+    caller_rng = CallerRandomState()
     exception = None
     failed = None
     function = None
@@ -284,7 +262,7 @@ def _run_chain(chain: list, device: torch.device, upcast: bool) -> ReplayResult:
             if produced:
                 args, kwargs = _match_outputs((args, kwargs), produced, used)
             steps.append(_step_text(call, chain, position, used, bool(produced)))
-            caller_rng.set_for(call, device)
+            caller_rng.set_for(call.state.cpu, call.cuda_rng_state, device)
             context = _autocast_context(call, device, upcast, notes)
             tracker.stack.clear()
             try:

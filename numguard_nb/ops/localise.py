@@ -2,7 +2,7 @@
 
 The guard finds the culprit at module granularity. On a detection (with `ops=True`) it calls
 `localise_forward` or `localise_backward`, which re-run the last top-level call of the model with
-the same inputs, the same RNG state and autocast (`callstate.CallState`) and the same weights,
+the same inputs, the same RNG state and autocast (`rerun.CallState`) and the same weights,
 under a `mode.RerunMode` that protects every tensor the re-run writes and checks the culprit's
 ops. For backward, the re-run's forward runs with grad enabled, then `torch.autograd.grad` runs
 from the root's outputs (never `.backward()`, so no `.grad` field is touched).
@@ -20,10 +20,10 @@ from typing import Optional
 
 import torch
 
-from .. import _tree
+from .. import _tree, rerun
 from .._schema import BACKWARD
 from .._util import code_where, error_line
-from ..callstate import CallState, enter_autocast, take as take_call_state
+from ..rerun import CallState
 from .mode import RerunMode, kinds_phrase, nonfinite_kinds
 
 __all__ = ["OpLocation", "localise_forward", "localise_backward"]
@@ -104,10 +104,8 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
         return _failure(f"could not localise the op: rng is a {type(rng).__name__}, "
                         "not a snapshot taken with numguard_nb.ops.rng_state()")
 
-    user_state = take_call_state()
-    modules = {id(m): m for m in root.modules()}
-    modules.update((id(m), m) for m in culprit.modules())
-    flags = [(m, m.training) for m in modules.values()]
+    # the user's random state and training flags (parameters, buffers, inputs: the mode's)
+    user_state = rerun.Kept((root, culprit), buffers=False)
     mode = RerunMode(culprit, call_index, limit, record_nodes=backward, has_rng=rng is not None,
                    allow_inf=bool(allow_inf))
     handles = []
@@ -127,16 +125,8 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
                                                      always_call=True))
         if backward:
             args, kwargs = _leafify(args), _leafify(kwargs)
-        if rng is not None:
-            rng.restore()
         with contextlib.ExitStack() as stack:
-            enter_autocast(rng, stack)
-            if backward:
-                stack.enter_context(torch.enable_grad())
-            elif rng is not None and rng.inference:
-                stack.enter_context(torch.inference_mode())
-            else:
-                stack.enter_context(torch.no_grad())
+            rerun.entered(rng, stack, grad=backward)
             try:
                 with mode:
                     output = root(*args, **kwargs)
@@ -153,8 +143,6 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
         failed = mode.restore()
         if failed:
             outcome["unrestored"] = failed
-        for module, flag in flags:
-            module.training = flag
         user_state.restore()
     try:
         return _conclude(mode, outcome, culprit, call_index, limit, backward)
