@@ -1,7 +1,8 @@
-"""Small helpers shared by the engine and its tools: one home each."""
+"""Small helpers shared by the engine, the report, its views and the tools: one home each."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional
@@ -38,6 +39,45 @@ def error_line(error: BaseException, limit: Optional[int] = None) -> str:
 def dtype_name(dtype) -> str:
     """'float16' for torch.float16."""
     return str(dtype).replace("torch.", "")
+
+
+# Largest finite value of the floating dtypes people train in, by dtype name.
+_FLOAT_MAX = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
+# Smallest positive normal value: below it a value is subnormal (losing precision on its way to 0).
+_FLOAT_SMALLEST_NORMAL = {
+    "float16": 6.103515625e-05,
+    "bfloat16": 1.1754943508222875e-38,
+    "float32": 1.1754943508222875e-38,
+    "float64": 2.2250738585072014e-308,
+}
+
+
+def _finfo_value(dtype_name: Optional[str], known: dict, attribute: str) -> Optional[float]:
+    if dtype_name is None:
+        return None
+    if dtype_name in known:
+        return known[dtype_name]
+    dtype = getattr(torch, dtype_name, None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return float(getattr(torch.finfo(dtype), attribute))
+    return None
+
+
+def dtype_smallest_normal(dtype_name: Optional[str]) -> Optional[float]:
+    """Smallest positive normal value of a floating dtype given by name, or None."""
+    return _finfo_value(dtype_name, _FLOAT_SMALLEST_NORMAL, "smallest_normal")
+
+
+def dtype_max(dtype_name: Optional[str]) -> Optional[float]:
+    """Largest finite value of a floating dtype given by name, or None for other dtypes."""
+    return _finfo_value(dtype_name, _FLOAT_MAX, "max")
 
 
 def is_internal_file(filename: Optional[str]) -> bool:
@@ -214,6 +254,26 @@ def format_bytes(count: int) -> str:
     return f"{count} B"
 
 
+def format_abs_max(value: Optional[float]) -> str:
+    """An abs max as a comparison shows it: '1.2e+03', 'inf', 'nan', '-' when missing."""
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.3g}"
+
+
+def format_ratio(ratio: Optional[float]) -> str:
+    """'12.5x', or what an infinite ratio means."""
+    if ratio is None:
+        return "-"
+    if math.isinf(ratio):
+        return "finite vs inf/nan or 0"
+    return f"{ratio:.3g}x"
+
+
 def trainer_model(obj):
     """The model a trainer-like object stands for, or None: an object whose class has a `train`
     method and whose `.model` is a torch.nn.Module (Hugging Face's Trainer and its subclasses,
@@ -241,6 +301,12 @@ def is_hf_trainer(obj) -> bool:
 def qualified_name(prefix: str, name: str) -> str:
     """`prefix.name` as `named_modules()` joins names ("" stands for the model itself)."""
     return name if not prefix else (f"{prefix}.{name}" if name else prefix)
+
+
+def module_words(module_name: str, module_class: str) -> str:
+    """How a sentence names a module: 'encoder.block.0 (T5Block)'; a model, whose name is empty,
+    by its class alone."""
+    return f"{module_name} ({module_class})" if module_name else module_class
 
 
 def compiled_original(module) -> Optional[torch.nn.Module]:

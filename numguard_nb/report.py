@@ -5,9 +5,11 @@ tensor's summary); `Report.compare` (`compare_reports`) matches two reports and 
 `Comparison`. This module holds the data and what is derived from it; statistics are computed
 by the engine, never here, and the views live in `render/`.
 
-The one upward edge of the package: the views of these objects (`to_text`, `to_frame`,
-`_repr_html_`, `_repr_mimebundle_`, `hf_line`, `hf_lines`) import their `render` module inside
-the method, so `render` can import this module and nothing here needs a view to load.
+The views of these objects (`to_text`, `to_frame`, `_repr_html_`, `_repr_mimebundle_`,
+`hf_line`, `hf_lines`) delegate to `render`, which never imports this module: it reads the
+objects through their fields and methods, and the helpers both sides use (dtype limits, number
+and module wording) live in `_util`. The imports stay inside the methods so that loading a
+report loads no view.
 """
 
 from __future__ import annotations
@@ -16,56 +18,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from ._schema import (  # noqa: F401  (re-exported: the report's vocabulary)
+from ._schema import (  # re-exported: the report's vocabulary
     BACKWARD, BUFFER, DETECTION, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
     OUTPUT, PARAM, TRACE, VALUE_TENSOR,
 )
+from ._util import (  # re-exported: their home is a leaf, so the views need not import this module
+    dtype_max, dtype_smallest_normal, format_abs_max, format_ratio, module_words,
+)
 
-# Largest finite value of the floating dtypes people train in, by dtype name.
-_FLOAT_MAX = {
-    "float16": 65504.0,
-    "bfloat16": 3.3895313892515355e38,
-    "float32": 3.4028234663852886e38,
-    "float64": 1.7976931348623157e308,
-}
-
-
-# Smallest positive normal value: below it a value is subnormal (losing precision on its way to 0).
-_FLOAT_SMALLEST_NORMAL = {
-    "float16": 6.103515625e-05,
-    "bfloat16": 1.1754943508222875e-38,
-    "float32": 1.1754943508222875e-38,
-    "float64": 2.2250738585072014e-308,
-}
-
-
-def module_words(module_name: str, module_class: str) -> str:
-    """How a sentence names a module: 'encoder.block.0 (T5Block)'; a model, whose name is empty,
-    by its class alone."""
-    return f"{module_name} ({module_class})" if module_name else module_class
-
-
-def _finfo_value(dtype_name: Optional[str], known: dict, attribute: str) -> Optional[float]:
-    if dtype_name is None:
-        return None
-    if dtype_name in known:
-        return known[dtype_name]
-    import torch
-
-    dtype = getattr(torch, dtype_name, None)
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return float(getattr(torch.finfo(dtype), attribute))
-    return None
-
-
-def dtype_smallest_normal(dtype_name: Optional[str]) -> Optional[float]:
-    """Smallest positive normal value of a floating dtype given by name, or None."""
-    return _finfo_value(dtype_name, _FLOAT_SMALLEST_NORMAL, "smallest_normal")
-
-
-def dtype_max(dtype_name: Optional[str]) -> Optional[float]:
-    """Largest finite value of a floating dtype given by name, or None for other dtypes."""
-    return _finfo_value(dtype_name, _FLOAT_MAX, "max")
+__all__ = [
+    "TensorRow", "MAX_SAMPLES_NAMED", "OptimizerStep", "Frame", "Report", "Comparison",
+    "compare_reports", "dtype_max", "dtype_smallest_normal", "format_abs_max", "format_ratio",
+    "module_words", "BACKWARD", "BUFFER", "DETECTION", "FORWARD", "GRAD_INPUT", "GRAD_OUTPUT",
+    "GRAD_PARAM", "INPUT", "LATEST", "OUTPUT", "PARAM", "TRACE", "VALUE_TENSOR",
+]
 
 
 @dataclass
@@ -430,26 +396,6 @@ class Comparison:
         from .render.compare import comparison_html
 
         return comparison_html(self)
-
-
-def format_abs_max(value: Optional[float]) -> str:
-    """An abs max as a comparison shows it: '1.2e+03', 'inf', 'nan', '-' when missing."""
-    if value is None:
-        return "-"
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf"
-    return f"{value:.3g}"
-
-
-def format_ratio(ratio: Optional[float]) -> str:
-    """'12.5x', or what an infinite ratio means."""
-    if ratio is None:
-        return "-"
-    if math.isinf(ratio):
-        return "finite vs inf/nan or 0"
-    return f"{ratio:.3g}x"
 
 
 def _abs_max_ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:

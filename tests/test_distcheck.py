@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from numguard_nb import distcheck
+from numguard_nb.dist import check as distcheck
 
-REPO_ROOT = Path(distcheck.__file__).resolve().parents[1]
+REPO_ROOT = Path(distcheck.__file__).resolve().parents[2]
 HOST = socket.gethostname()
 FAILURE_TIMEOUT_S = 10
 
@@ -105,7 +105,7 @@ def _run_stuck_rank(results_dir, hang):
     """A one-rank check with a 1 s timeout whose main thread then runs `hang` forever."""
     stuck_rank = (
         "import sys, time\n"
-        "from numguard_nb import distcheck\n"
+        "from numguard_nb.dist import check as distcheck\n"
         "distcheck.FAULTHANDLER_EXTRA_S = 1.0\n"
         "check = distcheck._RankCheck('gloo', timeout=1, size_mb=1, "
         f"results_dir={str(results_dir)!r})\n"

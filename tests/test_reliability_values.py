@@ -208,8 +208,7 @@ def _recorded_pass(rows):
         pass_.values.append(row)
         call.slots.append((role, category, VALUE_TENSOR, torch.float32, (2,),
                            len(pass_.values) - 1, next(pass_.seq)))
-    call.seq = next(pass_.seq)
-    pass_.calls.append(call)
+    pass_.close(call)
     return pass_, call
 
 

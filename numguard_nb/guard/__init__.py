@@ -24,7 +24,8 @@ Sentinel mode and several processes:
 - `sentinel_checks`: those checks on an asynchronous device, read when ready;
 - `sentinel_batches`: the batches a sentinel runs with the full hooks;
 - `sentinel_rerun`: the re-runs (alone, or on every rank together under FSDP2);
-- `ranks`: which rank made a value, learnt at the gradient reduction DDP or FSDP2 makes anyway.
+- `rank_reports`: a detection held until every rank knows, and what a rank that received a
+  value reports (which rank made it is learnt by `dist.flags`, at the gradient reduction).
 """
 
 from ..errors import BatchLimitReached, NonFiniteError

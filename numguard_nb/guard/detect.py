@@ -10,9 +10,10 @@ Every function reads slots (see `passes`) and a pass's host values. `rules` is a
 `limit_max` (a float, or None) and `inf_allowed(module_name) -> bool`: a `GuardOptions` is one.
 A culprit is `(call, bad slots, cause)`, the cause one of `_schema`'s CAUSE_* names.
 
-The search also keeps the bookkeeping that lets sync mode feed calls (forward) or slots
-(backward) one at a time: what a parent received from its children (`CallRecord.child_kinds`),
-and what each backward call has received so far (`PassRecord.note_received`).
+Forward, the rules read the records and change nothing: what a call received from its children
+is derived from them (`received_from_children`). Backward, where gradients are judged in arrival
+order and sync mode feeds them one at a time, the search notes on the pass what each backward
+call has received so far (`PassRecord.note_received`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassR
 __all__ = [
     "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds", "is_linear_map",
     "only_minus_inf",
-    "forward_culprit", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward",
+    "forward_culprit", "received_from_children", "mask_maker", "is_mask", "backward_culprit", "first_nan", "find_in_forward",
     "find_in_backward", "find_in_trace",
 ]
 
@@ -90,7 +91,7 @@ def forward_culprit(pass_: PassRecord, calls, rules):
     model's output."""
     limit_max = rules.limit_max
     for call in calls:
-        received = set(call.child_kinds)
+        received = received_from_children(pass_, call, limit_max)
         from_parent = set()  # what came in through the call's inputs
         bad_params, bad_inputs, produced = [], [], []
         for slot in call.slots:
@@ -135,12 +136,24 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             reached = _reached_output(pass_, call, given, produced, rules)
             if reached is not None:
                 return reached
-        if call.parent is not None:
-            # What the child gave out beyond what the parent handed it (an allowed inf, a
-            # stored mask, a mask it built) is news the parent received; what it only passed
-            # on came from the parent, who may have made it.
-            call.parent.child_kinds |= given - from_parent
     return None
+
+
+def received_from_children(pass_: PassRecord, call, limit_max) -> set:
+    """What `call`'s direct children gave out beyond what it handed them (an allowed inf, a
+    stored mask, a mask one built): news `call` received. What a child only passed on came from
+    `call`, which may have made it."""
+    received = set()
+    for child in pass_.children.get(id(call), ()):
+        given, handed = set(), set()
+        for slot in child.slots:
+            category = slot[SLOT_CATEGORY]
+            if category == OUTPUT:
+                given |= value_kinds(pass_, slot, limit_max)
+            elif category == INPUT:
+                handed |= value_kinds(pass_, slot, limit_max)
+        received |= given - handed
+    return received
 
 
 def only_minus_inf(pass_: PassRecord, call, bad_slots, cause) -> bool:
@@ -216,7 +229,8 @@ def mask_maker(pass_: PassRecord, call, limit_max):
             continue
         received = [slot for slot in other.slots if slot[SLOT_CATEGORY] in (INPUT, PARAM, BUFFER)
                     and PROBLEM_NEGINF in value_kinds(pass_, slot, limit_max)]
-        makes = not received and PROBLEM_NEGINF not in other.child_kinds
+        makes = not received and PROBLEM_NEGINF not in received_from_children(pass_, other,
+                                                                                limit_max)
         if any(slot[SLOT_INDEX] in wanted for slot in outputs):
             if makes:
                 return other

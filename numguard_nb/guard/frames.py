@@ -101,7 +101,8 @@ def mask_source(pass_: PassRecord, call: CallRecord, cause: str, options) -> str
     if cause != CAUSE_FORWARD:
         return ""
     limit_max = options.limit_max
-    if PROBLEM_NEGINF not in call.child_kinds and not _holds_neginf(pass_, call, limit_max):
+    if (PROBLEM_NEGINF not in detect.received_from_children(pass_, call, limit_max)
+            and not _holds_neginf(pass_, call, limit_max)):
         return ""
     maker = detect.mask_maker(pass_, call, limit_max)
     if maker is not None:

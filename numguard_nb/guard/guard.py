@@ -57,7 +57,8 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses, graph_task_id,
 )
-from .ranks import RankFlags
+from ..dist.flags import RankFlags
+from .rank_reports import settle_after_reduction
 from .steps import StepWatch
 from .scaler import LossScaling
 from .sentinel import Sentinel
@@ -410,8 +411,7 @@ class Guard:
 
     def _finish_call(self, state: PassState, call: CallRecord, raising: bool = False) -> None:
         pass_ = state.forward
-        call.seq = next(pass_.seq)
-        pass_.calls.append(call)
+        pass_.close(call)
         if self.synchronous and not raising and not state.tracing:
             pass_.read_back()
             culprit = detect.forward_culprit(pass_, [call], self.options.stop_rules)
@@ -502,7 +502,7 @@ class Guard:
         # Read everything back once, when the engine finishes this backward pass.
         _, pass_, opened = self._backward_passes.open(PassRecord, self._end_backward)
         if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
-            self._ranks.queue_settle(self)
+            settle_after_reduction(self._ranks, self)
         return pass_
 
     def _on_grad(self, targets, grad):

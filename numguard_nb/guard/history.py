@@ -1,35 +1,20 @@
 """The numerics history: every module's range on sampled batches across a long run, kept in
 bounded memory, so that a drift toward the dtype's limit shows before it turns into inf.
 
-Hugging Face's guide traces batch 149 and batch 150 and compares them; a run that goes nan at
-step 40,000 has usually drifted for thousands of steps first. `Guard(model, history_every=N)`
-keeps, for each batch whose number is a multiple of N, the abs min and abs max of every module
-call's outputs, output gradients, parameter gradients, weights and floating buffers:
+Contract: with `Guard(model, history_every=N)`, `History.see` keeps, for each batch whose number
+is a multiple of N, the abs min and abs max of every module call's values in `KEPT_CATEGORIES`
+(outputs, output and parameter gradients, weights, floating buffers), from the passes the guard
+records anyway; `History.add_pass` keeps any finished, read-back `PassRecord`. `to_frame()` has
+one row per value; `view()` gives a `HistoryView` with each worst module's `Trend` (`fit_trend`).
 
-- taken from the passes the guard records anyway, at their end, after their one read-back
-  (`History.see`): no hook does more work, and a batch that is not sampled costs one modulo per
-  pass. `History.add_pass` takes any finished, read-back `PassRecord` as it is, for a caller
-  that decides itself which batches to record (a sentinel's full-hook batch);
-- inputs are left out (they are the outputs of the calls before them), as are input gradients
-  (the output gradients of the calls before) and tensors that are not floating point;
-- compact: each value's series (module, call, phase, category, role, dtype) is named once; a
-  sample is its batch number, an int32 array of series ids (one array shared by every sample
-  with the same layout) and an array of (abs min, abs max) per value, float32 (float64 in a
-  sample holding a float64 value, whose range float32 cannot hold);
-- capped at `max_samples` (1,000 by default): when full, every other sample of the older half
-  is dropped, so the history spans the whole run, at a resolution that decreases with age;
-- the weight update size is read by comparing samples, not by hooking the optimizer:
-  `abs_max_change` in `to_frame()` is how far each weight's abs max moved since the previous
-  sample. It costs nothing on any batch and adds no hook; an update that changes values without
-  moving the abs max does not show in it.
+Limits: inputs, input gradients and non-floating tensors are left out; at most `max_samples`
+samples, older ones thinned; `abs_max_change` misses an update that leaves the abs max as it was.
 
-The view (`History.view`, drawn by `render.history`): per module and sample, log10(abs max /
-largest value of the dtype) of its value nearest its limit (`limit_dtype`'s largest value where
-that option is set); the modules nearest their limit; and for the worst few a least-squares fit
-of log10(abs max) against the batch number over the recent half of their finite samples (all of
-them, below twice `MIN_TREND_SAMPLES`). The trend is *steady* when at least `MIN_TREND_SAMPLES`
-samples were fitted and the line explains at least `STEADY_R2` of their variance (R²); a
-steady growth is projected to the batch where it reaches the dtype's largest value.
+    >>> with Guard(model, history_every=10) as guard:
+    ...     train()
+    >>> guard.history.view(worst=3)     # the heatmap, and trends of the 3 nearest their limit
+
+How it works: docs/history.md, "How it works".
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class CallRecord:
 
     __slots__ = (
         "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
-        "slots", "seq", "is_root", "raised", "backward", "parent", "child_kinds", "root_id",
+        "slots", "seq", "is_root", "raised", "backward", "parent", "root_id",
         "forward", "__weakref__",
     )
 
@@ -77,7 +77,6 @@ class CallRecord:
         self.raised = False
         self.backward: Optional[tuple] = None  # (backward pass, backward call) of a forward call
         self.parent: Optional[CallRecord] = None  # the enclosing call, in forward
-        self.child_kinds = FINE  # what its direct children's outputs held: it received them
         self.root_id = module_id  # the top-level module whose call this is part of
         self.forward: Optional[CallRecord] = None  # for a backward call: its forward call
 
@@ -85,11 +84,12 @@ class CallRecord:
 class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
-    __slots__ = ("calls", "vectors", "values", "cache", "seq", "received", "received_by_module",
-                 "thread", "delivered")
+    __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
+                 "received_by_module", "thread", "delivered")
 
     def __init__(self):
         self.calls: list = []
+        self.children: Dict[int, list] = {}  # forward: id(call) -> its direct children, closed
         self.vectors: list = []  # stats vectors still on the device
         self.values: list = []  # stats read back to the host, same indexing
         self.cache: dict = {}  # id(tensor) -> cache entry: one summary (and hook) per tensor
@@ -143,6 +143,13 @@ class PassRecord:
         """The slot of a weight or buffer (`category`), summarised once per pass and held."""
         entry = self.summarise(t, site, nonzero_min, sign_hints, True)
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0)
+
+    def close(self, call: CallRecord) -> None:
+        """A forward call has closed: next in the pass's order, and among its parent's children."""
+        call.seq = next(self.seq)
+        self.calls.append(call)
+        if call.parent is not None:
+            self.children.setdefault(id(call.parent), []).append(call)
 
     def backward_call(self, forward_call: CallRecord) -> CallRecord:
         """The backward counterpart of a forward call in this backward pass (made on first use:

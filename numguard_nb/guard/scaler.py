@@ -1,35 +1,20 @@
 """Loss scaling: the backward overflows a GradScaler handles by skipping the step are let through
 and recorded; the ones skipping does not cure are raised.
 
-`torch.amp.GradScaler` (and the scalers inside accelerate, the Hugging Face Trainer and
-Lightning) multiplies the loss by its scale, 2**16 at first. Where the gradients then overflow,
-`scaler.step` skips the optimizer step and `scaler.update` lowers the scale: the first steps of a
-healthy float16 run overflow on purpose. The guard sees gradients before the scaler unscales
-them; an inf or nan stays one when unscaled, so a non-finite gradient the guard sees makes the
-scaler skip the step once it reaches the gradient of a parameter the scaler's optimizer updates.
+Contract: `LossScaling.excuses` lets a non-finite gradient made in backward through while the
+scaler (the `scaler` option's, else the one seen running `scale(loss)`) is enabled, its scale is
+above 1 and `max_skipped_steps`, when set, is not reached. Each step the scaler then skipped is a
+`SkippedStep` (`guard.skipped_steps`, `skipped_summary`). `is_loss_scaler` and `loss_scaler_of`
+recognise a scaler or find a trainer's.
 
-The scaler is the `scaler` option's or, without it, the one seen scaling the loss: the loss
-watch (`outside`) notes the GradScaler whose `scale(loss)` runs while the guard watches, so a
-loop that makes its own scaler needs no option.
+Limits: forward values are never let through, nor an overflow once 16 batches passed without
+`scaler.update()`; a step the scaler took is not recorded; a healthy run's scaler is untouched.
 
-The rule (`LossScaling.excuses`): a non-finite gradient made in backward is let through while
-the scaler is enabled and its scale is above 1: below that, lowering the scale is no cure (and
-`max_skipped_steps`, when set, caps the skips in a row). Then the guard raises as it would
-without a scaler, naming the module whose backward made it: an overflow that lowering the scale
-does not cure (a sqrt at 0 makes nan at every scale) would otherwise stall training silently. A
-warm-up from a large `init_scale` (2**40) is let through all the way down. Values made in
-forward are never let through: the scaler does not touch the forward pass. Nor is an overflow
-let through once 16 batches have passed without `scaler.update()` (a scaler the loop does not
-use).
+    >>> with Guard(model, scaler=scaler) as guard:
+    ...     train()                    # the first float16 steps overflow on purpose
+    >>> guard.skipped_steps            # [SkippedStep(batch=0, scale=65536.0, ...), ...]
 
-Whether the step was skipped: from the first let-through overflow until the guard detaches,
-the scaler's `update` is wrapped on the instance (`_UpdateWatch`). Before the real update runs
-it reads the scaler's own verdict, the found-inf flags `scaler.step` left per optimizer (one
-host read, only in steps that overflowed); for a GradScaler-like object without them, whether
-`update` lowered the scale. A step the scaler took all the same is not recorded. A healthy
-run's scaler is never touched, and copies of a watched scaler (pickle, deepcopy) come out
-unwatched. `guard.report` (with no detection) leaves out the backward frames of skipped steps
-and says how many the scaler skipped.
+How it works: docs/mixed_precision.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ and `widget` (the same tree as ipywidgets, with the HTML and text as fallbacks).
 of two reports: `compare`. A replay's result: `replay`. The pipeline doctor's checklist:
 `checklist`. `_format.esc` is the one escape for text put into HTML.
 
-Views import the report and the vocabulary (`_schema`), never the engine; the report reaches
-its views through lazy imports in its `to_*` / `_repr_*` methods.
+Views import neither the report nor the engine: they read a report, its frames and rows
+through their fields and methods, and import only leaves (the vocabulary `_schema`, the shared
+helpers `_util`). The report reaches its views through imports in its `to_*` / `_repr_*` methods.
 """

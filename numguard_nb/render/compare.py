@@ -3,13 +3,13 @@ max differs by more than the factor, then a table of the differing tensors found
 
 from __future__ import annotations
 
-from ..report import Comparison, format_abs_max, format_ratio
+from .._util import format_abs_max, format_ratio
 from ._format import esc
 
 __all__ = ["comparison_html"]
 
 
-def comparison_html(comparison: Comparison) -> str:
+def comparison_html(comparison) -> str:
     """A one-line verdict when nothing differs; else the first difference and the table."""
     if not comparison.found:
         return (f'<div class="ng-compare ng-compare-same">{esc(comparison.summary())}</div>')

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from .._schema import PROBLEM_OVERFLOW
-from .._util import dtype_name
-from ..report import module_words
+from .._util import dtype_name, module_words
 from ._format import esc
 
 __all__ = ["headroom_summary", "headroom_text", "headroom_html", "headroom_frame", "MAX_SHOWN"]

@@ -24,10 +24,10 @@ DOM (stable CSS classes, also used by the widget):
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 from .._schema import FORWARD, VALUE_TENSOR
-from ..report import Frame, Report, TensorRow, dtype_smallest_normal
+from .._util import dtype_smallest_normal
 from ._format import esc
 from .text import note_lines
 
@@ -90,7 +90,7 @@ class ModuleNode:
         self.name = name
         self.module_class: Optional[str] = None
         self.children: Dict[str, "ModuleNode"] = {}
-        self.frames: List[Tuple[int, Frame]] = []  # (index in report.frames, frame)
+        self.frames: list = []  # (index in report.frames, frame)
         self.on_path = False  # on the way from the root to the culprit (or the culprit)
         self.is_culprit = False
         self.nonfinite = False  # some frame in the subtree holds inf/nan
@@ -111,7 +111,7 @@ class ModuleNode:
         return f"<ModuleNode {self.path or '<root>'} frames={len(self.frames)} children={len(self.children)}>"
 
 
-def _culprit_index(report: Report) -> Optional[int]:
+def _culprit_index(report) -> Optional[int]:
     culprit = report.first_nonfinite
     if culprit is None:
         return None
@@ -127,7 +127,7 @@ def _culprit_index(report: Report) -> Optional[int]:
     return None
 
 
-def _frame_marks(frame: Frame) -> Tuple[bool, Optional[float]]:
+def _frame_marks(frame) -> Tuple[bool, Optional[float]]:
     """(holds a non-finite value, largest shown share) of one frame, from its rows' fields."""
     worst = None
     for row in frame.rows:
@@ -137,7 +137,7 @@ def _frame_marks(frame: Frame) -> Tuple[bool, Optional[float]]:
     return frame.nonfinite, worst
 
 
-def build_tree(report: Report) -> Tuple[ModuleNode, Optional[int]]:
+def build_tree(report) -> Tuple[ModuleNode, Optional[int]]:
     """The module hierarchy of the report's frames, and the index of the culprit frame (or None)."""
     root = ModuleNode("", "", 0)
     nodes: Dict[str, ModuleNode] = {"": root}
@@ -215,12 +215,12 @@ def fmt_shape(shape) -> str:
     return "\u00d7".join(str(n) for n in shape)
 
 
-def shown_share(row: TensorRow) -> Optional[float]:
+def shown_share(row) -> Optional[float]:
     """Share of the largest finite value: of limit_dtype's when one is set, else of the own dtype's."""
     return row.limit_share if row.limit_share is not None else row.range_share
 
 
-def share_class(row: TensorRow) -> str:
+def share_class(row) -> str:
     """Heat class of the abs max cell: how close the value is to its dtype's largest value."""
     if row.nonfinite:
         return "ng-bad"
@@ -240,7 +240,7 @@ def share_class(row: TensorRow) -> str:
     return ""
 
 
-def underflow_class(row: TensorRow) -> str:
+def underflow_class(row) -> str:
     """Heat class of the abs min cell: flushes to zero (predicted), or subnormal in its dtype."""
     if row.predicted_underflow:
         return "ng-u2"
@@ -258,7 +258,7 @@ _TABLE_HEAD = (
 )
 
 
-def tensor_table_html(rows: List[TensorRow]) -> str:
+def tensor_table_html(rows: list) -> str:
     """The tensors of one frame as a table (role, dtype, shape, abs min, abs max, share)."""
     parts = ['<table class="ng-tensors">', _TABLE_HEAD]
     for row in rows:
@@ -294,21 +294,21 @@ def tensor_table_html(rows: List[TensorRow]) -> str:
     return "".join(parts)
 
 
-def _samples_html(row: TensorRow) -> str:
+def _samples_html(row) -> str:
     """' in samples 1, 3 (2 of 32)' after a data row's problem ('' when not known)."""
     if not row.sample_list:
         return ""
     return f' <span class="ng-samples">in samples {esc(row.sample_list)}</span>'
 
 
-def frame_head_text(frame: Frame) -> str:
+def frame_head_text(frame) -> str:
     words = [frame.phase, f"call {frame.call_index}", f"batch {frame.batch_number}"]
     if frame.raised:
         words.append("raised an exception")
     return " \u00b7 ".join(words)
 
 
-def frame_html(index: int, frame: Frame, culprit: bool) -> str:
+def frame_html(index: int, frame, culprit: bool) -> str:
     classes = f"ng-frame ng-{esc(frame.phase)}" + (" ng-culprit-frame" if culprit else "")
     here = " \u2014 first non-finite value here" if culprit else ""
     extra = ""
@@ -396,12 +396,12 @@ def _node_html(node: ModuleNode, culprit_at: Optional[int], out: list) -> None:
 
 
 # ---- the header ----------------------------------------------------------------------------
-def culprit_path(report: Report) -> str:
+def culprit_path(report) -> str:
     culprit = report.first_nonfinite
     return culprit.module_name if culprit is not None else ""
 
 
-def meta_text(report: Report) -> str:
+def meta_text(report) -> str:
     words = [f"{report.kind}", f"batch {report.batch_number}", f"{len(report.frames)} frames"]
     culprit = report.first_nonfinite
     if culprit is not None:
@@ -446,7 +446,7 @@ def hint_html(hint: str) -> str:
     return f'<div class="ng-hint" style="{_HINT_STYLE}"><b>hint:</b> {body}</div>'
 
 
-def header_html(report: Report) -> str:
+def header_html(report) -> str:
     from .svg import chart_svg
 
     culprit = report.first_nonfinite
@@ -472,7 +472,7 @@ def header_html(report: Report) -> str:
     return "".join(parts)
 
 
-def report_html(report: Report) -> str:
+def report_html(report) -> str:
     """The whole report as static HTML: header, chart and the collapsible module tree."""
     root, culprit_at = build_tree(report)
     out = [f'<div class="ng-report ng-kind-{esc(report.kind)}">', STYLE, header_html(report)]

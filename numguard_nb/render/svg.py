@@ -13,7 +13,7 @@ import math
 from typing import List, Optional, Tuple
 
 from .._schema import BACKWARD, GRAD_INPUT, GRAD_PARAM, OUTPUT, VALUE_TENSOR
-from ..report import Frame, Report, dtype_max
+from .._util import dtype_max
 from ._format import esc
 
 __all__ = ["chart_svg", "chart_points", "steepest_rise"]
@@ -25,13 +25,13 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 44, 10, 12, 22
 MAX_MARKED_POINTS = 300
 
 
-def _produced(frame: Frame) -> list:
+def _produced(frame) -> list:
     wanted = (GRAD_INPUT, GRAD_PARAM) if frame.phase == BACKWARD else (OUTPUT,)
     rows = [r for r in frame.rows if r.category in wanted and r.kind == VALUE_TENSOR]
     return rows or [r for r in frame.rows if r.kind == VALUE_TENSOR]
 
 
-def chart_points(report: Report) -> Tuple[List[Tuple[Frame, Optional[float], bool]], Optional[int]]:
+def chart_points(report) -> Tuple[list, Optional[int]]:
     """[(frame, abs max or None, non-finite)] for the frames up to the culprit, and its position."""
     frames = report.frames
     culprit = report.first_nonfinite
@@ -59,7 +59,7 @@ def chart_points(report: Report) -> Tuple[List[Tuple[Frame, Optional[float], boo
     return points, stop
 
 
-def _limit(report: Report, points) -> Tuple[Optional[str], Optional[float]]:
+def _limit(report, points) -> Tuple[Optional[str], Optional[float]]:
     """The dtype whose largest value is drawn: limit_dtype, else the culprit's, else the commonest."""
     if report.limit_dtype:
         return report.limit_dtype, dtype_max(report.limit_dtype)
@@ -107,7 +107,7 @@ def _label(text: str, x: float, y: float, css: str, colour: str) -> str:
             f'text-anchor="{anchor}" fill="{colour}">{esc(text)}</text>')
 
 
-def chart_svg(report: Report, width: int = WIDTH, height: int = HEIGHT) -> str:
+def chart_svg(report, width: int = WIDTH, height: int = HEIGHT) -> str:
     """The chart as an <svg class="ng-chart"> element ('' when there is nothing to draw)."""
     points, culprit_at = chart_points(report)
     if not points:

@@ -6,8 +6,6 @@ only when a table is asked for.
 
 from __future__ import annotations
 
-from ..report import Report
-
 __all__ = ["COLUMNS", "report_frame"]
 
 COLUMNS = [
@@ -18,7 +16,7 @@ COLUMNS = [
 ]
 
 
-def report_frame(report: Report):
+def report_frame(report):
     """The DataFrame: frame-level columns (index in `report.frames`, batch, phase, call, module)
     followed by the row's fields, in `COLUMNS` order."""
     import pandas as pd

@@ -14,7 +14,6 @@ from __future__ import annotations
 from .._schema import (
     FORWARD, FOUND_BY_RERUN, TRACE, VALUE_EMPTY, VALUE_NONE, VALUE_TENSOR, VALUE_UNSUPPORTED,
 )
-from ..report import Frame, Report, TensorRow
 
 __all__ = [
     "COLUMNS_LINE", "row_line", "frame_lines", "dump_lines", "verdict_lines", "report_text",
@@ -27,21 +26,21 @@ COLUMNS_LINE = f"{'abs min':8} {'abs max':8} metadata"
 _NO_NUMBERS = {VALUE_NONE: "None", VALUE_EMPTY: "empty tensor", VALUE_UNSUPPORTED: "no statistics"}
 
 
-def row_line(row: TensorRow) -> str:
+def row_line(row) -> str:
     """One tensor: `abs min abs max role`, or what the value was instead of a tensor."""
     if row.kind == VALUE_TENSOR:
         return f"{row.abs_min:8.2e} {row.abs_max:8.2e} {row.role}"
     return f"{_NO_NUMBERS.get(row.kind, 'not a tensor'):>17} {row.role}"
 
 
-def frame_lines(frame: Frame) -> list:
+def frame_lines(frame) -> list:
     """One module call: its head line, then a line per tensor."""
     suffix = "" if frame.phase == FORWARD else " (backward)"
     head = f"{_INDENT} {frame.module_name} {frame.module_class}{suffix}"
     return [head] + [row_line(row) for row in frame.rows]
 
 
-def dump_lines(report: Report) -> list:
+def dump_lines(report) -> list:
     """The frames as Hugging Face's tool dumps them: a traced batch between its start and finish lines,
     or the frames before the first inf/nan under a 'Detected inf/nan' line."""
     rank = f" (rank {report.rank}/{report.world_size})" if report.rank is not None else ""
@@ -69,7 +68,7 @@ def dump_lines(report: Report) -> list:
     return lines
 
 
-def verdict_lines(report: Report) -> list:
+def verdict_lines(report) -> list:
     """The verdict on the culprit: the reason, the hint (why, and what to try), the samples of
     the data that hold inf/nan, the op and the line that produced it; [] when nothing is
     wrong."""
@@ -95,7 +94,7 @@ def verdict_lines(report: Report) -> list:
 _FOUND_BY = {FOUND_BY_RERUN: 're-running the failing call with the full guard (mode="sentinel")'}
 
 
-def note_lines(report: Report) -> list:
+def note_lines(report) -> list:
     """The culprit's recent history (history_every) and how the detection was found (a
     sentinel's re-run), where there is something to say."""
     lines = [f"history: {report.history_note}"] if report.history_note else []
@@ -104,7 +103,7 @@ def note_lines(report: Report) -> list:
     return lines
 
 
-def report_text(report: Report) -> str:
+def report_text(report) -> str:
     """The whole report: the frames as Hugging Face prints them, then the verdict (the reason,
     the hint, and where the culprit was called from)."""
     lines = dump_lines(report)

@@ -1,41 +1,25 @@
 """The interactive view of a `Report`: the module tree as ipywidgets, built lazily.
 
-Only the nodes on the path to the culprit are built when the report is displayed; any other
-node builds its frames and children the first time its toggle is clicked, so a trace of a
-24-layer transformer (thousands of module calls) opens at once.
+Contract: `display_report(report)` shows a `ReportView` (the tree opened down to the culprit; any
+other node is built on its first click) in a mimebundle (`report_bundle`) that also carries the
+static HTML of the same tree and Hugging Face's text format: a frontend without the widget
+manager shows the HTML, a terminal the text. `use_widgets()` says whether a person's frontend
+runs the code, `widgets_available()` whether ipywidgets is installed; `WIDGET_MIME` is the
+widget's MIME type. The CSS classes of its DOM are stable.
 
-The widget is displayed with a mimebundle that also carries the static HTML of the same tree
-(`render.html.report_html`) and Hugging Face's text format: a frontend without the widget
-manager (GitHub, nbviewer, Colab without custom widgets) shows the HTML, a terminal shows the
-text. Works with ipywidgets 7.x and 8.x.
+Limits: a notebook executed headless (nbclient, `jupyter nbconvert --execute`, papermill) gets
+the static HTML and text only, no widget. Works with ipywidgets 7.x and 8.x.
 
-Only a person's frontend gets the widget (see `use_widgets`). A notebook executed headless
-(nbclient, `jupyter nbconvert --execute`, papermill) is becoming a document: its outputs hold the
-static HTML and text only. nbconvert's HTML export prefers a widget view over the HTML whenever
-the notebook holds the widget's state (nbclient saves it by default), and that view needs the
-widget manager's script from a CDN: offline, the report area would be empty.
+    >>> view = display_report(guard.report)     # None where no widget is shown
+    >>> view.expand_path("encoder.block.3")      # open the tree down to a module
 
-DOM (stable CSS classes; the same names as the static HTML where they mean the same thing):
-
-    .ng-report.ng-widget                        VBox, the whole report
-      .ng-header-widget                         HTML: summary, hint, meta, svg.ng-chart, legend
-      .ng-tree                                  VBox
-        .ng-node[.ng-root][.ng-culprit][.ng-culprit-node][.ng-open]   VBox, one module
-          .ng-node-head                         HBox
-            .ng-toggle                          Button "▸ name" / "▾ name" (expand/collapse)
-            .ng-node-info                       HTML: class, badges, call count
-          .ng-body                              VBox, made on first expand (display:none while collapsed)
-            .ng-frames                          HTML: div.ng-frame > table.ng-tensors per call
-            .ng-df-button                       Button: the node's rows as a pandas DataFrame
-            .ng-df-output                       Output: where that DataFrame is shown
-            .ng-node ...                        the children
+How it works, and the DOM: docs/architecture.md, "The report widget".
 """
 
 from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..report import Report
 from ._format import esc
 from .html import (
     STYLE, ModuleNode, build_tree, frames_html, header_html, node_classes, node_info_html,
@@ -178,7 +162,7 @@ class ReportView:
     `.root` is the root `_NodeView`; `.expand_path(path)` opens the nodes down to a module.
     """
 
-    def __init__(self, report: Report):
+    def __init__(self, report):
         import ipywidgets as w
 
         self.report = report
@@ -227,7 +211,7 @@ class ReportView:
         return report_bundle(self.report, view=self)
 
 
-def report_bundle(report: Report, widget: Optional[bool] = None, view: Optional[ReportView] = None) -> dict:
+def report_bundle(report, widget: Optional[bool] = None, view: Optional[ReportView] = None) -> dict:
     """The mimebundle of a report: widget view (when `widget`), static HTML, and text.
 
     `widget=None` decides with `use_widgets()`. The HTML and text are always there, so a frontend
@@ -243,7 +227,7 @@ def report_bundle(report: Report, widget: Optional[bool] = None, view: Optional[
     return data
 
 
-def display_report(report: Report, widget: Optional[bool] = None) -> Optional[ReportView]:
+def display_report(report, widget: Optional[bool] = None) -> Optional[ReportView]:
     """Display a report in the notebook (widget + HTML fallback + text); returns the view if any."""
     from IPython.display import display
 

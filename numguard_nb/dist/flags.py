@@ -15,6 +15,12 @@ A communication hook cannot be removed from a DDP model: after detach it stays, 
 DDP's own all-reduce (divide by the world size, then sum). A model that already has a hook of the
 user's keeps it, and reports there do not name the producing rank.
 
+Under FSDP2 (`fully_shard`) the same flags ride after each rank's shard in every group's
+gradient reduce-scatter (the guard's reduce-scatter in place of FSDP2's default).
+
+Nothing here reads a report or a guard: the guard's side (holding a detection until every rank
+knows, the report of a rank that received a value) is `guard.rank_reports`.
+
     >>> flags = RankFlags.attach(ddp_model)       # None: not DDP, one process, or a hook of yours
     >>> made = flags.producers()                   # after a backward: ranks whose own values broke
 """
@@ -22,18 +28,13 @@ user's keeps it, and reports there do not name the producing rank.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from .. import numerics
-from .._util import qualified_name
-from .._schema import CAUSE_OTHER_RANK, DETECTION
-from ..report import Frame, Report
-from . import frames
 
-__all__ = ["RankFlags", "flagged_allreduce", "received_report"]
+__all__ = ["RankFlags", "flagged_allreduce", "several_processes"]
 
 _ATTRIBUTE = "_numguard_rank_flags"  # where a DDP model keeps its RankFlags (one hook per model)
 
@@ -101,7 +102,7 @@ class RankFlags:
         """The flags of the first DDP or FSDP2 model among a guard's models (see `attach`), or of
         the DDP wrapper around one (a Trainer's callbacks are handed the model it wraps)."""
         found = next(filter(None, map(cls.attach, models.values())), None)
-        if found is None and _several_processes():
+        if found is None and several_processes():
             wrappers = filter(None, map(_ddp_around, models.values()))
             found = next(filter(None, map(cls.attach, wrappers)), None)
         return found
@@ -116,30 +117,6 @@ class RankFlags:
             self.held = error
         self.forward_problem = True
         return True
-
-    def queue_settle(self, guard) -> None:
-        """Settle this backward at its end, after DDP's reduction (queued once more from the
-        engine's callbacks, so that it runs after DDP's own, queued meanwhile)."""
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-        queue(partial(queue, partial(self._settle, guard)))
-
-    def _settle(self, guard) -> None:
-        """Raise the forward detection held, or a report of what another rank made."""
-        held, self.held = self.held, None
-        if held is not None:
-            raise held
-        ranks = self.take_fresh()
-        source = min(set(ranks[0]) | set(ranks[1]), default=None) if ranks else None
-        if source is None or self.rank in ranks[0]:
-            return  # nothing, or this rank's own gradients: its guard names them
-        from .sentinel_rerun import gradient_frame  # (its import of the sentinel's checks)
-
-        name, model = next(iter(guard.models.items()))
-        bad = numerics.nonfinite_of((qualified_name(name, key), p.grad)
-                                    for key, p in model.named_parameters() if p.grad is not None)
-        seen = gradient_frame(name, type(model).__name__, guard.batch_number, 0, bad)
-        raise frames.detection_error(guard, received_report(seen, source, source in ranks[1],
-                                                            guard.options))
 
     def producers(self) -> Tuple[List[int], List[int]]:
         """(ranks whose own gradients held inf/nan before the reduction, ranks whose sentinel
@@ -232,7 +209,7 @@ def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
     return dist.all_reduce(packed, group=flags.group, async_op=True).get_future().then(unpack)
 
 
-def _several_processes() -> bool:
+def several_processes() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -259,28 +236,6 @@ def _allreduce(group, tensor: torch.Tensor):
     tensor.div_(group.size())
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
         lambda future: future.value()[0])
-
-
-def received_report(seen: Frame, source: int, in_forward: bool, options) -> Report:
-    """The report of a rank whose values broke because of another rank's: `seen`, this rank's
-    gradients as found (or an empty frame), `source` the rank that made it, `in_forward` whether
-    that rank's sentinel found it in its forward."""
-    made = (f"rank {source} found inf/nan in its forward" if in_forward else
-            f"rank {source}'s own gradients held inf/nan before the reduction")
-    holds = "; ".join(f"{row.role} holds {row.nonfinite_words}" for row in seen.flagged_rows
-                      if row.nonfinite_words)
-    what = f"the gradients of {seen.words} ({holds})" if holds else "this rank's step"
-    reason = (f"inf/nan in {what} in backward of batch {seen.batch_number}, received from rank "
-              f"{source} through the gradient all-reduce: {made}, and this rank's own gradients "
-              "were finite before it")
-    report = frames.make_report([seen], seen, DETECTION, reason, CAUSE_OTHER_RANK,
-                                seen.batch_number, options)
-    report.source_rank = source
-    report.hint = (f"Rank {source}'s report names the module, op and line that made it; this "
-                   "rank stops at the same step, so that no rank waits on a collective the others "
-                   "never make.")
-    return report
-
 
 
 # DDP checks a hook's return annotation by value (this module's annotations are strings).
