@@ -1,8 +1,8 @@
-"""`python -m numguard_nb.distcheck`: the network check's command (it lives in `dist.check`)."""
+"""`python -m numguard_nb.distcheck`: the network check's command (it lives in `distributed.check`)."""
 
 import sys
 
-from .dist.check import main, run
+from .distributed.check import main, run
 
 __all__ = ["main", "run"]
 

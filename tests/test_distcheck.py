@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from numguard_nb.dist import check as distcheck
+from numguard_nb.distributed import check as distcheck
 
 REPO_ROOT = Path(distcheck.__file__).resolve().parents[2]
 HOST = socket.gethostname()
@@ -105,7 +105,7 @@ def _run_stuck_rank(results_dir, hang):
     """A one-rank check with a 1 s timeout whose main thread then runs `hang` forever."""
     stuck_rank = (
         "import sys, time\n"
-        "from numguard_nb.dist import check as distcheck\n"
+        "from numguard_nb.distributed import check as distcheck\n"
         "distcheck.FAULTHANDLER_EXTRA_S = 1.0\n"
         "check = distcheck._RankCheck('gloo', timeout=1, size_mb=1, "
         f"results_dir={str(results_dir)!r})\n"

@@ -25,7 +25,7 @@ Sentinel mode and several processes:
 - `sentinel_batches`: the batches a sentinel runs with the full hooks;
 - `sentinel_rerun`: the re-runs (alone, or on every rank together under FSDP2);
 - `rank_reports`: a detection held until every rank knows, and what a rank that received a
-  value reports (which rank made it is learnt by `dist.flags`, at the gradient reduction).
+  value reports (which rank made it is learnt by `distributed.flags`, at the gradient reduction).
 """
 
 from ..errors import BatchLimitReached, NonFiniteError

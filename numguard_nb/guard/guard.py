@@ -57,7 +57,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
     PassRecord, PassState, ThreadPasses, graph_task_id,
 )
-from ..dist.flags import RankFlags
+from ..distributed.flags import RankFlags
 from .rank_reports import settle_after_reduction
 from .steps import StepWatch
 from .scaler import LossScaling

@@ -1,7 +1,7 @@
 """The guard's side of several ranks: a detection held until every rank knows, and the report of
 a rank whose values broke because of another rank's.
 
-`dist.flags.RankFlags` carries, on the gradient reduction every rank makes anyway, which rank's
+`distributed.flags.RankFlags` carries, on the gradient reduction every rank makes anyway, which rank's
 own values broke. Here the guard acts on it:
 
 - `settle_after_reduction(flags, guard)`: full mode and `ops=True` hold a forward detection

@@ -45,7 +45,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
-from ..dist.flags import RankFlags
+from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
 from .sentinel_rerun import gradient_frame, rerun_backward, rerun_forward, rerun_step_together
