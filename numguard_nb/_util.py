@@ -317,3 +317,22 @@ def compiled_original(module) -> Optional[torch.nn.Module]:
         return module._orig_mod
     return None
 
+
+def function_name(func) -> str:
+    """'torch.log', 'Tensor.div', 'torch.nn.functional.cross_entropy'."""
+    known = _names.get(func)
+    if known is None:
+        known = _names[func] = _name_of(func)
+    return known
+
+
+_names: dict = {}  # function -> its name: looked up once
+
+
+def _name_of(func) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    name = name.replace("_VariableFunctionsClass.", "torch.").replace("TensorBase.", "Tensor.")
+    module = getattr(func, "__module__", None)
+    if "." not in name and module:
+        name = f"{module}.{name}"
+    return name

@@ -28,6 +28,7 @@ import torch
 
 from .. import _tree
 from .._schema import CAUSE_OUTSIDE, FORWARD, INPUT, OUTPUT, OUTSIDE_MODULE
+from .._util import function_name
 from . import detect, frames
 from .function_mode import push as _push, stack_len as _stack_len
 from .hooks import inert_context
@@ -36,8 +37,8 @@ from .outside_mode import (
     outside_mode_active, release_step_hook, thread_state, withdraw,
 )
 from .outside_ops import (
-    Meta, aten_ops, fallback_op, function_name, in_optimizer, input_role, likeliest,
-    scalar_kinds, source_of, user_where,
+    Meta, aten_ops, fallback_op, in_optimizer, input_role, likeliest, scalar_kinds, source_of,
+    user_where,
 )
 from .outside_checks import BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id

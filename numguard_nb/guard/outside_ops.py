@@ -1,6 +1,6 @@
-"""What names a function run outside the guarded modules: its ATen op and the user's line.
+"""What names a function run outside the guarded modules: its ATen op and the user's line (its
+name: `_util.function_name`).
 
-- `function_name(func)`: 'torch.log', 'Tensor.div', 'torch.nn.functional.cross_entropy';
 - `user_where()` / `source_of(where)`: the user's line running now, kept cheaply, and later
   written as 'file.py:12: code' or, for a notebook cell, as IPython writes it:
   'Cell In[5], line 3: code';
@@ -24,34 +24,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _tree, numerics
 from .._schema import PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_POSINF
-from .._util import code_where, is_internal_file, user_frame
+from .._util import code_where, function_name, is_internal_file, user_frame
 from .passes import FINE
 
-__all__ = ["function_name", "user_where", "in_optimizer", "source_of", "scalar_kinds", "Meta", "input_role",
+__all__ = ["user_where", "in_optimizer", "source_of", "scalar_kinds", "Meta", "input_role",
            "aten_ops", "likeliest", "fallback_op", "node_op"]
 
 _NAN = frozenset((PROBLEM_NAN,))
 _POSINF = frozenset((PROBLEM_POSINF,))
 _NEGINF = frozenset((PROBLEM_NEGINF,))
-
-def function_name(func) -> str:
-    """'torch.log', 'Tensor.div', 'torch.nn.functional.cross_entropy'."""
-    known = _names.get(func)
-    if known is None:
-        known = _names[func] = _name_of(func)
-    return known
-
-
-_names: dict = {}
-
-
-def _name_of(func) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    name = name.replace("_VariableFunctionsClass.", "torch.").replace("TensorBase.", "Tensor.")
-    module = getattr(func, "__module__", None)
-    if "." not in name and module:
-        name = f"{module}.{name}"
-    return name
 
 
 # ---- where: the user's line -------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _tree
-from .._util import code_where, error_line, user_frame
+from .._util import code_where, error_line, function_name, user_frame
 from .host import HostCopies
 
 __all__ = ["OutsideRecord", "OutsideRecorder", "Ref", "replay_records", "encode", "decode",
@@ -123,8 +123,6 @@ class OutsideRecorder:
             call.outside_full = f"only the first {MAX_RECORDS} functions after it were recorded"
             return None
         try:
-            from ..guard.outside_ops import function_name
-
             attribute = type(func) is _ATTRIBUTE
             if attribute:  # `t.T`: the getter of a tensor attribute
                 name = f"Tensor.{getattr(getattr(func, '__self__', None), '__name__', '?')}"
