@@ -164,16 +164,18 @@ def output_flag(tensors) -> Optional[torch.Tensor]:
 
 def stats_flag(vectors: list) -> Optional[torch.Tensor]:
     """One float32 value on the device that is nan or inf where any of the `stats.device_stats`
-    rows summarised a tensor holding inf or nan (their abs max, at index 1); None where a row is
-    on the host or none has one."""
+    rows summarised a tensor holding inf or nan (from their extremes); None where a row is on the
+    host or none has one."""
     maxima = []
     for vec in vectors:
         if vec is None:
             continue
-        abs_max = vec[1]
-        if not isinstance(abs_max, torch.Tensor) or abs_max.device.type not in DEFERRED_DEVICE_TYPES:
+        # a device's row holds the signed min and max (1, 2); another, abs max (1)
+        extremes = vec[1:3] if type(vec) is _stats.DeviceRow else vec[1:2]
+        if any(not isinstance(x, torch.Tensor) or x.device.type not in DEFERRED_DEVICE_TYPES
+               for x in extremes):
             return None
-        maxima.append(abs_max.float())
+        maxima.extend(x.float() for x in extremes)
     if not maxima:
         return None
     with torch.no_grad():

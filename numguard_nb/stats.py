@@ -1,19 +1,20 @@
 """Tensor summaries computed on the tensor's own device, with no host synchronisation.
 
-On a GPU, `device_stats` returns a few 0-d tensors that stay on the device; the guard stacks
-those of a whole pass and reads them with one transfer (`to_host`). On CPU, where there is
-nothing to wait for, it returns the floats at once. `decode` turns one host row into the fields
-of a `TensorRow`.
+On a GPU, `device_stats` returns a `DeviceRow` of 0-d tensors that stay on the device; the guard
+stacks those of a whole pass and reads them with one transfer (`to_host`). On CPU, where there
+is nothing to wait for, it returns the floats at once. `decode` turns one host row into the
+fields of a `TensorRow`.
 
-The row is (abs min, abs max, signs[, smallest non-zero abs]). nan propagates into abs max and
-an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf, or nan for both.
-On CPU they are looked up exactly when abs max is inf, and beside a nan too, where `signs` is
-then a bit mask (1: +inf, 2: -inf, 0: neither). On a device, `signs` is the sum, read in the
-same single transfer; finite values near the dtype's maximum can overflow it and read as both,
-and beside a nan it is nan: the infinities stay unknown there. |t| is written once and reduced
-by one integer aminmax over its bits; three passes at most and no host synchronisation, where
-`abs().min()`, `abs().max()`, `isnan().any()` and `isinf().any()` take five passes and two
-syncs.
+The host row is (abs min, abs max, signs[, smallest non-zero abs]). nan propagates into abs max
+and an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf, or nan for
+both. On CPU they are looked up exactly when abs max is inf, and beside a nan too, where `signs`
+is then a bit mask (1: +inf, 2: -inf, 0: neither); |t| is written once to a reused buffer and
+reduced by one integer aminmax over its bits. On a device the row is two reductions of t itself,
+no temporary: the smallest |t| (`vector_norm(t, -inf)`) and the signed min and max (`aminmax`),
+whose signs tell the infinities exactly (beside a nan both are nan: the infinities stay unknown
+there); `to_host` turns it into the host row. Both run outside autocast, which would first copy
+a float16 or bfloat16 tensor to float32 for a norm. `abs().min()`, `abs().max()`,
+`isnan().any()` and `isinf().any()` take five passes and two syncs.
 
 Some tensors hold no numbers: fake tensors (torch.export, FakeTensorMode), meta tensors,
 functional and functorch-wrapped tensors (torch.func.vmap, grad, functionalize), wrapper
@@ -117,6 +118,17 @@ def release_workspace() -> None:
     _workspace.buffers = {}
 
 
+# CPU values are read at once (there is nothing to wait for). Tests set it False to run a GPU's
+# path on the host: device rows, stacked and read once per pass.
+CPU_READS_AT_ONCE = True
+
+
+class DeviceRow(tuple):
+    """A device's row, its 0-d tensors not read: (abs min, min, max[, smallest non-zero abs])."""
+
+    __slots__ = ()
+
+
 def _host_float(device: torch.device) -> torch.dtype:
     # float64 holds every float32/float16 statistic exactly; MPS has no float64.
     return torch.float32 if device.type == "mps" else torch.float64
@@ -155,11 +167,12 @@ def _summary(t: torch.Tensor, bits: Optional[torch.dtype], nonzero_min: bool, si
     """The row of a dense tensor that holds numbers (`bits`: its integer view dtype, or None)."""
     if bits is not None:
         try:
-            return _bit_stats(t, bits, nonzero_min, sign_hints, site, read_now=t.is_cpu)
+            return _bit_stats(t, bits, nonzero_min, sign_hints, site,
+                              read_now=t.is_cpu and CPU_READS_AT_ONCE)
         except Exception:  # a tensor the fast path cannot read: the plain reductions then
             pass
     row = _plain_stats(t, nonzero_min)
-    return tuple(x.item() for x in row) if t.is_cpu else row
+    return tuple(x.item() for x in row) if t.is_cpu and CPU_READS_AT_ONCE else row
 
 
 def _unusual_stats(t: torch.Tensor, nonzero_min: bool) -> Optional[tuple]:
@@ -172,7 +185,7 @@ def _unusual_stats(t: torch.Tensor, nonzero_min: bool) -> Optional[tuple]:
     with outside_tracing():
         t = _numbers_of(t)
         row = None if t is None else _summary(t, _BITS.get(t.dtype), nonzero_min, None, None)
-    if row is not None and t.is_cpu and not all(type(x) is float for x in row):
+    if row is not None and t.is_cpu and CPU_READS_AT_ONCE and not all(type(x) is float for x in row):
         return None  # symbolic numbers (a fake tensor's, a trace's), not values
     return row
 
@@ -214,29 +227,52 @@ def _pre_dispatch_modes() -> int:
 
 def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site,
                read_now: bool) -> tuple:
-    """`device_stats` of a float tensor: |t| through its integer bits; floats when `read_now`
-    (on CPU), else 0-d tensors left on the device."""
+    """`device_stats` of a float tensor: floats when `read_now` (on CPU: |t| through its integer
+    bits), else a `DeviceRow` left on the device."""
     if read_now and sign_hints is not None and not nonzero_min and sign_hints.get(site, True):
         row = _one_signed_row(t, bits)
         sign_hints[site] = row is not None
         if row is not None:
             return row
-    if not read_now and t.numel() * t.element_size() > DEVICE_PIECE_BYTES:
-        lo, hi, smallest = _magnitudes_in_pieces(t, bits, nonzero_min)
-    else:
-        lo, hi, smallest = _magnitudes(t, bits, nonzero_min)
-    if read_now:
-        as_float = _FLOAT_OF_BITS[t.dtype]
-        abs_max = as_float(hi.item())
-        # The signs of infinities matter only when there may be some: look for them then.
-        row = (as_float(lo.item()), abs_max, 0.0 if abs_max < _INF else _exact_signs(t, abs_max))
-        return row if smallest is None else row + (smallest.item(),)
-    lo, hi = lo.view(t.dtype), hi.view(t.dtype)
-    return (lo, hi, t.sum()) if smallest is None else (lo, hi, t.sum(), smallest)
+    if not read_now:
+        return _device_row(t, bits, nonzero_min)
+    lo, hi, smallest = _magnitudes(t, bits, nonzero_min)
+    as_float = _FLOAT_OF_BITS[t.dtype]
+    abs_max = as_float(hi.item())
+    # The signs of infinities matter only when there may be some: look for them then.
+    row = (as_float(lo.item()), abs_max, 0.0 if abs_max < _INF else _exact_signs(t, abs_max))
+    return row if smallest is None else row + (smallest.item(),)
 
 
-# |t| is written out to be reduced: on a device, a tensor larger than this (a language model's
-# float32 logits: 1.5 GiB) is reduced in pieces of this size, so the peak memory grows by no more.
+def _device_row(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool) -> DeviceRow:
+    """Two reductions of t in its own dtype, no temporary, out of autocast (its float32 copy for
+    a norm is a pass and a write of 2-4 bytes per value). The smallest non-zero |t| writes |t|."""
+    device_type = t.device.type
+    autocast = _autocast_enabled(device_type)
+    if autocast:
+        torch.set_autocast_enabled(device_type, False)
+    try:
+        low, high = torch.aminmax(t)
+        row = (torch.linalg.vector_norm(t, -_INF), low, high)
+        if nonzero_min:
+            pieces = t.numel() * t.element_size() > DEVICE_PIECE_BYTES
+            row += ((_magnitudes_in_pieces if pieces else _magnitudes)(t, bits, True)[2],)
+    finally:
+        if autocast:
+            torch.set_autocast_enabled(device_type, True)
+    return DeviceRow(row)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device_type argument, and nothing to turn off per device
+        return False
+
+
+# |t| is written out for the smallest non-zero |t| (`nonzero_min`): on a device, a tensor larger
+# than this (a language model's float32 logits: 1.5 GiB) is reduced in pieces of this size, so
+# the peak memory grows by no more.
 DEVICE_PIECE_BYTES = 64 * 2**20
 
 
@@ -382,7 +418,39 @@ is_functorch_wrapped = _is_functorch_wrapped
 def _stack_to_host(vectors: list, device: torch.device) -> list:
     width = len(vectors[0])
     flat = torch.stack([x for vec in vectors for x in vec])  # promotes mixed float dtypes exactly
-    return flat.to("cpu", _host_float(device)).view(-1, width).tolist()
+    flat = flat.to(_host_float(device)).view(-1, width)
+    device_rows = [type(vec) is DeviceRow for vec in vectors]
+    if all(device_rows):  # the usual pass: turned into host rows there, a few kernels in all
+        return _host_rows(flat).cpu().tolist()
+    rows = flat.cpu().tolist()
+    return [_host_row(row) if is_device_row else row
+            for is_device_row, row in zip(device_rows, rows)]
+
+
+def _host_rows(rows: torch.Tensor) -> torch.Tensor:
+    """`_host_row` of every row of a matrix of `DeviceRow` values, on its device."""
+    low, high = rows[:, 1], rows[:, 2]
+    abs_max = torch.maximum(-low, high)  # nan where either is
+    positive, negative = high == _INF, low == -_INF
+    signs = torch.where(positive & negative, math.nan,
+                        torch.where(positive, _INF, torch.where(negative, -_INF, 0.0)))
+    unknown = abs_max.isnan()
+    columns = [rows[:, 0].masked_fill(unknown, math.nan), abs_max, signs.masked_fill(unknown, math.nan)]
+    return torch.stack(columns + [rows[:, i] for i in range(3, rows.shape[1])], dim=1)
+
+
+def _host_row(row: list) -> list:
+    """A `DeviceRow`'s values as the host row: (abs min, min, max, ...) -> (abs min, abs max,
+    signs, ...)."""
+    abs_min, low, high = row[0], row[1], row[2]
+    if math.isnan(low) or math.isnan(high):
+        return [math.nan, math.nan, math.nan] + row[3:]  # beside a nan the infinities are unknown
+    abs_max = max(-low, high)
+    if abs_max < _INF:
+        return [abs_min, abs_max, 0.0] + row[3:]
+    positive, negative = high == _INF, low == -_INF
+    return [abs_min, abs_max, math.nan if positive and negative else (
+        _INF if positive else -_INF)] + row[3:]
 
 
 def to_host(vectors: list) -> list:

@@ -166,3 +166,23 @@ def test_anomaly_traceback_is_mapped_to_the_module_that_made_the_node():
     # code in no module's forward: the training loop's own
     outside = '  File "/elsewhere/train.py", line 3, in step\n    loss = f(x)\n'
     assert diagnosis.module_from_stack(outside, run.models) == IN_LOOP
+
+
+# ---- the GPU's statistics path, run on the host ------------------------------------------------
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
+def test_the_gpu_statistics_path_names_what_the_host_path_names(options, monkeypatch):
+    """A GPU summarises each tensor as a device row (the smallest |t| and the signed min and max,
+    stacked and read once per pass); the host reads |t| at once. Run on the host, the two must
+    give the same verdict in every case. (What they say may differ: beside a nan a device row
+    does not tell the infinities.)"""
+    import dataclasses
+
+    from numguard_nb import stats
+
+    def verdicts():
+        return {case.name: dataclasses.replace(diagnosis.run_numguard(case, **options), said="")
+                for case in CASES}
+
+    read_at_once = verdicts()
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    assert verdicts() == read_at_once

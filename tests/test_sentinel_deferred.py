@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from numguard_nb import Guard, NonFiniteError, numerics
+from numguard_nb import Guard, NonFiniteError, numerics, stats
 from numguard_nb.numerics import DeferredRead
 
 
@@ -31,8 +31,10 @@ class Net(nn.Module):
 
 @pytest.fixture
 def deferred_on_host(monkeypatch):
-    """CPU values read as a GPU's are; `held[0]` True: the device has not finished them yet."""
+    """CPU values read as a GPU's are (statistics as device rows, flags read later); `held[0]`
+    True: the device has not finished them yet."""
     monkeypatch.setattr(numerics, "DEFERRED_DEVICE_TYPES", {"cpu", "cuda"})
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
     held = [True]
     real_ready = DeferredRead.ready
     monkeypatch.setattr(DeferredRead, "ready",

@@ -163,7 +163,8 @@ def test_a_tensor_the_fast_path_cannot_read_still_gets_its_numbers(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_device_path_stacks_a_pass_and_reads_it_at_once(dtype):
     """What a GPU gets: 0-d tensors left where they are, one stack and one transfer per pass;
-    here run on CPU tensors, which take the same steps."""
+    here run on CPU tensors, which take the same steps. The signed min and max tell the
+    infinities exactly."""
     tensors = special_tensors(dtype, 300)
     bits = stats._BITS[dtype]
     with torch.no_grad():
@@ -175,18 +176,17 @@ def test_the_device_path_stacks_a_pass_and_reads_it_at_once(dtype):
         assert nan == ref_nan, name
         if not nan:
             assert (abs_min, abs_max) == (ref_min, ref_max), name
-            # the sum tells the signs of infinities (exact here: no finite value is near the max)
             assert (posinf, neginf) == (ref_posinf, ref_neginf), name
-        else:  # beside a nan, the sum is nan: the infinities are unknown
+        else:  # beside a nan, min and max are nan: the infinities are unknown
             assert posinf is None and neginf is None, name
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_large_device_tensor_is_summarised_in_pieces_to_the_same_row(dtype, layout, monkeypatch):
-    """On a device |t| is written out to be reduced: past `DEVICE_PIECE_BYTES` a piece at a time
-    (the peak memory of a step with 1.5 GiB logits grows by a piece, not by the logits), and
-    the row is the one the whole tensor gives."""
+    """On a device, the smallest non-zero |t| is found by writing |t| out: past
+    `DEVICE_PIECE_BYTES` a piece at a time (the peak memory of a step with 1.5 GiB logits grows
+    by a piece, not by the logits), and the row is the one the whole tensor gives."""
     bits = stats._BITS[dtype]
     made = []
     real_abs = torch.Tensor.abs
@@ -205,3 +205,50 @@ def test_a_large_device_tensor_is_summarised_in_pieces_to_the_same_row(dtype, la
         assert made and max(made) <= 400, (name, made)
         for a, b in zip(whole, pieces):
             assert torch.equal(a, b) or (a.isnan() and b.isnan()), name
+
+
+def _device_summary(t: torch.Tensor):
+    with torch.no_grad():
+        row = stats._bit_stats(t, stats._BITS[t.dtype], False, None, None, read_now=False)
+    return stats.decode(stats.to_host([row])[0])
+
+
+def test_on_a_device_an_infinity_beside_finite_values_near_the_maximum_keeps_its_sign():
+    # A sum of the values (the device row's signs before) overflowed here: (3e38 + 3e38) - inf
+    # read as both infinities.
+    t = torch.tensor([3e38, 3e38, -INF, 1.0])
+    abs_min, abs_max, nan, posinf, neginf, _ = _device_summary(t)
+    assert (abs_min, abs_max, nan, posinf, neginf) == (1.0, INF, False, False, True)
+    abs_min, abs_max, nan, posinf, neginf, _ = _device_summary(-t)
+    assert (abs_max, posinf, neginf) == (INF, True, False)
+
+
+def test_the_device_row_is_computed_outside_autocast_and_autocast_is_back_after(monkeypatch):
+    """Under autocast a norm or a sum would first copy a bfloat16 tensor to float32 (on CUDA):
+    a pass and a write per value that the statistics must not cost."""
+    seen = []
+    real_norm = torch.linalg.vector_norm
+
+    def watched(t, *args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real_norm(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", watched)
+    t = torch.tensor([0.5, -2.0, 3.0], dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        abs_min, abs_max, *_ = _device_summary(t)
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [False] and (abs_min, abs_max) == (0.5, 3.0)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_under_autocast_the_statistics_copy_no_tensor_to_float32():
+    t = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        stats.device_stats(t)  # warm-up
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            row = stats.device_stats(t)
+    names = {event.name for event in prof.events()}
+    assert not names & {"aten::_to_copy", "aten::to", "aten::copy_"}, sorted(names)
+    reference_max = float(t.float().abs().max())
+    assert stats.decode(stats.to_host([row])[0])[1] == reference_max
