@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diagnosis_models import (
-    CausalEncoder, NormedMLP, PaddedEncoder, SiameseNet, TabularMLP, TinyBagOfWords, TinyCausalLM,
+    CausalEncoder, GatedSkipNet, NormedMLP, PaddedEncoder, SiameseNet, TabularMLP, TinyBagOfWords, TinyCausalLM,
     TinyClassifier, TinyConvNet, TinyLSTMLM, TinyMaskedEncoder, TinyPooledClassifier,
     TinyPooledRegressor, TinyT5, TinyVAE, TinyViT,
 )
@@ -523,6 +523,26 @@ def build_constant_feature_std0() -> Run:
                optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
 
 
+# ---- 19. sqrt under torch.where, in a block's own code beside a skip path ------------------------
+# pytorch/pytorch#23395, #52248, #187297 (torch.where(x > 0, sqrt(x), 0) is finite in forward,
+# but backward takes sqrt's gradient at 0: 0 / 0). The projection also feeds a skip Linear, so
+# its gradient sums both uses: the skip, which made nothing, must not be named. Batch 1 holds an
+# all-zero (padding) sample.
+
+def build_where_sqrt_beside_skip() -> Run:
+    gen = _seed(22)
+    model = GatedSkipNet()
+    batches = []
+    for index in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        if index == 1:
+            x[3] = 0.0  # a padding sample
+        batches.append((x, torch.randn(4, generator=gen)))
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.mse_loss(model(b[0]), b[1]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
 # ---- traps: inf passes through, nothing is wrong --------------------------------------------
 # Lightning-AI/pytorch-lightning#18828 and #5558 (with 16-bit mixed precision some first
 # optimizer steps are skipped, as expected: GradScaler found inf gradients and lowers its scale).
@@ -711,6 +731,11 @@ CASES = (
          ("fastai/fastai#889", "autogluon/autogluon#4508", "mllam/neural-lam#136"),
          build_constant_feature_std0,
          Truth(IN_DATA, FORWARD, "aten.div.Tensor", 0)),
+    Case("where_sqrt_beside_skip",
+         "sqrt under torch.where in a block's own code, its input also feeding a skip Linear",
+         ("pytorch/pytorch#23395", "pytorch/pytorch#52248", "pytorch/pytorch#187297"),
+         build_where_sqrt_beside_skip,
+         Truth("block", BACKWARD, "aten.div.Tensor", 1, node="SqrtBackward0")),
     Case("trap_grad_scaler_warmup",
          "GradScaler's first steps: inf gradients, steps skipped (healthy)",
          ("Lightning-AI/pytorch-lightning#18828", "Lightning-AI/pytorch-lightning#5558"),

@@ -440,3 +440,30 @@ class TabularMLP(nn.Module):
 
     def forward(self, x):
         return self.layers(x).squeeze(-1)
+
+
+# ---- where_sqrt_beside_skip: a gate computed in the block's own code, beside a skip path -------
+
+class GatedSkipBlock(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.head = nn.Linear(dim, dim)
+        self.skip = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.proj(x)
+        energy = (h * h).sum(-1, keepdim=True)
+        # "safe" sqrt: the where keeps sqrt(0) out of the output, not out of the backward
+        gate = torch.where(energy > 0, energy.sqrt(), torch.zeros_like(energy))
+        return self.head(h * gate) + self.skip(h)
+
+
+class GatedSkipNet(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.block = GatedSkipBlock(dim)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return self.out(self.block(x)).squeeze(-1)

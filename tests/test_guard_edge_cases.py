@@ -127,6 +127,35 @@ def test_parent_whose_own_code_makes_a_nan_gradient_is_named_backward_inline(syn
     assert culprit.module_name not in ("emb", "head")
 
 
+class InlineSqrtBesideSkip(nn.Module):
+    """The emb output feeds a skip Linear and the root's own sqrt: its gradient is the sum of
+    both uses, and the skip, a matmul of finite values (which makes no nan), must not be blamed
+    for the sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.skip = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.emb(x)
+        gate = torch.where(h > 100, torch.sqrt(h * 0), torch.zeros_like(h))  # 0 forward, nan back
+        return self.head(gate) + self.skip(h)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_nan_gradient_made_beside_a_module_that_shares_the_input_is_not_the_modules(sync, mode):
+    torch.manual_seed(0)
+    model = InlineSqrtBesideSkip()
+    with pytest.raises(NonFiniteError) as caught, Guard(model, sync=sync, mode=mode):
+        model(torch.randn(3, 4)).sum().backward()
+    report, culprit = culprit_of(caught)
+    assert (culprit.module_name, culprit.phase, report.cause) == ("", "backward", "backward-inline")
+    assert "grad_output of emb holds nan" in report.reason
+
+
 # ---- 3. a shared module that produces nan in backward on its second call -------------------
 class SqrtScaled(nn.Module):
     """sqrt(x * scale): with scale 0, finite forward and nan backward."""
