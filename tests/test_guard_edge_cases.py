@@ -156,6 +156,36 @@ def test_a_nan_gradient_made_beside_a_module_that_shares_the_input_is_not_the_mo
     assert "grad_output of emb holds nan" in report.reason
 
 
+class InfGradient(nn.Module):
+    def forward(self, y):
+        return torch.sqrt(y - y.detach())  # 0 forward, +inf gradient back
+
+
+class FrozenLinearBeforeAnAllowedInf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 4)
+        self.skip = nn.Linear(4, 2)
+        self.infg = InfGradient()
+        with torch.no_grad():
+            self.skip.weight.copy_(torch.tensor([[1.0] * 4, [-1.0] * 4]))
+        self.skip.requires_grad_(False)  # frozen: no weight gradient arrives first
+
+    def forward(self, x):
+        return self.infg(self.skip(self.emb(x))).sum()
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_linear_map_that_receives_an_allowed_inf_is_named_for_the_nan_it_makes(sync):
+    # inf - inf in the matmul: the Linear makes this nan itself, it is no other use's
+    torch.manual_seed(0)
+    model = FrozenLinearBeforeAnAllowedInf()
+    with pytest.raises(NonFiniteError) as caught, Guard(model, allow_inf="infg", sync=sync):
+        model(torch.randn(3, 4)).backward()
+    report, culprit = culprit_of(caught)
+    assert (culprit.module_name, culprit.phase, report.cause) == ("skip", "backward", "backward")
+
+
 # ---- 3. a shared module that produces nan in backward on its second call -------------------
 class SqrtScaled(nn.Module):
     """sqrt(x * scale): with scale 0, finite forward and nan backward."""

@@ -270,10 +270,12 @@ def backward_culprit(pass_: PassRecord, slots, owner, rules):
             new = kinds - got
             if rules.inf_allowed(call.module_name):
                 new = new - INF_KINDS
-            if new and new <= NAN and category == GRAD_INPUT and is_linear_map(call.module_class):
-                # A matmul or convolution of finite values makes no nan (an overflow is inf).
-                # An input's gradient sums every use of the input: another use made it (the
-                # parent's own code beside this module, as `torch.where(h > 0, sqrt(h), 0)`).
+            if (new and new <= NAN and category == GRAD_INPUT and not got & INF_KINDS
+                    and is_linear_map(call.module_class)):
+                # A matmul or convolution of finite values makes no nan (an overflow is inf;
+                # inf received, allowed, makes inf - inf). An input's gradient sums every use of
+                # the input: another use made it (the parent's own code beside this module, as
+                # `torch.where(h > 0, sqrt(h), 0)`).
                 continue
             if new:
                 return call, [slot], CAUSE_BACKWARD

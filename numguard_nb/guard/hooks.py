@@ -88,14 +88,16 @@ def forward_raised() -> bool:
 # An interrupt (Ctrl-C), or an error a forward catches from a submodule, skips the hooks that close
 # calls. The guard and the sentinel find the calls that still run in one way: from the frames of
 # torch's `_call_impl` up this thread's stack.
-def _own_call_frame(frame):
+def _own_call_frame(frame, limit: Optional[int] = 8):
     """The `_call_impl` frame of the module call whose hook is running, looking up from `frame`
-    past the guard's own frames; None where there is none."""
-    for _ in range(8):
-        if frame is None or frame.f_code is _CALL_IMPL:
-            return frame
+    past the guard's own frames (at most `limit`, None: the whole stack); None where none is."""
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        if limit is not None:
+            if limit <= 0:
+                return None
+            limit -= 1
         frame = frame.f_back
-    return None
+    return frame
 
 
 def own_call_frame_id() -> int:
@@ -131,7 +133,7 @@ def running_calls() -> collections.Counter:
     """How many times each module (by id) is being called further up this thread's stack,
     leaving out the innermost call (the one whose hook asks)."""
     running: collections.Counter = collections.Counter()
-    own = _own_call_frame(sys._getframe(1))
+    own = _own_call_frame(sys._getframe(1), limit=None)  # (a hook wrapped in frames of its own)
     frame = own.f_back if own is not None else None
     while frame is not None:
         if frame.f_code is _CALL_IMPL:

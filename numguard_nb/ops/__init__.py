@@ -2,10 +2,11 @@
 
 The guard finds the culprit at module granularity. With `Guard(..., ops=True)` it keeps what a
 re-run needs (`recorder.OpRecorder`) and, on a detection, re-runs the last top-level call of the
-model inside the culprit (`localise.localise_forward` / `localise.localise_backward`) under a dispatch
-mode that checks every ATen op and protects the model's state (`mode.RerunMode`).
+model inside the culprit (`localise.localise_forward` / `localise.localise_backward`) under a
+dispatch mode that checks every ATen op and protects the model's state (`mode.RerunMode`); what any
+re-run shares (the call's state, putting back what it changes) is the package's `rerun`.
 
-- `rerun`: the re-run and its conclusion, an `OpLocation` (never raises);
+- `localise`: the re-run and its conclusion, an `OpLocation` (never raises);
 - `mode`: the `TorchDispatchMode` of a re-run and the checks on values and ops;
 - `recorder`: the Guard's side: the recorded calls and the gradients at their outputs.
 """
