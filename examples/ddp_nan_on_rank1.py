@@ -56,6 +56,13 @@ def bad_batch(model: nn.Module) -> torch.Tensor:
     return -100 * torch.sign(weight) + noise
 
 
+def say(line: str) -> None:
+    """One write per line: both ranks stop at the same step and print at once, and `print` writes
+    the text and its newline apart (unbuffered, as under `python -u`), which can mix the lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backward", action="store_true",
@@ -77,10 +84,10 @@ def main() -> int:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-        print(f"rank {rank}: finished with no detection", flush=True)
+        say(f"rank {rank}: finished with no detection")
         return 0
     except NonFiniteError as error:
-        print(f"rank {rank}: {error.report.summary()}", flush=True)
+        say(f"rank {rank}: {error.report.summary()}")
         return 0
     finally:
         dist.barrier()  # both ranks stopped at the same step: tear down together

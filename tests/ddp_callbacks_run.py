@@ -85,6 +85,13 @@ def run_lightning() -> None:
     trainer.fit(Module(), loader)
 
 
+def _result(line: str) -> None:
+    # One write per line: the ranks print at the same moment, and print() writes the text and
+    # its newline apart when stdout is unbuffered (CI's PYTHONUNBUFFERED=1): lines would mix.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     from numguard_nb import NonFiniteError
 
@@ -92,11 +99,11 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         run_hf() if which == "hf" else run_lightning()
-        print(f"RESULT rank={rank} clean", flush=True)
+        _result(f"RESULT rank={rank} clean")
     except NonFiniteError as error:
         report = error.report
-        print(f"RESULT rank={rank} batch={report.batch_number} cause={report.cause} "
-              f"source={report.source_rank} summary={report.summary()}", flush=True)
+        _result(f"RESULT rank={rank} batch={report.batch_number} cause={report.cause} "
+                f"source={report.source_rank} summary={report.summary()}")
     finally:
         if dist.is_initialized():
             dist.barrier()

@@ -258,7 +258,8 @@ def test_the_example_runs_under_torchrun_and_both_ranks_name_the_same_fault():
     import sys
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    # unbuffered, as CI runs it: a print's text and its newline are written apart
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(_free_port()), str(root / "examples" / "ddp_nan_on_rank1.py"),
