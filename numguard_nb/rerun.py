@@ -5,7 +5,8 @@ replay (`replay.run`) each run a call again. What they share lives here, once:
 
 - the state the call ran in: `take()` gives a `CallState` (RNG streams, autocast, grad and
   inference mode), taken just before the call; `entered(state, stack, grad)` runs under it again;
-- what a re-run changes, put back: `Kept(modules)` (random state, training flags, buffers);
+- what a re-run changes, put back: `Kept(modules)` (random state, training flags, buffers), and
+  `finite_running_statistics` for the statistics the repeated call already updated;
 - running alone: `run_alone(module)` is what a re-run calls (eager, inside a parallel wrapper),
   `swapped` / `eager_stance` / `aot_eager` run compiled parts eagerly or captured;
 - refusing collectives: `collective_in(module)` says why a re-run on one rank would start a
@@ -34,9 +35,9 @@ import torch
 from ._util import compiled_original
 
 __all__ = ["CallState", "take", "autocast_dtype", "enter_autocast", "entered", "Kept",
-           "CallerRandomState", "run_alone", "eager", "original_name", "compiled_parts", "swapped",
-           "eager_stance", "aot_eager", "involves_compiled", "without_parallel_wrapper",
-           "collective_in"]
+           "finite_running_statistics", "CallerRandomState", "run_alone", "eager", "original_name",
+           "compiled_parts", "swapped", "eager_stance", "aot_eager", "involves_compiled",
+           "without_parallel_wrapper", "collective_in"]
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -168,6 +169,20 @@ class Kept:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+def finite_running_statistics(modules: Iterable[torch.nn.Module]) -> None:
+    """Set non-finite running statistics of normalisation layers in training (BatchNorm's, an
+    InstanceNorm's that tracks them) to finite values (mean 0, variance 1), inside a `Kept`: the
+    call a re-run repeats updated them already, from its data, and a nan there would read as
+    statistics gone bad before the call. In training they do not shape the outputs."""
+    norm = torch.nn.modules.batchnorm._NormBase
+    with torch.no_grad():
+        for root in modules:
+            for module in root.modules():
+                if isinstance(module, norm) and module.training and module.running_mean is not None:
+                    module.running_mean.nan_to_num_(0.0, 0.0, 0.0)
+                    module.running_var.nan_to_num_(1.0, 1.0, 1.0)
 
 
 class CallerRandomState:

@@ -100,6 +100,31 @@ def test_the_re_run_names_what_full_mode_names(case_name):
     assert sentinel.first_nonfinite.flagged_rows
 
 
+def test_nan_data_that_also_broke_the_running_statistics_is_named_as_the_data():
+    """BatchNorm's running statistics take the bad batch's nan in the call itself: the re-run,
+    which comes after, must still name the data (as full mode does), not statistics "gone bad in
+    an earlier batch", and leave the statistics as the call left them."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        x = torch.randn(16, 4)
+        x[3, 2] = float("nan")
+        if mode is None:
+            model(x)
+            return None, model
+        with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+            model(x)
+        return caught.value.report, model
+
+    full, _ = run("full")
+    sentinel, model = run("sentinel")
+    _, unguarded = run(None)
+    assert (sentinel.cause, culprit(sentinel)) == (full.cause, culprit(full)) == ("data", culprit(full))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(model[1], name).nan_to_num(7.0),
+                           getattr(unguarded[1], name).nan_to_num(7.0)), name
+
+
 def test_a_loss_made_outside_the_model_is_named_by_the_outside_watch_as_in_full_mode():
     # No re-run can repeat the user's loss code: the watch over it runs in sentinel mode too.
     full = _first_detection("handwritten_bce_log0", "full")

@@ -250,6 +250,7 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
         return _not_rerun(seen, call, options, refused)
     allow_inf = options.inf_allowed(call.entry.name)
     with rerun.Kept(models.values()):
+        rerun.finite_running_statistics(models.values())
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
             full = _rerun_guard(guard, _eager_models(models), call.batch_number)
