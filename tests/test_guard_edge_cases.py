@@ -184,6 +184,7 @@ def test_a_linear_map_that_receives_an_allowed_inf_is_named_for_the_nan_it_makes
         model(torch.randn(3, 4)).backward()
     report, culprit = culprit_of(caught)
     assert (culprit.module_name, culprit.phase, report.cause) == ("skip", "backward", "backward")
+    assert report.reason.endswith("while the gradient it received held only +inf")
 
 
 # ---- 3. a shared module that produces nan in backward on its second call -------------------

@@ -18,7 +18,7 @@ from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
-    INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, PARAM,
+    GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, PARAM,
     PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
@@ -164,8 +164,12 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
                 f"submodules: {what}, while the gradients {frame.label} received "
                 f"{below if predicted else 'were finite'}")
     if cause in (CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE):
+        received = ", ".join(dict.fromkeys(  # an inf it was allowed to receive, say
+            row.nonfinite_words for row in frame.rows
+            if row.category == GRAD_OUTPUT and row.nonfinite_words))
+        got = below if predicted else f"held only {received}" if received else "was finite"
         return (f"{where} produced {gradient} in backward ({call}): {what}, while the gradient it "
-                f"received {below if predicted else 'was finite'}")
+                f"received {got}")
     if predicted:
         return (f"{where} produced a value beyond {limit} in forward ({call}): {what}, while its "
                 f"inputs and weights {below}")
