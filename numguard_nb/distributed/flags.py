@@ -1,25 +1,17 @@
 """Which rank made the first non-finite value, learnt at the gradient all-reduce DDP makes anyway.
 
-Under DistributedDataParallel an inf or nan made on one rank reaches every rank through the
-gradient all-reduce: the other ranks' gradients then hold it too, and each would blame itself.
-Large trainers check each rank's gradients before that reduction (Megatron-LM's
-`check_for_nan_in_grad` checks every bucket's norm before the data-parallel reduction; torch's
-`TORCH_NCCL_NAN_CHECK` checks collective inputs). Here a DDP communication hook
-(`flagged_allreduce`, DDP's own all-reduce otherwise) takes each bucket's norm before it is
-reduced, on the device, and the bucket reduced last carries 2 x world_size more numbers: per rank,
-whether its own gradients held inf/nan before the reduction, and whether its sentinel holds a
-problem found in its forward. Summed by the all-reduce that runs anyway, every rank learns both
-for every rank: no extra collective, no host read in a healthy step.
+Contract: `RankFlags.attach(model)` (`attach_any(models)`: the first of a guard's models, or the
+DDP wrapper around one) gives the flags of a DDP or FSDP2 (`fully_shard`) model in a world of
+several processes: its reduction (`flagged_allreduce`, DDP's communication hook; FSDP2's
+reduce-scatter) also carries, per rank, whether its own gradients held inf/nan before the
+reduction and whether it holds a problem found in its forward (`hold`); `producers()` reads them
+after a backward. No extra collective, no host read in a healthy step. `several_processes()`: a
+world of more than one process.
 
-A communication hook cannot be removed from a DDP model: after detach it stays, doing exactly
-DDP's own all-reduce (divide by the world size, then sum). A model that already has a hook of the
-user's keeps it, and reports there do not name the producing rank.
-
-Under FSDP2 (`fully_shard`) the same flags ride after each rank's shard in every group's
-gradient reduce-scatter (the guard's reduce-scatter in place of FSDP2's default).
-
-Nothing here reads a report or a guard: the guard's side (holding a detection until every rank
-knows, the report of a rank that received a value) is `guard.rank_reports`.
+Limits: a communication hook cannot be removed from a DDP model (after detach it does exactly
+DDP's own all-reduce); a model with a hook or reduce-scatter of the user's gets no flags (None),
+and its reports do not name the producing rank. Nothing here reads a report or a guard: the
+guard's side is `guard.rank_reports`.
 
     >>> flags = RankFlags.attach(ddp_model)       # None: not DDP, one process, or a hook of yours
     >>> made = flags.producers()                   # after a backward: ranks whose own values broke

@@ -1,29 +1,19 @@
 """The Guard: hooks on every module call, forward and backward, that find where inf/nan is produced.
 
-How it stays fast and harmless:
-- statistics are small vectors computed on the tensor's device (`stats.device_stats`) and read
-  with one transfer at the end of each top-level forward and each backward (`sync=False`); on
-  CPU, where there is nothing to wait for, they are numbers from the start;
-- backward is watched with tensor hooks (on outputs, inputs and parameters), never with
-  `register_full_backward_hook`, which wraps tensors in views and breaks in-place modules;
-- hooks keep only names and indices, never tensors; per-pass caches hold weak references to
-  values, and nothing outlives a pass on a parameter but its gradient hook (`hooks`);
-- every module hook and parameter hook is removed on detach, which `with` guarantees; nested
-  `with` blocks on one guard (or in several threads) keep them until the outermost one ends;
-- copies of a guarded module (`copy.deepcopy`, pickle, `torch.save`) come out unwatched
-  (`copies`);
-- hooks do nothing while a model is compiled, traced or exported (`hooks.inert_context`), and a
-  model compiled before attaching is watched through its wrapper, named as the original model;
-- each thread calling a guarded model has its own pass (`passes.PassState`): a nan made in one
-  thread is reported in that thread. Batches are numbered across threads; the gradients of a
-  leaf fed to a module (a parameter used as an input) reach the calls of the latest batch;
-- a pass that an interrupt (Ctrl-C) left open is dropped at the next call of any guarded module
-  made from outside it.
+Contract: `Guard(model_or_models, **options)` hooks every module (and, with `backward`, the
+gradients) on `attach()` and removes every hook on `detach()`; `with guard:` always detaches (nested
+blocks, in one thread or several, at the outermost exit). The first non-finite value produced raises
+`NonFiniteError` (re-exported here, with `BatchLimitReached`), whose `.report` names the module;
+`guard.report` is that detection or the latest frames, `guard.capture` the latest captured call
+(`capture=True`), `begin_batch()` starts a batch for loops that never call the model itself.
 
-The Guard records (`passes`) and keeps the pass lifecycle; what a pass means is decided in
-`detect` and shown through `frames`; what would not fit in `limit_dtype` is collected at each
-pass's end in `headroom`; op localisation (`ops.recorder`) and the CPU replay's capture
-(`replay.Capture`) are fed from its hooks.
+Limits: copies of a guarded module (`copy.deepcopy`, pickle, `torch.save`) come out unwatched;
+hooks do nothing while a model is compiled, traced or exported; a model compiled before attaching
+is watched as one call, its wrapper's (a forward detection there is run again eagerly to name
+the submodule); `mode="sentinel"` hooks no module (`Sentinel` checks per step instead).
+
+    >>> with Guard(model) as guard:
+    ...     model(**batch).loss.backward()    # NonFiniteError: .report names the module
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """Where the Guard's hooks go, and what it learns placing them; the checks its hooks make first.
 
-- `ModuleHooks`: a forward pre-hook and one always-called forward hook on every module, a
-  gradient hook on every trainable parameter; each module's name in reports and the module whose
-  forward calls it. Three kinds of module are not hooked like the rest:
-    * a TorchScript module runs its submodules in C++, where no hook reaches: it is an opaque
-      leaf, seen through its caller's inputs and outputs (its weights' gradients are watched);
-    * a model compiled before the guard attached (`torch.compile`'s `OptimizedModule`) ignores
-      hooks added after compiling: its wrapper is hooked, named as the original model (its name,
-      its class), and its weights' gradients are watched under the original names;
-    * a lazy module (`nn.LazyLinear`) has no weights until its first call: they are hooked then.
-  After `torch.utils.swap_tensors` (`module.to()` or `load_state_dict` with
-  `torch.__future__.set_swap_module_params_on_conversion(True)`, tensor-subclass parameters) a
-  parameter's hook stays with its old tensor: `rehook_swapped` puts it on the new one.
-- `GradHooks`: the gradient hooks on tensors of a graph and on leaf tensors fed to modules.
-- `inert_context()`: whether module calls are being compiled, traced or exported rather than
-  run (or run under a dispatch mode: fake tensors, FLOP counters), when the hooks do nothing.
-- Calls an interrupt (Ctrl-C) left open, found one way for the guard and the sentinel, from the
-  frames of torch's `_call_impl`: `running_calls()` (the modules whose forward runs in this
-  thread), `still_running(own_call_frame_id())`, and `frame_local_of_call()` (an object that goes
-  with the frame of a module call).
-- `forward_raised()`: whether an always-called forward hook runs because the call raised.
+Contract: `ModuleHooks.add(guard, models, watch_backward)` puts a forward pre-hook and one
+always-called forward hook on every module and a `ParamHook` on every trainable parameter, and
+learns each module's name in reports and the module whose forward calls it (`names`); `GradHooks`
+holds the `GradHook`s on tensors of a graph and on leaf tensors fed to modules; `remove()` takes
+them off. `inert_context()`: calls are being compiled, traced, exported or run under a dispatch
+mode (the hooks do nothing). `running_calls()`, `still_running(own_call_frame_id())` and
+`frame_local_of_call()` find calls an interrupt left open; `forward_raised()`: the call raised.
 
-Nothing is put on parameters but their gradient hook: no weak references outlive a pass, so
-parameters can be swapped and pickled while the guard is attached; copies of hooked modules come
-out unwatched (`copies`).
+Limits: a TorchScript module is an opaque leaf (its weights' gradients are watched); a model
+compiled before attaching is hooked on its wrapper; a parameter swapped in is hooked again at the
+next forward (`rehook_swapped`) unless it brought hooks of its own; one refusing hooks is warned of.
+
+    hooks = ModuleHooks()
+    hooks.add(guard, {"": model}, watch_backward=True)   # as Guard.attach does
+    hooks.names[id(model.fc)]                            # ("fc", "Linear", id(model))
 """
 
 from __future__ import annotations

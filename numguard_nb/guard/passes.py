@@ -1,25 +1,20 @@
 """What the Guard records during a pass: call records, slots, per-tensor cache entries, and the
 pass's one read-back of statistics from the device.
 
-A *slot* is a row before the pass is read back: what one value of a call was, and where its
-statistics sit. It is a plain tuple of strings, numbers and a dtype, which the garbage collector
-stops tracking at its first look (objects would stay tracked, and thousands per step make full
-collections frequent). Its fields, by index:
+Contract: a `CallRecord` is one module call in one phase; its slots are plain tuples, indexed by
+`SLOT_ROLE` ... `SLOT_SEQ`: (role, category, value kind, dtype, shape, stats index in the pass or
+None, arrival order). A `PassRecord` summarises each tensor once per pass (`summarise`,
+`weight_slot`) into a cache entry, a list indexed by `ENTRY_REF` ... `ENTRY_KIND`: [reference,
+version, stats index or None, gradient targets or None, shape, value kind]; `read_back()` is the
+pass's one read-back. `PassState`: one thread's place in a forward pass (its open calls, its pass,
+its batch; one per thread, `ThreadPasses`); `BackwardPasses`: the backward passes in progress.
 
-    (role, category, value kind, dtype, shape, stats index in the pass or None, arrival order)
+Limits: the reference is weak for values, the tensor itself for weights and buffers (their module
+holds them anyway); backward passes an error left open are forgotten past `MAX_OPEN`.
 
-A *cache entry* is what a pass knows about one tensor, so that a tensor seen by several calls is
-summarised (and, for gradients, hooked) once. A list, since its gradient targets are filled in
-later:
-
-    [reference, version, stats index or None, gradient targets or None, shape, value kind]
-
-The reference is weak for values (a pass must not keep activations alive) and the tensor itself
-for weights and buffers, which their module holds anyway: a weak reference on a parameter would
-stop `torch.utils.swap_tensors` (`module.to()`, `load_state_dict` with swapping on).
-
-A *pass state* is what one thread's forward pass is in the middle of (its open calls, its pass,
-its batch); each thread calling a guarded model has its own (`ThreadPasses`).
+    pass_ = PassRecord()
+    slot = pass_.weight_slot(lin.weight, "weight", PARAM, (id(lin), "weight"), False, {})
+    pass_.read_back()                  # pass_.values[slot[SLOT_INDEX]]: its statistics, on the host
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """A sentinel's second look: the failing call(s) run again, eagerly, under the full guard.
 
-`Sentinel` (`sentinel`) keeps, for each top-level call, its inputs, its call state and the
-gradients that arrived at its outputs. When a check fails it hands the call(s) here:
+Contract: `rerun_forward(guard, call, seen)` runs a call the `Sentinel` kept again, with the same
+inputs, random state and weights; `rerun_backward(guard, calls, seen, parameters)` runs the calls
+of a failing backward pass forward again, then backward from the gradients their outputs got;
+`rerun_step_together` re-runs a step on every rank at once (FSDP2); `rerun_compiled_call` serves
+full mode's detections in a compiled model. They return the full guard's report, marked
+`found_by="re-run"`; where a re-run comes out finite, a report that says so (`cause="transient"`
+or `"compiled-code"`); None where it repeats values the full guard's rules accept. `full_guard`
+makes that guard; `gradient_frame` is a frame of the non-finite gradients a sentinel found.
 
-- `rerun_forward`: the call runs again with the same inputs, random state and weights, under a
-  full guard (`Guard(models, ops=True)`, the existing engine) on the same models;
-- `rerun_backward`: the calls of the failing backward pass run forward again, then backward from
-  the gradients their outputs got, with `torch.autograd.grad` (no `.grad` is touched; under
-  torch.utils.checkpoint(use_reentrant=True), which refuses it, with `.backward()` and every
-  `.grad` set back).
+Limits: no `.grad` is changed, and buffers, random state and swapped submodules are put back;
+a re-run that would start a collective on one rank alone is not made (its report says why).
 
-Either returns the full guard's report, marked `found_by="re-run"`; or, where the re-run comes out
-finite, a report that says so: the fault did not repeat (`cause="transient"`) or, for a compiled
-model finite eagerly and non-finite compiled again, the compiled code makes it (`"compiled-code"`,
-with `backend="aot_eager"` telling graph capture from the backend's kernels); or None where the
-re-run repeats the values and the full guard's rules accept them (an allowed inf, a mask).
-
-Compiled parts run eagerly: a compiled model through `model._orig_mod`, a compiled submodule
-swapped for its original in its parent for the re-run, under `torch.compiler.set_stance(
-"force_eager")`; reports name modules as in the original model. Everything a re-run changes is put
-back: the buffers (running statistics), the random state, the swapped submodules.
+    report = rerun_forward(guard, call, seen)         # seen: the outputs as the sentinel saw them
+    if report is not None:
+        raise frames.detection_error(guard, report)   # as the Sentinel raises it
 """
 
 from __future__ import annotations
