@@ -420,15 +420,17 @@ def _stack_to_host(vectors: list, device: torch.device) -> list:
     flat = torch.stack([x for vec in vectors for x in vec])  # promotes mixed float dtypes exactly
     flat = flat.to(_host_float(device)).view(-1, width)
     device_rows = [type(vec) is DeviceRow for vec in vectors]
-    if all(device_rows):  # the usual pass: turned into host rows there, a few kernels in all
-        return _host_rows(flat).cpu().tolist()
-    rows = flat.cpu().tolist()
-    return [_host_row(row) if is_device_row else row
-            for is_device_row, row in zip(device_rows, rows)]
+    if any(device_rows):  # turned into host rows on the device: a few kernels a pass
+        host = _host_rows(flat)
+        if not all(device_rows):  # beside rows of another kind (integers, complex numbers)
+            host = torch.where(torch.tensor(device_rows, device=flat.device)[:, None], host, flat)
+        flat = host
+    return flat.cpu().tolist()
 
 
 def _host_rows(rows: torch.Tensor) -> torch.Tensor:
-    """`_host_row` of every row of a matrix of `DeviceRow` values, on its device."""
+    """A matrix of `DeviceRow` values, (abs min, min, max, ...), as host rows, (abs min, abs max,
+    signs, ...), on its device. Beside a nan, the infinities are unknown (signs nan)."""
     low, high = rows[:, 1], rows[:, 2]
     abs_max = torch.maximum(-low, high)  # nan where either is
     positive, negative = high == _INF, low == -_INF
@@ -437,20 +439,6 @@ def _host_rows(rows: torch.Tensor) -> torch.Tensor:
     unknown = abs_max.isnan()
     columns = [rows[:, 0].masked_fill(unknown, math.nan), abs_max, signs.masked_fill(unknown, math.nan)]
     return torch.stack(columns + [rows[:, i] for i in range(3, rows.shape[1])], dim=1)
-
-
-def _host_row(row: list) -> list:
-    """A `DeviceRow`'s values as the host row: (abs min, min, max, ...) -> (abs min, abs max,
-    signs, ...)."""
-    abs_min, low, high = row[0], row[1], row[2]
-    if math.isnan(low) or math.isnan(high):
-        return [math.nan, math.nan, math.nan] + row[3:]  # beside a nan the infinities are unknown
-    abs_max = max(-low, high)
-    if abs_max < _INF:
-        return [abs_min, abs_max, 0.0] + row[3:]
-    positive, negative = high == _INF, low == -_INF
-    return [abs_min, abs_max, math.nan if positive and negative else (
-        _INF if positive else -_INF)] + row[3:]
 
 
 def to_host(vectors: list) -> list:

@@ -252,3 +252,21 @@ def test_on_a_gpu_under_autocast_the_statistics_copy_no_tensor_to_float32():
     assert not names & {"aten::_to_copy", "aten::to", "aten::copy_"}, sorted(names)
     reference_max = float(t.float().abs().max())
     assert stats.decode(stats.to_host([row])[0])[1] == reference_max
+
+
+def test_device_rows_beside_rows_of_another_kind_are_read_in_one_pass(monkeypatch):
+    """Integers and complex numbers keep the plain row on a device; read with float tensors'
+    device rows in one stack, each is turned into the host row its kind needs."""
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    tensors = [torch.tensor([3.0, -INF, 0.5]), torch.tensor([-7, 2, 5]),
+               torch.tensor([1.0, math.nan]), torch.tensor([1 + 1j, -2j]),
+               torch.tensor([-2.0, 4.0])]
+    with torch.no_grad():
+        rows = [stats.device_stats(t) for t in tensors]
+    assert [type(row) is stats.DeviceRow for row in rows] == [True, False, True, False, True]
+    decoded = [stats.decode(values)[:5] for values in stats.to_host(rows)]
+    assert decoded[0] == (0.5, INF, False, False, True)
+    assert decoded[1] == (2.0, 7.0, False, False, False)
+    assert math.isnan(decoded[2][1]) and decoded[2][2:] == (True, None, None)
+    assert decoded[3][:3] == (pytest.approx(math.sqrt(2)), 2.0, False)
+    assert decoded[4] == (2.0, 4.0, False, False, False)
