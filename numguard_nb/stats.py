@@ -416,16 +416,37 @@ is_functorch_wrapped = _is_functorch_wrapped
 
 
 def _stack_to_host(vectors: list, device: torch.device) -> list:
+    """The rows of one device as host lists, with one transfer. Rows are stacked per dtype: a
+    stack of mixed dtypes (bfloat16 activations beside float32 weights under autocast) is a
+    copy per value (cat's fallback: a kernel launch each on a GPU), one of a single dtype is one
+    batched copy."""
     width = len(vectors[0])
-    flat = torch.stack([x for vec in vectors for x in vec])  # promotes mixed float dtypes exactly
-    flat = flat.to(_host_float(device)).view(-1, width)
-    device_rows = [type(vec) is DeviceRow for vec in vectors]
-    if any(device_rows):  # turned into host rows on the device: a few kernels a pass
-        host = _host_rows(flat)
-        if not all(device_rows):  # beside rows of another kind (integers, complex numbers)
-            host = torch.where(torch.tensor(device_rows, device=flat.device)[:, None], host, flat)
-        flat = host
-    return flat.cpu().tolist()
+    host_float = _host_float(device)
+    groups: dict = {}
+    for index, vec in enumerate(vectors):
+        groups.setdefault((type(vec) is DeviceRow, vec[0].dtype), []).append(index)
+    order, device_blocks, other_blocks = [], [], []
+    for device_rows in (True, False):  # device rows first, to turn into host rows together
+        for (kind, _), indices in groups.items():
+            if kind is device_rows:
+                # (a row of mixed dtypes is promoted exactly, as the rows of mixed groups are)
+                block = torch.stack([x for i in indices for x in vectors[i]]).to(host_float)
+                (device_blocks if device_rows else other_blocks).append(block.view(-1, width))
+                order += indices
+    blocks = other_blocks
+    if device_blocks:  # turned into host rows on the device: a few kernels a pass
+        blocks = [_host_rows(_joined(device_blocks))] + other_blocks
+    rows = _joined(blocks).cpu().tolist()
+    if len(groups) == 1:
+        return rows
+    values: list = [None] * len(vectors)
+    for position, index in enumerate(order):
+        values[index] = rows[position]
+    return values
+
+
+def _joined(blocks: list) -> torch.Tensor:
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _host_rows(rows: torch.Tensor) -> torch.Tensor:
