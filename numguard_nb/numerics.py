@@ -165,8 +165,8 @@ def output_flag(tensors) -> Optional[torch.Tensor]:
 def stats_flag(vectors: list) -> Optional[torch.Tensor]:
     """One float32 value on the device that is nan or inf where any of the `stats.device_stats`
     rows summarised a tensor holding inf or nan (from their extremes); None where a row is on the
-    host or none has one."""
-    maxima = []
+    host or none has one. A few launches per dtype, not one per value."""
+    by_dtype: dict = {}
     for vec in vectors:
         if vec is None:
             continue
@@ -175,11 +175,12 @@ def stats_flag(vectors: list) -> Optional[torch.Tensor]:
         if any(not isinstance(x, torch.Tensor) or x.device.type not in DEFERRED_DEVICE_TYPES
                for x in extremes):
             return None
-        maxima.extend(x.float() for x in extremes)
-    if not maxima:
+        by_dtype.setdefault(extremes[0].dtype, []).extend(extremes)
+    if not by_dtype:
         return None
     with torch.no_grad():
-        return torch.stack(maxima).abs().max().reshape(1)
+        maxima = [torch.stack(group).abs().amax().float() for group in by_dtype.values()]
+        return (maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()).reshape(1)
 
 
 def grad_norms(tensors: list) -> Optional[torch.Tensor]:

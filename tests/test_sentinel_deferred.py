@@ -376,3 +376,25 @@ def test_a_healthy_run_read_later_says_no_inf_nan_was_found(deferred_on_host):
             model(_batch(step, -1)).backward()
     summary = guard.report.summary()
     assert summary.startswith("no inf/nan found (batch 2)") and "0 frames" not in summary, summary
+
+
+@pytest.mark.parametrize("planted", [None, float("nan"), float("inf"), float("-inf")])
+def test_the_flag_of_a_watched_region_is_not_finite_exactly_when_a_row_is_not(deferred_on_host,
+                                                                              planted):
+    """The loss code's statistics, read later as one value: under autocast its rows mix
+    float32 and bfloat16 (and integers), and the flag takes a few launches per dtype, not one
+    per value."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tensors = [torch.randn(8, dtype=(torch.float32, torch.bfloat16)[i % 2]) for i in range(60)]
+    tensors.append(torch.arange(5))
+    if planted is not None:
+        tensors[41][3] = planted
+    with torch.no_grad():
+        rows = [stats.device_stats(t) for t in tensors]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        flag = numerics.stats_flag(rows)
+    assert flag.shape == (1,) and flag.dtype == torch.float32
+    assert bool(flag.isfinite()) is (planted is None)
+    launches = sum(1 for event in prof.events() if event.name in ("aten::copy_", "aten::_to_copy"))
+    assert launches <= 8, launches
