@@ -256,6 +256,47 @@ def test_a_second_model_called_alone_with_fresh_leaves_keeps_memory_flat():
     assert grown < 128 * 1024, f"{grown} bytes more after 20000 steps"  # (see the test above)
 
 
+def _garbage_cycles_of(step, steps: int = 3) -> collections.Counter:
+    """The project's objects that `steps` calls of `step` left for the garbage collector: in
+    reference cycles, which reference counting never frees."""
+    enabled, flags = gc.isenabled(), gc.get_debug()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(steps):
+            step()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return collections.Counter(type(o).__qualname__ for o in gc.garbage
+                                   if type(o).__module__.startswith("numguard_nb"))
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("options", [{}, {"ops": True}, {"sync": True}, {"mode": "sentinel"},
+                                     {"mode": "sentinel", "history_every": 2}], ids=str)
+def test_a_step_leaves_no_reference_cycle_for_the_garbage_collector(options):
+    """What a step records is freed when it is done with. Left in cycles, a few thousand objects
+    a step piled up for the collector, whose full collections then paused a training loop for
+    0.15-0.2 s every 50 steps (with transformers loaded): 4 ms a step of a 17 ms step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        loss = model(torch.randn(16, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with promises_kept(model), Guard(model, **options):
+        step()
+        assert _garbage_cycles_of(step) == collections.Counter()
+
+
 class ScaledSqrt(nn.Module):
     """sqrt(|x| * scale), `scale` a parameter of the model around it, fed in as an input: the
     gradient for `scale` is nan where x is 0."""

@@ -55,7 +55,7 @@ class CallRecord:
 
     __slots__ = (
         "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
-        "slots", "seq", "is_root", "raised", "backward", "parent", "root_id",
+        "slots", "seq", "is_root", "raised", "parent", "root_id",
         "forward", "__weakref__",
     )
 
@@ -70,7 +70,6 @@ class CallRecord:
         self.seq = 0
         self.is_root = is_root
         self.raised = False
-        self.backward: Optional[tuple] = None  # (backward pass, backward call) of a forward call
         self.parent: Optional[CallRecord] = None  # the enclosing call, in forward
         self.root_id = module_id  # the top-level module whose call this is part of
         self.forward: Optional[CallRecord] = None  # for a backward call: its forward call
@@ -80,7 +79,7 @@ class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
     __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
-                 "received_by_module", "thread", "delivered")
+                 "received_by_module", "thread", "delivered", "backward_calls")
 
     def __init__(self):
         self.calls: list = []
@@ -96,6 +95,10 @@ class PassRecord:
         self.thread = threading.get_ident()  # the thread that started it
         # backward: the target lists of leaves whose gradient came (`GradHooks.leaf_targets_of`)
         self.delivered: List[list] = []
+        # backward: id of a forward call -> its backward call here. Kept by the backward pass,
+        # not on the forward call: a link back would make a reference cycle of every pass,
+        # freed only by the garbage collector's full collections.
+        self.backward_calls: Dict[int, CallRecord] = {}
 
     def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
                   held: bool = False) -> list:
@@ -149,16 +152,16 @@ class PassRecord:
     def backward_call(self, forward_call: CallRecord) -> CallRecord:
         """The backward counterpart of a forward call in this backward pass (made on first use:
         a graph can be backpropagated more than once)."""
-        known = forward_call.backward
-        if known is not None and known[0] is self:
-            return known[1]
+        known = self.backward_calls.get(id(forward_call))  # (its .forward keeps the id taken)
+        if known is not None:
+            return known
         call = CallRecord(
             forward_call.module_id, forward_call.module_name, forward_call.module_class,
             BACKWARD, forward_call.batch_number, forward_call.call_index, forward_call.is_root,
         )
         call.root_id = forward_call.root_id
         call.forward = forward_call
-        forward_call.backward = (self, call)
+        self.backward_calls[id(forward_call)] = call
         call.seq = next(self.seq)
         self.calls.append(call)
         return call

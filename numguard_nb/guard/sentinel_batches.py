@@ -4,12 +4,14 @@ history samples (`history_every`) and the full looks (`full_every`: the last bat
 A full guard is attached for such a batch (its hooks join from the call that starts it); it keeps
 its traces, history, headroom and skipped steps in the sentinel's guard. When another batch
 starts it is paused, and detached at the next backward's end or on detach: never inside a module
-call, whose hooks torch has already listed.
+call, whose hooks torch has already listed. The detached guard is attached again for the next
+such batch: a guard made for each would leave its reference cycles to the garbage collector.
 """
 
 from __future__ import annotations
 
 from ..report import Report
+from .frames import RecentPasses
 from .sentinel_rerun import full_guard
 
 __all__ = ["SampledBatches"]
@@ -21,6 +23,8 @@ class SampledBatches:
     def __init__(self, guard):
         self.guard = guard
         self.tracer = None  # a full guard watching a traced batch with all its hooks
+        self._spare = None  # the last one, detached, with the options it was made for
+        self._options = None  # the options the tracer was made for
 
     def start(self, batch: int, module, args, kwargs) -> None:
         """A batch starts (in the pre-hook of the call that starts it)."""
@@ -33,10 +37,7 @@ class SampledBatches:
             return
         joining = tracer is None
         if joining:
-            tracer = self.tracer = full_guard(guard, guard.models, batch,
-                                              on_detect=self._detected)
-            tracer.traces, tracer.history, tracer.headroom = guard.traces, guard.history, guard.headroom
-            tracer.scaling, tracer.skipped_steps = guard.scaling, guard.skipped_steps
+            tracer = self.tracer = self._made_for(guard.options) or self._new(batch)
             tracer.attach()
         tracer.paused = False
         tracer.batches.started = batch
@@ -44,15 +45,38 @@ class SampledBatches:
         if joining:  # attached inside this call: its pre-hook missed it
             tracer.pre_hook(module, args, kwargs)
 
+    def _made_for(self, options):
+        """The spare guard, if it was made for these options; its context starts empty (the
+        frames of a batch N batches ago are no context for this one)."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare[1] is not options:
+            return None
+        spare[0].recent = RecentPasses()
+        return spare[0]
+
+    def _new(self, batch: int):
+        guard = self.guard
+        tracer = full_guard(guard, guard.models, batch, on_detect=self._detected)
+        self._options = guard.options
+        tracer.traces, tracer.history, tracer.headroom = guard.traces, guard.history, guard.headroom
+        tracer.scaling, tracer.skipped_steps = guard.scaling, guard.skipped_steps
+        return tracer
+
     def running(self) -> bool:
         return self.tracer is not None and not self.tracer.paused
 
     def stop(self, paused_only: bool = False) -> None:
+        """Detach the full guard: if it is paused (`paused_only`, kept for the next such batch),
+        or at all (the sentinel's detach, which keeps nothing)."""
         tracer = self.tracer
         if tracer is not None and (tracer.paused or not paused_only):
             self.tracer = None
             tracer.paused = True  # a hook of a call running now may still be called
             tracer.detach()
+            if paused_only and tracer.detection is None:
+                self._spare = (tracer, self._options)
+        if not paused_only:
+            self._spare = None
 
     def _detected(self, report: Report):
         """A batch run with the full hooks stopped at a detection: it is the sentinel's guard's."""

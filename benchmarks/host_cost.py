@@ -1,0 +1,110 @@
+"""Host time the guard adds to a training step where launches, not arithmetic, set the pace.
+
+    python benchmarks/host_cost.py [--models gpt2-small,stack194-small] [--steps 40]
+
+On a GPU the statistics of full mode are kernels whose launch costs host time, and a training
+step of a model of many small modules waits on the host. This script measures that host time on
+CPU: models of realistic depth made small (GPT-2's 12 layers at width 64 and 8 tokens; the
+48 x [Linear, GELU, LayerNorm] stack at width 16), bf16 autocast, AdamW, with the GPU's path run on
+the host (device rows stacked and read once per pass, the sentinel's flags read later). Each
+configuration is attached once to its own copy; steps are interleaved; the figure is the median
+of per-step differences to the unguarded step of the same round, in ms and per module call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from numguard_nb import Guard, numerics, stats
+
+
+def build_gpt2_small():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    config = GPT2Config(n_embd=64, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
+class SmallStack(nn.Module):
+    """48 x [Linear 16, GELU, LayerNorm]: the 194-module stack of overhead.py, made small."""
+
+    def __init__(self, width=16, depth=48):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU(),
+                                                  nn.LayerNorm(width)) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.float().square().mean()
+
+
+def build_stack_small():
+    x = torch.randn(4, 16)
+    return SmallStack(), lambda m: m(x)
+
+
+BUILDERS = {"gpt2-small": build_gpt2_small, "stack194-small": build_stack_small}
+CONFIGS = {"full": {}, "full fwd only": {"backward": False}, "sentinel": {"mode": "sentinel"}}
+
+
+def step(model, loss_of, optimizer) -> float:
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_of(model)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def bench(name: str, steps: int) -> None:
+    torch.manual_seed(0)
+    model, loss_of = BUILDERS[name]()
+    calls = sum(1 for _ in model.modules())
+    runs = {"none": (model, torch.optim.AdamW(model.parameters(), lr=0.0))}
+    for config, options in CONFIGS.items():
+        copy_ = copy.deepcopy(model)
+        Guard(copy_, **options).attach()
+        runs[config] = (copy_, torch.optim.AdamW(copy_.parameters(), lr=0.0))
+    times = {config: [] for config in runs}
+    for round_ in range(steps + 5):
+        for config, (m, optimizer) in runs.items():
+            elapsed = step(m, loss_of, optimizer)
+            if round_ >= 5:  # warm-up rounds
+                times[config].append(elapsed)
+    base = times["none"]
+    print(f"{name} ({calls} modules): unguarded step {statistics.median(base) * 1e3:.2f} ms")
+    for config in CONFIGS:
+        extra = statistics.median(t - b for t, b in zip(times[config], base))
+        print(f"  {config:14s} +{extra * 1e3:6.2f} ms a step, {extra / calls * 1e6:5.1f} us a module")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(BUILDERS))
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core, as the host of a GPU launches from one thread
+    # The GPU's path, on the host: device rows read once per pass, flags read later.
+    stats.CPU_READS_AT_ONCE = False
+    numerics.DEFERRED_DEVICE_TYPES.add("cpu")
+    with contextlib.suppress(KeyboardInterrupt):
+        for name in args.models.split(","):
+            bench(name, args.steps)
+
+
+if __name__ == "__main__":
+    main()
