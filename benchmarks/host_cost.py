@@ -1,6 +1,7 @@
-"""Host time the guard adds to a training step where launches, not arithmetic, set the pace.
+"""Host time the guard adds to a training step where launches, not arithmetic, set the pace,
+and the garbage collector's share of it.
 
-    python benchmarks/host_cost.py [--models gpt2-small,stack194-small] [--steps 40]
+    python benchmarks/host_cost.py [--models gpt2-small,stack194-small] [--steps 40] [--gc-steps 300]
 
 On a GPU the statistics of full mode are kernels whose launch costs host time, and a training
 step of a model of many small modules waits on the host. This script measures that host time on
@@ -9,6 +10,11 @@ CPU: models of realistic depth made small (GPT-2's 12 layers at width 64 and 8 t
 the host (device rows stacked and read once per pass, the sentinel's flags read later). Each
 configuration is attached once to its own copy; steps are interleaved; the figure is the median
 of per-step differences to the unguarded step of the same round, in ms and per module call.
+
+A median hides the garbage collector's full collections, which pause the process for 0.1-0.2 s
+(transformers loaded) every so many steps. So each configuration then runs `--gc-steps` steps on
+its own, counting the collections (`gc.callbacks`): full ones per 1,000 steps and the collector's
+time per step, averaged over all steps.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import statistics
 import time
 
@@ -70,7 +77,7 @@ def step(model, loss_of, optimizer) -> float:
     return time.perf_counter() - start
 
 
-def bench(name: str, steps: int) -> None:
+def bench(name: str, steps: int, gc_steps: int) -> None:
     torch.manual_seed(0)
     model, loss_of = BUILDERS[name]()
     calls = sum(1 for _ in model.modules())
@@ -87,15 +94,39 @@ def bench(name: str, steps: int) -> None:
                 times[config].append(elapsed)
     base = times["none"]
     print(f"{name} ({calls} modules): unguarded step {statistics.median(base) * 1e3:.2f} ms")
-    for config in CONFIGS:
+    for config in runs:
         extra = statistics.median(t - b for t, b in zip(times[config], base))
-        print(f"  {config:14s} +{extra * 1e3:6.2f} ms a step, {extra / calls * 1e6:5.1f} us a module")
+        model_, optimizer = runs[config]
+        full, seconds = collections_of(model_, loss_of, optimizer, gc_steps) if gc_steps else (0, 0.0)
+        print(f"  {config:14s} +{extra * 1e3:6.2f} ms a step, {extra / calls * 1e6:5.1f} us a module;"
+              f" garbage collector: {full * 1000 / max(gc_steps, 1):4.1f} full collections per"
+              f" 1,000 steps, {seconds / max(gc_steps, 1) * 1e3:.2f} ms a step")
+
+
+def collections_of(model, loss_of, optimizer, steps: int) -> tuple:
+    """(full collections, the collector's seconds) over `steps` steps run alone."""
+    events = []
+
+    def note(phase, info):
+        events.append((phase, info["generation"], time.perf_counter()))
+
+    gc.callbacks.append(note)
+    try:
+        for _ in range(steps):
+            step(model, loss_of, optimizer)
+    finally:
+        gc.callbacks.remove(note)
+    starts = [(generation, at) for phase, generation, at in events if phase == "start"]
+    stops = [at for phase, _, at in events if phase == "stop"]
+    full = sum(1 for generation, _ in starts if generation == 2)
+    return full, sum(stop - start for (_, start), stop in zip(starts, stops))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(BUILDERS))
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--gc-steps", type=int, default=300, help="steps of each alone (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core, as the host of a GPU launches from one thread
     # The GPU's path, on the host: device rows read once per pass, flags read later.
@@ -103,7 +134,7 @@ def main() -> None:
     numerics.DEFERRED_DEVICE_TYPES.add("cpu")
     with contextlib.suppress(KeyboardInterrupt):
         for name in args.models.split(","):
-            bench(name, args.steps)
+            bench(name, args.steps, args.gc_steps)
 
 
 if __name__ == "__main__":

@@ -162,13 +162,18 @@ def output_flag(tensors) -> Optional[torch.Tensor]:
     return maxima[0].reshape(1) if len(maxima) == 1 else torch.stack(maxima).max().reshape(1)
 
 
-def stats_flag(vectors: list) -> Optional[torch.Tensor]:
+def stats_flag(vectors: list, sink: Optional["_stats.RowSink"] = None) -> Optional[torch.Tensor]:
     """One float32 value on the device that is nan or inf where any of the `stats.device_stats`
-    rows summarised a tensor holding inf or nan (from their extremes); None where a row is on the
-    host or none has one. A few launches per dtype, not one per value."""
+    rows (or rows in `sink`, by handle) summarised a tensor holding inf or nan (from their
+    extremes); None where a row is on the host or none has one. A few launches per dtype, not one
+    per value."""
     by_dtype: dict = {}
+    handles = []
     for vec in vectors:
         if vec is None:
+            continue
+        if type(vec) is int:
+            handles.append(vec)
             continue
         # a device's row holds the signed min and max (1, 2); another, abs max (1)
         extremes = vec[1:3] if type(vec) is _stats.DeviceRow else vec[1:2]
@@ -176,10 +181,15 @@ def stats_flag(vectors: list) -> Optional[torch.Tensor]:
                for x in extremes):
             return None
         by_dtype.setdefault(extremes[0].dtype, []).extend(extremes)
-    if not by_dtype:
-        return None
     with torch.no_grad():
         maxima = [torch.stack(group).abs().amax().float() for group in by_dtype.values()]
+        if handles:
+            matrices, _ = sink.rows_of(handles)
+            if any(m.device.type not in DEFERRED_DEVICE_TYPES for m in matrices):
+                return None
+            maxima += [m[:, 1:3].abs().amax().float() for m in matrices]
+        if not maxima:
+            return None
         return (maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()).reshape(1)
 
 

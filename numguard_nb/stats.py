@@ -1,9 +1,10 @@
 """Tensor summaries computed on the tensor's own device, with no host synchronisation.
 
-On a GPU, `device_stats` returns a `DeviceRow` of 0-d tensors that stay on the device; the guard
-stacks those of a whole pass and reads them with one transfer (`to_host`). On CPU, where there
-is nothing to wait for, it returns the floats at once. `decode` turns one host row into the
-fields of a `TensorRow`.
+On a GPU, `device_stats` writes the row into the pass's `RowSink` (blocks of rows per dtype that
+the reductions fill in place) and returns its handle, or, without a sink, a `DeviceRow` of 0-d
+tensors; the guard reads a whole pass with one transfer (`to_host`). On CPU, where there is
+nothing to wait for, it returns the floats at once. `decode` turns one host row into the fields
+of a `TensorRow`.
 
 The host row is (abs min, abs max, signs[, smallest non-zero abs]). nan propagates into abs max
 and an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf, or nan for
@@ -135,13 +136,14 @@ def _host_float(device: torch.device) -> torch.dtype:
 
 
 def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optional[dict] = None,
-                 site=None) -> Optional[tuple]:
+                 site=None, sink: Optional["RowSink"] = None):
     """Summary of `t`, or None: on CPU a tuple of floats, read at once (there is no device to
     wait for); elsewhere a tuple of 0-d tensors that stay on the device, for `to_host` to stack
     with the rest of the pass and read with one transfer. Call under no_grad.
 
     `sign_hints` (site -> whether the last tensor seen there had one sign throughout) lets CPU
     tensors that keep one sign, such as ReLU outputs, skip writing |t|: one pass instead of two.
+    With a `sink`, a device's row is written into it and its handle (an int) returned instead.
 
     Sparse and nested tensors are summarised over their stored values, float8 through float32.
     Never raises: what has no numbers to read (fake, meta, functional, functorch-wrapped,
@@ -157,18 +159,18 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
             return _unusual_stats(t, nonzero_min)
         if not t.numel():
             return None
-        return _summary(t, bits, nonzero_min, sign_hints, site)
+        return _summary(t, bits, nonzero_min, sign_hints, site, sink)
     except Exception:  # a tensor type of someone else's: never break the user's forward
         return None
 
 
 def _summary(t: torch.Tensor, bits: Optional[torch.dtype], nonzero_min: bool, sign_hints,
-             site) -> tuple:
+             site, sink=None):
     """The row of a dense tensor that holds numbers (`bits`: its integer view dtype, or None)."""
     if bits is not None:
         try:
             return _bit_stats(t, bits, nonzero_min, sign_hints, site,
-                              read_now=t.is_cpu and CPU_READS_AT_ONCE)
+                              read_now=t.is_cpu and CPU_READS_AT_ONCE, sink=sink)
         except Exception:  # a tensor the fast path cannot read: the plain reductions then
             pass
     row = _plain_stats(t, nonzero_min)
@@ -226,15 +228,17 @@ def _pre_dispatch_modes() -> int:
 
 
 def _bit_stats(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool, sign_hints, site,
-               read_now: bool) -> tuple:
+               read_now: bool, sink=None):
     """`device_stats` of a float tensor: floats when `read_now` (on CPU: |t| through its integer
-    bits), else a `DeviceRow` left on the device."""
+    bits), else a row left on the device: written into `sink` (its handle), or a `DeviceRow`."""
     if read_now and sign_hints is not None and not nonzero_min and sign_hints.get(site, True):
         row = _one_signed_row(t, bits)
         sign_hints[site] = row is not None
         if row is not None:
             return row
     if not read_now:
+        if sink is not None and not nonzero_min:
+            return sink.write(t)
         return _device_row(t, bits, nonzero_min)
     lo, hi, smallest = _magnitudes(t, bits, nonzero_min)
     as_float = _FLOAT_OF_BITS[t.dtype]
@@ -261,6 +265,116 @@ def _device_row(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool) -> Device
         if autocast:
             torch.set_autocast_enabled(device_type, True)
     return DeviceRow(row)
+
+
+class RowSink:
+    """Where one pass writes its device rows: per device and dtype, blocks of rows that the two
+    reductions write in place (`out=`), so that no tensor is made per row. A row's handle is a
+    plain int (the row's dtype block and place), which the garbage collector does not track: a
+    pass of 0-d tensors was ~2,000 objects a step for it, and its full collections (0.15 s)
+    came every 40 steps. `to_host` reads a pass's rows with one transfer per device; `release`
+    hands the blocks on to the next pass."""
+
+    __slots__ = ("_keys", "_rows", "_lock")
+
+    def __init__(self):
+        self._keys: list = []  # (device, dtype) by number
+        self._rows: dict = {}  # (device, dtype) -> [its number, its blocks, rows written]
+        self._lock = threading.Lock()  # (several autograd threads may write one pass)
+
+    def write(self, t: torch.Tensor) -> int:
+        """Summarise `t` into the next row of its dtype; its handle."""
+        key = (t.device, t.dtype)
+        with self._lock:
+            rows = self._rows.get(key)
+            if rows is None:
+                rows = self._rows[key] = [len(self._keys), [], 0]
+                self._keys.append(key)
+            row = rows[2]
+            rows[2] = row + 1
+            if row == len(rows[1]) * ROWS_PER_BLOCK:
+                rows[1].append(_take_block(key))
+        lowest, low, high = rows[1][row // ROWS_PER_BLOCK].views[row % ROWS_PER_BLOCK]
+        device_type = key[0].type
+        autocast = _autocast_enabled(device_type)
+        if autocast:  # (as `_device_row`)
+            torch.set_autocast_enabled(device_type, False)
+        try:
+            torch.aminmax(t, out=(low, high))
+            torch.linalg.vector_norm(t, -_INF, out=lowest)
+        finally:
+            if autocast:
+                torch.set_autocast_enabled(device_type, True)
+        return rows[0] << _ROW_BITS | row
+
+    def device_of(self, handle: int) -> torch.device:
+        return self._keys[handle >> _ROW_BITS][0]
+
+    def rows_of(self, handles: list) -> tuple:
+        """(device rows as one matrix per dtype, in order, each handle's place among them)."""
+        by_key: dict = {}
+        for handle in handles:
+            by_key.setdefault(handle >> _ROW_BITS, []).append(handle & _ROW_MASK)
+        matrices, places, start = [], {}, 0
+        for number, rows in by_key.items():
+            low, high = min(rows), max(rows)
+            matrices.append(self._matrix(self._rows[self._keys[number]][1], low, high + 1))
+            for row in rows:
+                places[number << _ROW_BITS | row] = start + row - low
+            start += high + 1 - low
+        return matrices, [places[handle] for handle in handles]
+
+    @staticmethod
+    def _matrix(blocks: list, start: int, stop: int) -> torch.Tensor:
+        first, last = start // ROWS_PER_BLOCK, (stop - 1) // ROWS_PER_BLOCK
+        if first == last:
+            return blocks[first].tensor[start % ROWS_PER_BLOCK: (stop - 1) % ROWS_PER_BLOCK + 1]
+        whole = torch.cat([block.tensor for block in blocks[first:last + 1]])
+        return whole[start - first * ROWS_PER_BLOCK: stop - first * ROWS_PER_BLOCK]
+
+    def release(self) -> None:
+        """Hand the blocks on (once the rows are read: a later pass writes over them)."""
+        with self._lock:
+            rows, self._rows, self._keys = self._rows, {}, []
+        for key, (_, blocks, _) in rows.items():
+            _give_back(key, blocks)
+
+
+ROWS_PER_BLOCK = 256
+_ROW_BITS = 32
+_ROW_MASK = (1 << _ROW_BITS) - 1
+
+
+class _Block:
+    """A block of `ROWS_PER_BLOCK` device rows of one dtype, (smallest |t|, min, max) each, with
+    the 0-d views the reductions write into (made once: a view costs as much as a row)."""
+
+    __slots__ = ("tensor", "views")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        # Normal tensors even when made under inference_mode, so they can be written outside it.
+        with torch.inference_mode(False):
+            self.tensor = torch.empty((ROWS_PER_BLOCK, 3), dtype=dtype, device=device)
+            self.views = [row.unbind() for row in self.tensor.unbind()]
+
+
+_spare_blocks: dict = {}  # (device, dtype) -> blocks no pass holds
+_spare_lock = threading.Lock()
+_MAX_SPARE_BLOCKS = 16  # per dtype and device: 4,096 rows, a few passes of a large model
+
+
+def _take_block(key: tuple) -> _Block:
+    with _spare_lock:
+        spare = _spare_blocks.get(key)
+        if spare:
+            return spare.pop()
+    return _Block(*key)
+
+
+def _give_back(key: tuple, blocks: list) -> None:
+    with _spare_lock:
+        spare = _spare_blocks.setdefault(key, [])
+        spare.extend(blocks[:_MAX_SPARE_BLOCKS - len(spare)])
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -415,17 +529,27 @@ def _is_functorch_wrapped(t: torch.Tensor) -> bool:
 is_functorch_wrapped = _is_functorch_wrapped
 
 
-def _stack_to_host(vectors: list, device: torch.device) -> list:
+def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] = None) -> list:
     """The rows of one device as host lists, with one transfer. Rows are stacked per dtype: a
     stack of mixed dtypes (bfloat16 activations beside float32 weights under autocast) is a
     copy per value (cat's fallback: a kernel launch each on a GPU), one of a single dtype is one
-    batched copy."""
-    width = len(vectors[0])
+    batched copy. A sink's rows come as matrices already."""
+    width = len(vectors[0]) if type(vectors[0]) is not int else 3
     host_float = _host_float(device)
     groups: dict = {}
+    handles: list = []
     for index, vec in enumerate(vectors):
-        groups.setdefault((type(vec) is DeviceRow, vec[0].dtype), []).append(index)
+        if type(vec) is int:
+            handles.append(index)
+        else:
+            groups.setdefault((type(vec) is DeviceRow, vec[0].dtype), []).append(index)
     order, device_blocks, other_blocks = [], [], []
+    if handles:
+        matrices, places = sink.rows_of([vectors[i] for i in handles])
+        device_blocks = [matrix.to(host_float) for matrix in matrices]
+        order = [None] * sum(len(matrix) for matrix in matrices)
+        for index, place in zip(handles, places):
+            order[place] = index  # (rows no handle here asked for stay None: not read out)
     for device_rows in (True, False):  # device rows first, to turn into host rows together
         for (kind, _), indices in groups.items():
             if kind is device_rows:
@@ -437,11 +561,12 @@ def _stack_to_host(vectors: list, device: torch.device) -> list:
     if device_blocks:  # turned into host rows on the device: a few kernels a pass
         blocks = [_host_rows(_joined(device_blocks))] + other_blocks
     rows = _joined(blocks).cpu().tolist()
-    if len(groups) == 1:
+    if not handles and len(groups) == 1:
         return rows
     values: list = [None] * len(vectors)
     for position, index in enumerate(order):
-        values[index] = rows[position]
+        if index is not None:
+            values[index] = rows[position]
     return values
 
 
@@ -462,45 +587,49 @@ def _host_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.stack(columns + [rows[:, i] for i in range(3, rows.shape[1])], dim=1)
 
 
-def to_host(vectors: list) -> list:
-    """Read many `device_stats` tuples with one transfer per device; returns lists of floats.
+def to_host(vectors: list, sink: Optional[RowSink] = None) -> list:
+    """Read many `device_stats` rows (and handles of rows in `sink`) with one transfer per
+    device; returns lists of floats.
 
-    A tuple that cannot be read back (a tensor type that refuses it) becomes None: a value
+    A row that cannot be read back (a tensor type that refuses it) becomes None: a value
     without statistics, never a row of made-up numbers (nan would read as a detection)."""
     if not vectors:
         return []
     if _intercepted():
         with outside_tracing():
-            return _all_to_host(vectors)
-    return _all_to_host(vectors)
+            return _all_to_host(vectors, sink)
+    return _all_to_host(vectors, sink)
 
 
-def _all_to_host(vectors: list) -> list:
+def _all_to_host(vectors: list, sink) -> list:
     try:
-        return _to_host(vectors)
+        return _to_host(vectors, sink)
     except Exception:
-        return [_one_to_host(vec) for vec in vectors]
+        return [_one_to_host(vec, sink) for vec in vectors]
 
 
-def _one_to_host(vec) -> Optional[list]:
-    if type(vec[0]) is float:
+def _one_to_host(vec, sink) -> Optional[list]:
+    if type(vec) is not int and type(vec[0]) is float:
         return vec
     try:
-        return _stack_to_host([vec], vec[0].device)[0]
+        device = sink.device_of(vec) if type(vec) is int else vec[0].device
+        return _stack_to_host([vec], device, sink)[0]
     except Exception:
         return None
 
 
-def _to_host(vectors: list) -> list:
+def _to_host(vectors: list, sink) -> list:
     values: list = [None] * len(vectors)
     by_device: dict = {}
     for index, vec in enumerate(vectors):
-        if type(vec[0]) is float:  # read on the host already
+        if type(vec) is int:  # a row in the sink
+            by_device.setdefault(sink.device_of(vec), []).append(index)
+        elif type(vec[0]) is float:  # read on the host already
             values[index] = vec
         else:
             by_device.setdefault(vec[0].device, []).append(index)
     for dev, indices in by_device.items():
-        host = _stack_to_host([vectors[i] for i in indices], dev)
+        host = _stack_to_host([vectors[i] for i in indices], dev, sink)
         for i, row in zip(indices, host):
             values[i] = row
     return values

@@ -378,9 +378,10 @@ def test_a_healthy_run_read_later_says_no_inf_nan_was_found(deferred_on_host):
     assert summary.startswith("no inf/nan found (batch 2)") and "0 frames" not in summary, summary
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["0-d rows", "rows in a sink"])
 @pytest.mark.parametrize("planted", [None, float("nan"), float("inf"), float("-inf")])
 def test_the_flag_of_a_watched_region_is_not_finite_exactly_when_a_row_is_not(deferred_on_host,
-                                                                              planted):
+                                                                              planted, in_place):
     """The loss code's statistics, read later as one value: under autocast its rows mix
     float32 and bfloat16 (and integers), and the flag takes a few launches per dtype, not one
     per value."""
@@ -390,10 +391,11 @@ def test_the_flag_of_a_watched_region_is_not_finite_exactly_when_a_row_is_not(de
     tensors.append(torch.arange(5))
     if planted is not None:
         tensors[41][3] = planted
+    sink = stats.RowSink() if in_place else None
     with torch.no_grad():
-        rows = [stats.device_stats(t) for t in tensors]
+        rows = [stats.device_stats(t, sink=sink) for t in tensors]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        flag = numerics.stats_flag(rows)
+        flag = numerics.stats_flag(rows, sink)
     assert flag.shape == (1,) and flag.dtype == torch.float32
     assert bool(flag.isfinite()) is (planted is None)
     launches = sum(1 for event in prof.events() if event.name in ("aten::copy_", "aten::_to_copy"))

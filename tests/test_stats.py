@@ -296,3 +296,66 @@ def test_a_pass_of_mixed_dtypes_is_read_in_order_with_a_copy_per_dtype_not_per_v
             assert (abs_min, abs_max, nan, posinf, neginf) == (2.0, INF, False, False, True)
         else:
             assert (abs_min, abs_max, nan) == (i + 1, 8 * (i + 1), False), (i, row)
+
+
+def _rows_through_sink(tensors, sink):
+    with torch.no_grad():
+        return [stats.device_stats(t, sink=sink) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_written_in_place_read_back_as_the_device_rows_do(monkeypatch, dtype):
+    """A pass's device rows written into its sink (no tensor per row) read back to the same
+    numbers as rows of 0-d tensors, over more rows than a block holds and beside rows of other
+    kinds, in the pass's order."""
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    tensors = list(special_tensors(dtype, 300).values())
+    tensors = (tensors * (1 + 2 * stats.ROWS_PER_BLOCK // len(tensors)))[:2 * stats.ROWS_PER_BLOCK + 7]
+    tensors[5] = torch.tensor([-7, 2, 5])  # an integer tensor: a plain row, beside them
+    sink = stats.RowSink()
+    rows = _rows_through_sink(tensors, sink)
+    assert sum(type(row) is int for row in rows) == len(tensors) - 1
+    with torch.no_grad():
+        expected = stats.to_host([stats.device_stats(t) for t in tensors])
+    got = stats.to_host(rows, sink)
+    assert [str(row) for row in got] == [str(row) for row in expected]  # (nan == nan as text)
+
+
+def test_a_sink_handed_on_to_the_next_pass_reads_only_that_pass_s_rows(monkeypatch):
+    """Blocks go from one pass to the next once read: a later, shorter pass reads its own
+    values, also when read a few rows at a time (sync=True reads after each call)."""
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    first = stats.RowSink()
+    stats.to_host(_rows_through_sink([torch.full((3,), float("nan"))] * 40, first), first)
+    first.release()
+    second = stats.RowSink()
+    tensors = [torch.tensor([1.0, -float(i + 2)]) for i in range(9)]
+    rows = _rows_through_sink(tensors, second)
+    read = []
+    for start in range(0, 9, 4):
+        read += stats.to_host(rows[start:start + 4], second)
+    assert [stats.decode(values)[:3] for values in read] == [(1.0, i + 2.0, False) for i in range(9)]
+
+
+def test_a_row_written_in_place_makes_no_object_for_the_garbage_collector(monkeypatch):
+    """A handle is a plain int, and the row's numbers live in a block: writing a pass of rows
+    leaves nothing the collector tracks (a 0-d tensor and a tuple per row did)."""
+    import gc
+
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    tensors = [torch.randn(4, dtype=torch.bfloat16) for _ in range(500)]
+    warm = stats.RowSink()
+    _rows_through_sink(tensors, warm)
+    warm.release()  # its blocks, made once, serve the next pass
+    sink = stats.RowSink()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        rows = _rows_through_sink(tensors, sink)
+        made = len(gc.get_objects()) - before
+    finally:
+        if enabled:
+            gc.enable()
+    assert all(type(row) is int for row in rows)
+    assert made < 10, made

@@ -247,7 +247,7 @@ class BackwardWatch:
         `action` for when it is not fine; False where they are on the host (or no sentinel)."""
         if self.deferred is None or self.guard.synchronous:
             return False
-        value = numerics.stats_flag(pass_.vectors)
+        value = numerics.stats_flag(pass_.vectors, pass_.sink)
         if value is None:
             return False
         self.deferred.add(value, action)

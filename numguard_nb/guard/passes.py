@@ -79,12 +79,13 @@ class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
     __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
-                 "received_by_module", "thread", "delivered", "backward_calls")
+                 "received_by_module", "thread", "delivered", "backward_calls", "sink")
 
     def __init__(self):
         self.calls: list = []
         self.children: Dict[int, list] = {}  # forward: id(call) -> its direct children, closed
-        self.vectors: list = []  # stats vectors still on the device
+        self.vectors: list = []  # stats vectors still on the device (or their handles in `sink`)
+        self.sink = _stats.RowSink()  # where device rows are written
         self.values: list = []  # stats read back to the host, same indexing
         self.cache: dict = {}  # id(tensor) -> cache entry: one summary (and hook) per tensor
         self.seq = itertools.count()  # arrival order of calls and gradient slots
@@ -121,7 +122,7 @@ class PassRecord:
             if grad_was_enabled:
                 _set_grad_enabled(False)
             try:
-                vec = _stats.device_stats(t, nonzero_min, sign_hints, site)
+                vec = _stats.device_stats(t, nonzero_min, sign_hints, site, self.sink)
             finally:
                 if grad_was_enabled:
                     _set_grad_enabled(True)
@@ -177,12 +178,13 @@ class PassRecord:
         """Move every pending statistic to the host: the pass's one synchronisation."""
         if len(self.values) < len(self.vectors):
             numerics.count_read()
-            self.values.extend(_stats.to_host(self.vectors[len(self.values):]))
+            self.values.extend(_stats.to_host(self.vectors[len(self.values):], self.sink))
 
     def release(self) -> None:
         """Drop what only the recording needed, once read back: device memory and tensor refs."""
         self.vectors = []
         self.cache = {}
+        self.sink.release()
 
     def slots_in_arrival_order(self):
         """(every slot of the pass by arrival order, slot id -> the call it belongs to)."""
