@@ -560,7 +560,8 @@ def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] 
     blocks = other_blocks
     if device_blocks:  # turned into host rows on the device: a few kernels a pass
         blocks = [_host_rows(_joined(device_blocks))] + other_blocks
-    rows = _joined(blocks).cpu().tolist()
+    # tuples of floats, which the garbage collector stops tracking (lists it tracks for good)
+    rows = list(map(tuple, _joined(blocks).cpu().tolist()))
     if not handles and len(groups) == 1:
         return rows
     values: list = [None] * len(vectors)
