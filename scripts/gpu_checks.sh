@@ -12,7 +12,7 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 echo "== cuda tests"
 timeout 240 python -m pytest -q -p no:cacheprovider -m cuda -ra \
   tests/test_sentinel_deferred.py tests/test_guard.py tests/test_replay.py tests/test_distcheck.py \
-  tests/test_stats.py \
+  tests/test_stats.py tests/test_reliability_hooks.py \
   2>&1 | tail -25 | tee "$out/cuda-tests.txt"
 
 echo "== host syncs per training step, a loss outside the model"

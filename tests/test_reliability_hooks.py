@@ -827,6 +827,44 @@ def test_make_fx_inside_the_guard_traces_only_the_model():
     assert traced.code == expected.code
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_call_captured_into_a_cuda_graph_is_left_to_run_as_it_is(monkeypatch, mode):
+    """Under CUDA graph capture the guard's statistics would be recorded for replay, and its
+    read-back would end the capture with an error: it stays out, and watches the next call."""
+    from numguard_nb.guard import hooks
+
+    model = exp_net()
+    with promises_kept(model), Guard(model, mode=mode) as guard:
+        monkeypatch.setattr(hooks, "stream_capturing", lambda: True)
+        model(x4() * 1000)  # an overflow the capture keeps to itself
+        assert guard.detection is None
+        monkeypatch.setattr(hooks, "stream_capturing", lambda: False)
+        with pytest.raises(NonFiniteError):
+            model(x4() * 1000)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_on_cuda_a_graph_captured_inside_the_guard_replays_as_without_it(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).cuda()
+    x = torch.randn(3, 4, device="cuda")
+    with Guard(model, mode=mode) as guard, torch.no_grad():
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        x.mul_(2)
+        graph.replay()
+        torch.testing.assert_close(out, model(x))
+        assert guard.detection is None
+
+
 def _functional_call(model, x):
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     out = torch.func.functional_call(model, params, (x,))

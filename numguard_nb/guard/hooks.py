@@ -56,12 +56,27 @@ _PLAIN_PARAMETERS = (nn.Parameter, torch.Tensor)
 
 def inert_context() -> bool:
     """Whether module calls are being compiled or exported (`torch.compiler.is_compiling()`),
-    traced by `torch.jit.trace`, functionalized, or run under a dispatch mode (fake tensors,
-    `make_fx`, FLOP counters): the values are not real, or the guard's own ops would be recorded
-    as the model's."""
+    traced by `torch.jit.trace`, functionalized, run under a dispatch mode (fake tensors,
+    `make_fx`, FLOP counters) or captured into a CUDA graph: the values are not real, or the
+    guard's own ops would be recorded as the model's (in a CUDA graph, replayed later; and a
+    read-back there would end the capture with an error)."""
     return (_is_compiling() or _get_tracing_state() is not None
             or _dispatch_modes() > 0
-            or torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE))
+            or torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
+            or stream_capturing())
+
+
+def _cuda_stream_capturing() -> bool:
+    # (no CUDA context on the current device: False, without making one)
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def _never() -> bool:
+    return False
+
+
+# A build without CUDA has a stand-in that raises when called.
+stream_capturing = _cuda_stream_capturing if torch.version.cuda or torch.version.hip else _never
 
 
 def forward_raised() -> bool:
