@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run of a few minutes (for a lent machine; see README).
 #   bash scripts/gpu_checks.sh [OUT_DIR]
-# Writes cuda-tests.txt, overhead.md, syncs.txt, replay.txt, ddp.md into OUT_DIR (default $OUT or .).
+# Writes cuda-tests.txt, row-cost.txt, overhead.md, syncs.txt, replay.txt, ddp.md into OUT_DIR
+# (default $OUT or .).
 set -u
 out=${1:-${OUT:-.}}
 mkdir -p "$out"
@@ -63,6 +64,8 @@ except Exception as error:
     print(repr(outcome)[:1500])
 PY
 
+echo "== host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
+timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee "$out/row-cost.txt"
 echo "== overhead of a training step (bf16 autocast, fused AdamW)"
 timeout 300 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
 echo "== the same, run again (run-to-run spread)"

@@ -187,7 +187,7 @@ def test_a_row_that_cannot_be_read_back_is_none_not_nan():
 
     rows = stats.to_host([(torch.tensor(1.0), torch.tensor(2.0), torch.tensor(0.0)),
                           (Unreadable(), Unreadable(), Unreadable())])
-    assert rows[0] == [1.0, 2.0, 0.0]
+    assert rows[0] == (1.0, 2.0, 0.0)
     assert rows[1] is None
 
 
