@@ -302,6 +302,10 @@ class RowSink:
         try:
             torch.aminmax(t, out=(low, high))
             torch.linalg.vector_norm(t, -_INF, out=lowest)
+        except BaseException:
+            for view in (lowest, low, high):  # no handle: a finite row, for a read of the range
+                view.zero_()
+            raise
         finally:
             if autocast:
                 torch.set_autocast_enabled(device_type, True)

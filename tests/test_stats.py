@@ -359,3 +359,29 @@ def test_a_row_written_in_place_makes_no_object_for_the_garbage_collector(monkey
             gc.enable()
     assert all(type(row) is int for row in rows)
     assert made < 10, made
+
+
+def test_a_row_whose_write_fails_leaves_no_stale_value_between_the_pass_s_rows(monkeypatch):
+    """A tensor the in-place reductions refuse gets its plain row instead; the sink's row it took
+    is left finite, not holding the last pass's value, for a check over the range."""
+    from numguard_nb import numerics
+
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    monkeypatch.setattr(numerics, "DEFERRED_DEVICE_TYPES", {"cpu"})
+    earlier = stats.RowSink()
+    _rows_through_sink([torch.full((2,), float("nan"))] * 3, earlier)
+    earlier.release()  # its block, with nan rows, goes to the next pass
+    refused = torch.tensor([1.0, 2.0])
+    aminmax = torch.aminmax
+
+    def refusing(t, *args, **kwargs):
+        if t is refused and "out" in kwargs:
+            raise RuntimeError("no out= for this kind of tensor")
+        return aminmax(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "aminmax", refusing)
+    sink = stats.RowSink()
+    rows = _rows_through_sink([torch.tensor([1.0]), refused, torch.tensor([3.0])], sink)
+    assert [type(row) is int for row in rows] == [True, False, True]
+    assert bool(numerics.stats_flag(rows, sink).isfinite())
+    assert [stats.decode(values)[1] for values in stats.to_host(rows, sink)] == [1.0, 2.0, 3.0]

@@ -67,8 +67,9 @@ def inert_context() -> bool:
 
 
 def _cuda_stream_capturing() -> bool:
-    # (no CUDA context on the current device: False, without making one)
-    return torch._C._cuda_isCurrentStreamCapturing()
+    # Nothing is captured before CUDA is initialised; asking first would fail on a CUDA build
+    # without a usable GPU.
+    return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _never() -> bool:
