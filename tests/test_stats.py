@@ -303,17 +303,19 @@ def _rows_through_sink(tensors, sink):
         return [stats.device_stats(t, sink=sink) for t in tensors]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rows_written_in_place_read_back_as_the_device_rows_do(monkeypatch, dtype):
+def test_rows_written_in_place_read_back_as_the_device_rows_do(monkeypatch, dtype, device):
     """A pass's device rows written into its sink (no tensor per row) read back to the same
     numbers as rows of 0-d tensors, over more rows than a block holds and beside rows of other
-    kinds, in the pass's order."""
+    kinds, in the pass's order (on a GPU, under bf16 autocast too)."""
     monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
-    tensors = list(special_tensors(dtype, 300).values())
+    tensors = [t.to(device) for t in special_tensors(dtype, 300).values()]
     tensors = (tensors * (1 + 2 * stats.ROWS_PER_BLOCK // len(tensors)))[:2 * stats.ROWS_PER_BLOCK + 7]
-    tensors[5] = torch.tensor([-7, 2, 5])  # an integer tensor: a plain row, beside them
+    tensors[5] = torch.tensor([-7, 2, 5], device=device)  # an integer tensor: a plain row, beside them
     sink = stats.RowSink()
-    rows = _rows_through_sink(tensors, sink)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        rows = _rows_through_sink(tensors, sink)
     assert sum(type(row) is int for row in rows) == len(tensors) - 1
     with torch.no_grad():
         expected = stats.to_host([stats.device_stats(t) for t in tensors])
