@@ -114,9 +114,12 @@ def _workspace_view(views: dict, t: torch.Tensor, bits: torch.dtype) -> tuple:
 
 
 def release_workspace() -> None:
-    """Free this thread's scratch buffers (the guard calls it on detach)."""
+    """Free this thread's scratch buffers, and the sinks' spare blocks (the guard calls it on
+    detach: a pass of a guard still attached makes its blocks again)."""
     _workspace.views = None
     _workspace.buffers = {}
+    with _spare_lock:
+        _spare_blocks.clear()
 
 
 # CPU values are read at once (there is nothing to wait for). Tests set it False to run a GPU's

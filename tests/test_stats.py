@@ -387,3 +387,18 @@ def test_a_row_whose_write_fails_leaves_no_stale_value_between_the_pass_s_rows(m
     assert [type(row) is int for row in rows] == [True, False, True]
     assert bool(numerics.stats_flag(rows, sink).isfinite())
     assert [stats.decode(values)[1] for values in stats.to_host(rows, sink)] == [1.0, 2.0, 3.0]
+
+
+def test_a_detached_guard_leaves_no_spare_blocks_of_rows_behind(monkeypatch):
+    """The sinks' blocks go from pass to pass while a guard is attached; detaching frees them
+    (on a GPU they are device memory)."""
+    from torch import nn
+
+    from numguard_nb import Guard
+
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    with Guard(model):
+        model(torch.randn(2, 4)).sum().backward()
+        assert stats._spare_blocks  # handed on between passes
+    assert not any(stats._spare_blocks.values())
