@@ -26,6 +26,7 @@ statistics never enter a torch.jit trace, an export graph or a user's dispatch m
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import importlib
 import math
@@ -162,6 +163,11 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
             return _unusual_stats(t, nonzero_min)
         if not t.numel():
             return None
+        if sink is not None and not nonzero_min and not (CPU_READS_AT_ONCE and t.is_cpu):
+            try:
+                return sink.write(t)  # a device's common case, straight to its row
+            except Exception:  # a tensor the reductions cannot write: the plain ones then
+                return _plain_stats(t, nonzero_min)
         return _summary(t, bits, nonzero_min, sign_hints, site, sink)
     except Exception:  # a tensor type of someone else's: never break the user's forward
         return None
@@ -298,10 +304,9 @@ class RowSink:
             if row == len(rows[1]) * ROWS_PER_BLOCK:
                 rows[1].append(_take_block(key))
         lowest, low, high = rows[1][row // ROWS_PER_BLOCK].views[row % ROWS_PER_BLOCK]
-        device_type = key[0].type
-        autocast = _autocast_enabled(device_type)
+        autocast = _OUT_OVERLOADS_AUTOCAST and _autocast_enabled(key[0].type)
         if autocast:  # (as `_device_row`)
-            torch.set_autocast_enabled(device_type, False)
+            torch.set_autocast_enabled(key[0].type, False)
         try:
             torch.aminmax(t, out=(low, high))
             torch.linalg.vector_norm(t, -_INF, out=lowest)
@@ -311,25 +316,39 @@ class RowSink:
             raise
         finally:
             if autocast:
-                torch.set_autocast_enabled(device_type, True)
+                torch.set_autocast_enabled(key[0].type, True)
         return rows[0] << _ROW_BITS | row
 
     def device_of(self, handle: int) -> torch.device:
         return self._keys[handle >> _ROW_BITS][0]
 
+    def only_device(self) -> Optional[torch.device]:
+        """The device of every row written, or None (no rows, or rows of several devices)."""
+        devices = {device for device, _ in self._keys}
+        return devices.pop() if len(devices) == 1 else None
+
     def rows_of(self, handles: list) -> tuple:
         """(device rows as one matrix per dtype, in order, each handle's place among them)."""
-        by_key: dict = {}
-        for handle in handles:
-            by_key.setdefault(handle >> _ROW_BITS, []).append(handle & _ROW_MASK)
-        matrices, places, start = [], {}, 0
-        for number, rows in by_key.items():
-            low, high = min(rows), max(rows)
-            matrices.append(self._matrix(self._rows[self._keys[number]][1], low, high + 1))
-            for row in rows:
-                places[number << _ROW_BITS | row] = start + row - low
-            start += high + 1 - low
-        return matrices, [places[handle] for handle in handles]
+        if not handles:
+            return [], []
+        numbers = {handle >> _ROW_BITS for handle in handles}
+        ordered = sorted(handles) if len(numbers) > 1 else None
+        matrices, bases, start = [], {}, 0
+        for number in sorted(numbers):
+            if ordered is None:
+                low, high = min(handles), max(handles)
+            else:  # the handles of this dtype lie between its number and the next
+                first = number << _ROW_BITS
+                low = ordered[bisect.bisect_left(ordered, first)]
+                high = ordered[bisect.bisect_left(ordered, first + _ROW_MASK + 1) - 1]
+            matrices.append(self._matrix(self._rows[self._keys[number]][1], low & _ROW_MASK,
+                                         (high & _ROW_MASK) + 1))
+            bases[number] = low - start  # a handle's place: itself less its dtype's base
+            start += high - low + 1
+        if len(bases) == 1:
+            base = bases[number]
+            return matrices, [handle - base for handle in handles]
+        return matrices, [handle - bases[handle >> _ROW_BITS] for handle in handles]
 
     @staticmethod
     def _matrix(blocks: list, start: int, stop: int) -> torch.Tensor:
@@ -350,6 +369,22 @@ class RowSink:
 ROWS_PER_BLOCK = 256
 _ROW_BITS = 32
 _ROW_MASK = (1 << _ROW_BITS) - 1
+
+
+def _out_overloads_autocast() -> bool:
+    """Whether autocast would cast the inputs of the `out=` reductions a sink writes with. It
+    has no kernel for `out=` overloads (only the functional `linalg_vector_norm` is cast to
+    float32), so the sink need not turn autocast off per row; a torch that adds one, or hides
+    its dispatch table, gets the switch back."""
+    try:
+        tables = [torch._C._dispatch_dump(op) for op in ("aten::aminmax.out",
+                                                         "aten::linalg_vector_norm.out")]
+    except Exception:
+        return True
+    return any("Autocast" in table for table in tables)
+
+
+_OUT_OVERLOADS_AUTOCAST = _out_overloads_autocast()
 
 
 class _Block:
@@ -541,8 +576,14 @@ def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] 
     stack of mixed dtypes (bfloat16 activations beside float32 weights under autocast) is a
     copy per value (cat's fallback: a kernel launch each on a GPU), one of a single dtype is one
     batched copy. A sink's rows come as matrices already."""
-    width = len(vectors[0]) if type(vectors[0]) is not int else 3
     host_float = _host_float(device)
+    if type(vectors[0]) is int and all(type(vec) is int for vec in vectors):
+        # A sink's rows only (the device path's common case): in order with one comprehension.
+        matrices, places = sink.rows_of(vectors)
+        rows = _host_rows(_joined([matrix.to(host_float) for matrix in matrices]))
+        rows = list(map(tuple, rows.cpu().tolist()))
+        return [rows[place] for place in places]
+    width = len(vectors[0]) if type(vectors[0]) is not int else 3
     groups: dict = {}
     handles: list = []
     for index, vec in enumerate(vectors):
@@ -586,7 +627,7 @@ def _host_rows(rows: torch.Tensor) -> torch.Tensor:
     """A matrix of `DeviceRow` values, (abs min, min, max, ...), as host rows, (abs min, abs max,
     signs, ...), on its device. Beside a nan, the infinities are unknown (signs nan)."""
     low, high = rows[:, 1], rows[:, 2]
-    abs_max = torch.maximum(-low, high)  # nan where either is
+    abs_max = torch.maximum(-low, high).add_(0.0)  # nan where either is; -0.0 made 0.0
     positive, negative = high == _INF, low == -_INF
     signs = torch.where(positive & negative, math.nan,
                         torch.where(positive, _INF, torch.where(negative, -_INF, 0.0)))
@@ -627,6 +668,10 @@ def _one_to_host(vec, sink) -> Optional[list]:
 
 
 def _to_host(vectors: list, sink) -> list:
+    if sink is not None and type(vectors[0]) is int:
+        device = sink.only_device()
+        if device is not None and all(type(vec) is int for vec in vectors):
+            return _stack_to_host(vectors, device, sink)
     values: list = [None] * len(vectors)
     by_device: dict = {}
     for index, vec in enumerate(vectors):

@@ -402,3 +402,59 @@ def test_a_detached_guard_leaves_no_spare_blocks_of_rows_behind(monkeypatch):
         model(torch.randn(2, 4)).sum().backward()
         assert stats._spare_blocks  # handed on between passes
     assert not any(stats._spare_blocks.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_row_written_under_autocast_makes_no_float32_copy_and_needs_no_switch(monkeypatch, device):
+    """Autocast casts the functional `linalg_vector_norm` to float32 on a GPU (a copy of the
+    tensor per row), but has no kernel for the `out=` overloads a sink writes with: the sink
+    writes under autocast as it is, without turning it off and on per row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for op in ("aten::aminmax.out", "aten::linalg_vector_norm.out"):
+        assert "Autocast" not in torch._C._dispatch_dump(op), op
+    assert stats._OUT_OVERLOADS_AUTOCAST is False
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    tensors = [torch.randn(64, 64, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    sink = stats.RowSink()
+    with torch.autocast(device, dtype=torch.bfloat16), profile(activities=[ProfilerActivity.CPU]) as prof:
+        rows = _rows_through_sink(tensors, sink)
+    names = collections.Counter(event.name for event in prof.events())
+    assert all(type(row) is int for row in rows)
+    assert names["aten::_to_copy"] == 0 and names["aten::linalg_vector_norm"] == 4, names
+    assert [stats.decode(values)[1] for values in stats.to_host(rows, sink)] == [
+        float(t.abs().max()) for t in tensors]
+
+
+def test_a_device_row_of_zeros_reads_plus_zero_not_minus_zero(monkeypatch):
+    """abs max is max(-min, max): for zeros -0.0 beside 0.0, which a report printed as
+    -0.00e+00; the row reads +0.0, as the host's does."""
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    sink = stats.RowSink()
+    zeros = [torch.zeros(3), torch.zeros(2, dtype=torch.bfloat16)]
+    with torch.no_grad():
+        rows = _rows_through_sink(zeros, sink) + [stats.device_stats(t) for t in zeros]
+    values = stats.to_host(rows[:2], sink) + stats.to_host(rows[2:])
+    assert [math.copysign(1.0, row[1]) for row in values] == [1.0] * 4, values
+
+
+def test_sink_rows_of_interleaved_dtypes_read_back_in_the_pass_s_order(monkeypatch):
+    """Under autocast a pass writes float32, bfloat16 and float16 rows turn about into their
+    own blocks; read at once, or a few at a time as sync=True reads, each handle gets its own
+    tensor's row, with one transfer per read (not the one-by-one fallback after an error)."""
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    tensors = [torch.tensor([i + 1.0, -2.0 * (i + 1)], dtype=dtypes[i % 3] if i % 7 else torch.float32)
+               for i in range(2 * stats.ROWS_PER_BLOCK + 50)]
+    expected = [(i + 1.0, 2.0 * (i + 1)) for i in range(len(tensors))]
+    monkeypatch.setattr(stats, "_one_to_host", lambda *_: pytest.fail("read one by one"))
+    for piece in (len(tensors), 5, 97):
+        sink = stats.RowSink()
+        rows = _rows_through_sink(tensors, sink)
+        read = []
+        for start in range(0, len(rows), piece):
+            read += stats.to_host(rows[start:start + piece], sink)
+        got = [stats.decode(values)[:2] for values in read]
+        assert got == [(float(torch.tensor(lo, dtype=t.dtype)), float(torch.tensor(hi, dtype=t.dtype)))
+                       for (lo, hi), t in zip(expected, tensors)], piece
+        sink.release()
