@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run of a few minutes (for a lent machine; see README).
 #   bash scripts/gpu_checks.sh [OUT_DIR]
-# Writes cuda-tests.txt, row-cost.txt, overhead.md, syncs.txt, replay.txt, ddp.md into OUT_DIR
-# (default $OUT or .).
+# Writes checks.txt (the device, the cuda tests, host syncs, the replay, row cost, DDP), overhead.md,
+# overhead-again.md, memory.txt and profile.txt into OUT_DIR (default $OUT or .): few files, as a
+# lent machine sends back at most 8. The profile comes last, so a run cut short keeps the rest.
 set -u
 out=${1:-${OUT:-.}}
 mkdir -p "$out"
+section() { echo "== $*" | tee -a "$out/checks.txt"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi -L | tee "$out/device.txt"
-python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
+nvidia-smi -L | tee -a "$out/checks.txt"
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/checks.txt"
 
-echo "== cuda tests"
+section "cuda tests"
 timeout 240 python -m pytest -q -p no:cacheprovider -m cuda -ra \
   tests/test_sentinel_deferred.py tests/test_guard.py tests/test_replay.py tests/test_distcheck.py \
   tests/test_stats.py tests/test_reliability_hooks.py \
-  2>&1 | tail -25 | tee "$out/cuda-tests.txt"
+  2>&1 | tail -25 | tee -a "$out/checks.txt"
 
-echo "== host syncs per training step, a loss outside the model"
-timeout 120 python - <<'PY' 2>&1 | tee "$out/syncs.txt"
+section "host syncs per training step, a loss outside the model"
+timeout 120 python - <<'PY' 2>&1 | tee -a "$out/checks.txt"
 import warnings, torch, torch.nn.functional as F
 from torch import nn
 from numguard_nb import Guard
@@ -44,8 +46,8 @@ for name, options in [("none", None), ("sentinel", {"mode": "sentinel"}), ("sent
     print(f"{name}: {len(found)} host syncs in a step"); [print("   ", f) for f in found]
 PY
 
-echo "== replay of a device-side assert in the loss code"
-timeout 120 python - <<'PY' 2>&1 | tail -15 | tee "$out/replay.txt"
+section "replay of a device-side assert in the loss code"
+timeout 120 python - <<'PY' 2>&1 | tail -15 | tee -a "$out/checks.txt"
 import torch, torch.nn.functional as F
 from torch import nn
 from numguard_nb import Guard
@@ -64,16 +66,25 @@ except Exception as error:
     print(repr(outcome)[:1500])
 PY
 
-echo "== host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
-timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee "$out/row-cost.txt"
-echo "== overhead of a training step (bf16 autocast, fused AdamW)"
+section "host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
+timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee -a "$out/checks.txt"
+section "overhead of a training step (bf16 autocast, fused AdamW)"
 timeout 300 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
-echo "== the same, run again (run-to-run spread)"
+section "the same, run again (run-to-run spread)"
 timeout 200 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | grep -E "none|sentinel" | tee "$out/overhead-again.md"
 
-echo "== DDP over nccl, one process"
-timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee "$out/ddp.md"
-echo "== distcheck: 2 processes on 1 GPU"
-timeout 60 python -m torch.distributed.run --nproc_per_node 2 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/ddp.md"
+section "DDP over nccl, one process"
+timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee -a "$out/checks.txt"
+section "distcheck: 2 processes on 1 GPU"
+timeout 60 python -m torch.distributed.run --nproc_per_node 2 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/checks.txt"
 
 bash scripts/gpu_memory.sh "$out"
+
+echo "== where a step's time goes on the GPU (cProfile, torch.profiler, the device's idle gaps)"
+for spec in "stack194 none" "stack194 sentinel" "gpt2-124m full"; do
+  set -- $spec
+  echo "=== $1 $2" >> "$out/profile.txt"
+  timeout 100 python benchmarks/profile_step.py --model "$1" --config "$2" --device cuda --steps 6 --top 15 \
+    2>&1 | grep -v "^USDT\|^STAGE" >> "$out/profile.txt"
+done
+grep -A2 "^===\|device timeline" "$out/profile.txt"
