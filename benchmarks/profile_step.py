@@ -104,7 +104,7 @@ def device_timeline(events: list, steps: int, gap_us: float = 20.0) -> str:
             start = begin
         end = max(end, finish)
     total += end - start
-    span = end - busy[0][0]
+    span = max(end - busy[0][0], 1e-9)  # (kernels of no length alone: a span of 0)
     waits: dict = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") == "cuda_runtime" and e.get("name") in _MAY_BLOCK and "dur" in e:

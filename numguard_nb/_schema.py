@@ -20,6 +20,9 @@ GRAD_OUTPUT = "grad_output"
 GRAD_INPUT = "grad_input"
 GRAD_PARAM = "grad_param"
 GRADIENT_CATEGORIES = frozenset((GRAD_OUTPUT, GRAD_INPUT, GRAD_PARAM))
+# The role of a buffer as a call's forward left it, after changing it in place (an output row):
+# "embed (after forward)".
+WRITTEN_IN_FORWARD = " (after forward)"
 
 # ---- value kinds: what a row's value is (TensorRow.kind) ------------------------------------
 VALUE_TENSOR = "tensor"
@@ -57,6 +60,8 @@ PROBLEM_UNDERFLOW = "underflow"  # non-zero, but below limit_dtype's smallest va
 ORIGIN_OPTIMIZER_STEP = "optimizer step"  # a step the guard saw since the forward before wrote them
 ORIGIN_OUTSIDE_FORWARD = "outside the forward"  # no step since a forward that found them finite
 ORIGIN_BEFORE_ATTACH = "before attach"  # non-finite in the guard's first forward of the model
+# buffers: finite when the forward before began; written since, by that forward or code after it
+ORIGIN_SINCE_FORWARD = "since the forward before"
 
 # ---- history cells: what a module's cell of the numerics history holds (codes in int8 arrays) --
 CELL_VALUE = 0  # a finite abs max (zero included)

@@ -21,7 +21,8 @@ from typing import Optional
 from ._schema import (
     BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS,
     CODE_CAUSES, FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, OUTSIDE_MODULE, PARAM, VALUE_TENSOR,
+    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, OUTSIDE_MODULE, PARAM, VALUE_TENSOR,
+    WRITTEN_IN_FORWARD,
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
@@ -300,6 +301,12 @@ def _in_float32(facts: Facts) -> str:
 
 
 # ---- causes outside a module's code ----------------------------------------------------------
+def _pronoun(rows, object_: bool = False) -> str:
+    if len(rows) == 1:
+        return "it"
+    return "them" if object_ else "they"
+
+
 def _subject(rows, where: str, adjective: str = "") -> str:
     """'The weight of fc (Linear) holds' / 'The weight, bias of fc (Linear) hold'."""
     verb = "holds" if len(rows) == 1 else "hold"
@@ -321,6 +328,17 @@ def _weights_hint(facts: Facts) -> str:
         reset = (f"reset them with `{_module_path(frame.module_name)}.reset_running_stats()` or "
                  "reload a checkpoint" if "Norm" in frame.module_class
                  else "reload them from a checkpoint")
+        if origin == ORIGIN_SINCE_FORWARD:
+            held = f"{subject}, and {_pronoun(rows)} held none when the model's forward before began"
+            if "Norm" in frame.module_class:
+                return (f"{held}: that forward's batch held inf/nan (or values whose variance "
+                        f"overflows) and the running statistics kept it, or code after it wrote "
+                        f"them. Find that batch, then {reset}.")
+            return (f"{held}: the forward of {where} updated {_pronoun(rows, object_=True)} where "
+                    "autograd does not see it (in place through `.data`, as an EMA of statistics "
+                    "or a codebook does: look for a division by a count that can be 0, such as a "
+                    "code no input chose), or code after that forward did. An update made under "
+                    "`torch.no_grad()` without `.data` is named by the guard as it is written.")
         attached = (", the guard's first forward of the model: they were already non-finite when "
                     "it attached, e.g. because" if origin == ORIGIN_BEFORE_ATTACH else ":")
         return (f"{subject}{attached} an earlier batch holding inf/nan went through it in "
@@ -679,9 +697,14 @@ def _general_hint(facts: Facts) -> str:
     if facts.inf:
         origins.append(f"inf from x/0, log(0), an overflow{past} or a constant such as a -inf "
                        "mask")
+    written = [row.role[:-len(WRITTEN_IN_FORWARD)] for row in facts.flagged
+               if row.role.endswith(WRITTEN_IN_FORWARD)]
+    into = (f" and wrote it into {', '.join(written)}, {'a buffer' if len(written) == 1 else 'buffers'}"
+            " its forward updates in place (an EMA of statistics, a codebook: a division by a count"
+            " that can be 0, such as a code no input chose, makes nan)" if written else "")
     text = (f"{where} made {found}{facts.in_op}{facts.at_line} from finite inputs and weights"
-            f"{given}. {'; '.join(origins) or 'An overflow'}: check that computation's operands "
-            "for zeros, negatives and large values (`t.abs().max()`).")
+            f"{given}{into}. {'; '.join(origins) or 'An overflow'}: check that computation's "
+            "operands for zeros, negatives and large values (`t.abs().max()`).")
     if facts.inf and not facts.nan:
         allowed = f'["{facts.frame.module_name}"]' if facts.frame.module_name else "True"
         text += (" If the inf is a mask on purpose, allow it: "

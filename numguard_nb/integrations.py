@@ -64,7 +64,7 @@ class _GuardedRun:
     @property
     def report(self) -> Report | None:
         """The last run's report: the detection if there was one, else the last frames seen."""
-        return self.guard.report if self.guard is not None else None
+        return self.guard.latest_report() if self.guard is not None else None
 
     @property
     def skipped_steps(self) -> list[SkippedStep]:

@@ -103,6 +103,25 @@ class _CellOutcome:
         raise error
 
 
+def _assigned_names(tree: ast.Module) -> set:
+    """The names a cell's code assigns in the namespace: targets of its assignments, loops,
+    `with ... as`, imports (not those inside the functions and classes it defines)."""
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).partition(".")[0])
+        todo.extend(ast.iter_child_nodes(node))
+    return names
+
+
 # ---- what IPython shows of a cell ----------------------------------------------------------
 _CELL_MAGIC_LINE = re.compile(r"%%numguard(\s|$)")
 
@@ -148,8 +167,9 @@ class NumguardMagics(Magics):
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
         submodule of another one is guarded, and each Trainer stands for its model. Before each
-        top-level statement of the cell the guard looks these names up again, so a model rebuilt (or a
-        submodule replaced) is guarded from the next statement on.
+        top-level statement of the cell the guard looks these names up again (and, without names,
+        for models made since), so a model the cell makes or rebuilds (or a submodule replaced) is
+        guarded from the next statement on.
 
         A GradScaler in the namespace (a variable, or a Trainer's; --scaler NAME picks one) is
         handed to the guard: a gradient overflow in a step it skips is recorded, not stopped, until
@@ -183,8 +203,9 @@ class NumguardMagics(Magics):
         MODEL names a torch.nn.Module or a Hugging Face Trainer (its .model) in the namespace (dotted
         names such as trainer.model work). Without a name, every nn.Module of the namespace that is not a
         submodule of another one is guarded, and each Trainer stands for its model. Before each cell the
-        guard looks these names up again, so a model rebuilt (or a submodule replaced) is guarded from
-        that cell on. Batches count across cells.
+        guard looks these names up again (and, without names, for models made since), so a model
+        made or rebuilt (or a submodule replaced) is guarded from that cell on. Batches count across
+        cells.
 
         On a detection the report is displayed, then the cell fails with a one-line error naming the
         culprit and the batch; the report is kept as `_numguard` (and in -o NAME). `on` takes the
@@ -214,15 +235,54 @@ class NumguardMagics(Magics):
         if command in _COMMANDS and command not in self.shell.user_ns:
             raise UsageError(f"%%numguard guards the cell below it; for '{command}' use the line "
                              f"magic %numguard {command} (one %)")
-        run = self._start_run(args, "%%numguard")
-        code = self._compile_cell(cell)  # a SyntaxError is raised before any hook
-        outcome = self._run_cell(run, code)
+        magic = "%%numguard"
+        code, assigned = self._compile_cell(cell)  # a SyntaxError is raised before any hook
+        waiting_for = self._made_by_cell(args.names, assigned)
+        if waiting_for:  # the cell makes its model: guarded from the statement after
+            try:  # bad options are refused now, not when a model appears
+                guard_options(args, capture=False)
+            except (TypeError, ValueError) as error:
+                raise UsageError(f"{magic}: {message_line(error)}") from None
+            run = None
+        else:
+            run = self._start_run(args, magic)
+        run, outcome = self._run_cell(run, code, lambda: self._cell_run_if_ready(args, magic))
+        if run is None:
+            if not args.quiet:
+                print(f"numguard: nothing was guarded: the cell made {waiting_for} in its last "
+                      "statement or not at all (a model is guarded from the statement after the "
+                      "one that makes it)")
+            return outcome.result("")
         self._show(run.finish_cell(failed=outcome.error is not None))
         self._show(run.show_headroom())
         if outcome.error is not None and run.guard.capture is not None \
                 and _is_device_error(outcome.error):
             self._replay_after_error(run, outcome.error)
         return outcome.result(run.hint)
+
+    def _made_by_cell(self, names: List[str], assigned: set) -> str:
+        """What a `%%numguard` cell must make before it is guarded, in words ('' where it can
+        start now): 'a model' where the namespace holds none and no name is given; the names not
+        defined yet where the cell assigns each of them (a name it does not assign is a typo or a
+        model of another cell: refused with the namespace's suggestion when the run starts)."""
+        if not names:
+            return self._not_defined_yet(names)
+        missing = [name for name in names if name.partition(".")[0] not in self.shell.user_ns]
+        if missing and all(name.partition(".")[0] in assigned for name in missing):
+            return " and ".join(missing)
+        return ""
+
+    def _cell_run_if_ready(self, args, magic: str) -> Optional[GuardedRun]:
+        """The run of a `%%numguard` cell whose models did not exist when it began: made once
+        they do (before a statement), else None."""
+        namespace = self.shell.user_ns
+        if (self._not_defined_yet(args.names) if not args.names else
+                any(name.partition(".")[0] not in namespace for name in args.names)):
+            return None
+        run = self._start_run(args, magic)
+        if not args.quiet:
+            print(f"numguard: guarding {run.describe()} from here on")
+        return run
 
     def _on(self, rest: str) -> None:
         args = parse(ON, rest)
@@ -417,7 +477,8 @@ class NumguardMagics(Magics):
             return GuardedRun(self.shell.user_ns, models, guard_options(args, capture, scaler),
                               output=args.output, quiet=args.quiet,
                               shorten=lambda error, hint: _make_short(error, hint, show_first),
-                              scaler_name=scaler_name)
+                              scaler_name=scaler_name, every_model=not args.names,
+                              hidden=getattr(self.shell, "user_ns_hidden", {}))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
@@ -451,10 +512,10 @@ class NumguardMagics(Magics):
             frame = frame.f_back
         return self.shell.execution_count
 
-    def _compile_cell(self, cell: str) -> list:
+    def _compile_cell(self, cell: str) -> tuple:
         """The cell's code, one top-level statement at a time (the last one, an expression,
         compiled to give the cell's value), compiled the way IPython compiles a cell: all of it
-        before any of it runs."""
+        before any of it runs; and the names it assigns in the namespace."""
         shell = self.shell
         # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
         source = "\n" + shell.transform_cell(cell)
@@ -463,25 +524,30 @@ class NumguardMagics(Magics):
         code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
-        return code
+        return code, _assigned_names(tree)
 
-    def _run_cell(self, run: GuardedRun, code: list) -> _CellOutcome:
+    def _run_cell(self, run: Optional[GuardedRun], code: list, start) -> tuple:
         """Run the statements one by one, each on the models their names stand for by then: a
-        model the cell rebuilds is guarded from the statement after (never by running a statement
-        again)."""
+        model the cell makes or rebuilds is guarded from the statement after (never by running a
+        statement again). Without a run yet, `start()` makes it once its models exist (else
+        None). (The run, or None; how the cell ended.)"""
         __tracebackhide__ = True  # noqa: F841
         shell = self.shell
         value = None
         try:
             try:
                 for statement in code:
-                    self._show(run.step())
+                    if run is None:
+                        run = start()
+                    if run is not None:
+                        self._show(run.step())
                     value = eval(statement, shell.user_global_ns, shell.user_ns)  # exec code gives None
             finally:
-                run.guard.detach()
+                if run is not None:
+                    run.guard.detach()
         except BaseException as error:
-            return _CellOutcome(error=error)
-        return _CellOutcome(value=value)
+            return run, _CellOutcome(error=error)
+        return run, _CellOutcome(value=value)
 
     def _replay_after_error(self, run: GuardedRun, error: BaseException) -> None:
         try:

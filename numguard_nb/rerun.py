@@ -35,7 +35,7 @@ import torch
 from ._util import compiled_original
 
 __all__ = ["CallState", "take", "autocast_dtype", "enter_autocast", "entered", "Kept",
-           "finite_running_statistics", "CallerRandomState", "run_alone", "eager", "original_name",
+           "finite_running_statistics", "buffers_at_start", "CallerRandomState", "run_alone", "eager", "original_name",
            "compiled_parts", "swapped", "eager_stance", "aot_eager", "involves_compiled",
            "without_parallel_wrapper", "collective_in"]
 
@@ -169,6 +169,31 @@ class Kept:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+# A forward's buffers copied at each top-level call under ops=True, up to this many bytes.
+BUFFER_COPY_BYTES = 64 * 2**20
+
+
+def buffers_at_start(root: torch.nn.Module) -> Optional[list]:
+    """(module, name, buffer, copy) of each floating buffer of `root` that its forward may update
+    (in place, or by assigning a new tensor) and read again (an EMA, a codebook), taken as a call
+    starts, so that a re-run of the call can start from what it saw. Normalisation layers'
+    running statistics are left out: in training they shape no output. None past
+    `BUFFER_COPY_BYTES` (a cache kept in buffers)."""
+    copies, size = [], 0
+    with torch.no_grad():
+        for module in root.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+                continue
+            for name, buffer in module._buffers.items():
+                if buffer is None or not buffer.is_floating_point():
+                    continue
+                size += buffer.numel() * buffer.element_size()
+                if size > BUFFER_COPY_BYTES:
+                    return None
+                copies.append((module, name, buffer, buffer.clone()))
+    return copies
 
 
 def finite_running_statistics(modules: Iterable[torch.nn.Module]) -> None:

@@ -222,15 +222,21 @@ class GuardedRun:
             one-line display).
         scaler_name: the name `options.scaler` was found under (`find_scaler`), followed like
             the models' names.
+        every_model: the models are every model of the namespace (no names were given): each
+            step looks for models made since as well (`hidden`: the shell's own variables).
     """
 
     def __init__(self, namespace: dict, models: Dict[str, nn.Module],
                  options: GuardOptions = GuardOptions(), *,
                  output: Optional[str] = None, quiet: bool = False,
                  shorten: Callable[[BaseException, str], BaseException] = _as_is,
-                 scaler_name: Optional[str] = None):
+                 scaler_name: Optional[str] = None, every_model: bool = False,
+                 hidden: Optional[Mapping] = None):
         self.namespace = namespace
         self.names = tuple(models)  # the names followed from step to step
+        self.every_model = every_model
+        self._hidden = hidden
+        self._made_since: set = set()  # names found since the start (every_model)
         self.scaler_name = scaler_name
         self.models = dict(models)  # what they stand for now
         self.missing: Dict[str, str] = {}  # name -> why it stands for no model now
@@ -319,6 +325,14 @@ class GuardedRun:
         return [f"numguard: {name} is a new {type(scaler).__name__}: the steps it skips are let through"]
 
     def _look_up(self) -> Tuple[Dict[str, nn.Module], Dict[str, str]]:
+        if self.every_model:  # models made since are followed too
+            try:
+                made = find_models(self.namespace, (), self._hidden)
+            except LookupError:
+                made = {}
+            new = tuple(name for name in made if name not in self.names)
+            self.names += new
+            self._made_since.update(new)
         found: Dict[str, nn.Module] = {}
         missing: Dict[str, str] = {}
         for name in self.names:
@@ -347,7 +361,10 @@ class GuardedRun:
                     lines.append(f"numguard: {missing[name]}")
                 continue
             kind = type(models[name]).__name__
-            if name not in self.models:
+            if name in self._made_since:
+                self._made_since.discard(name)
+                lines.append(f"numguard: {name} is a new {kind}: guarding it")
+            elif name not in self.models:
                 lines.append(f"numguard: {name} is a {kind} again: guarding it")
             elif models[name] is not self.models[name]:
                 lines.append(f"numguard: {name} is a new {kind}: guarding it")
@@ -409,7 +426,7 @@ class GuardedRun:
         reports = self.collect()
         if reports:
             return ToShow(reports=[] if self.quiet else reports)
-        latest = self.guard.report
+        latest = self.guard.latest_report()
         self._keep(latest)
         if self.quiet or failed:
             return ToShow()

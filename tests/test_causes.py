@@ -26,7 +26,7 @@ from numguard_nb import Guard, NonFiniteError
 from numguard_nb._schema import (
     CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_LOSS_GRADIENT,
     CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CAUSES, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, CAUSE_OUTSIDE, OUTSIDE_MODULE,
+    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, CAUSE_OUTSIDE, OUTSIDE_MODULE, WRITTEN_IN_FORWARD,
 )
 from numguard_nb.guard import frames
 from numguard_nb.guard.options import GuardOptions
@@ -199,10 +199,141 @@ def test_buffers_from_an_earlier_batch_keep_their_own_words():
         model(batch())
 
     report = detection(model, two_batches)
-    assert report.weights_origin == "" and "running statistics went bad" in report.reason
+    assert report.weights_origin == ORIGIN_SINCE_FORWARD
+    assert report.reason.endswith("they held none when the forward of batch 0 began, so that "
+                                  "forward wrote them (an update inside 1 (BatchNorm1d)) or code "
+                                  "run after it did"), report.reason
+    assert "running statistics kept it, or code after it wrote them" in report.hint
     report = detection(model, lambda: model(batch()))
     assert report.weights_origin == ORIGIN_BEFORE_ATTACH
     assert "running statistics kept it" in report.hint and "attached" in report.hint
+
+
+class EMACodebook(nn.Module):
+    """A VQ-VAE codebook updated by an EMA in its forward, its cluster sizes from 0 (as in
+    rosinality/vq-vae-2-pytorch#72 and nadavbh12/VQ-VAE#11): a code no input chose gets 0/0.
+    `style`: how the forward writes its buffers, in place, assigned anew (as
+    zalandoresearch/pytorch-vq-vae) or through `.data` (as rosinality/vq-vae-2-pytorch)."""
+
+    def __init__(self, style: str = "in place", codes: int = 8, dim: int = 4):
+        super().__init__()
+        self.style = style
+        embed = torch.randn(codes, dim, generator=torch.Generator().manual_seed(2))
+        self.register_buffer("embed", embed)
+        self.register_buffer("cluster_size", torch.zeros(codes))
+        self.register_buffer("embed_sum", embed.clone())
+
+    def forward(self, x):
+        code = torch.cdist(x, self.embed).argmin(1)
+        onehot = F.one_hot(code, len(self.embed)).type(x.dtype)
+        quantized = F.embedding(code, self.embed)
+        if self.training:
+            with torch.no_grad():
+                if self.style == "assigned":
+                    self.cluster_size = onehot.sum(0)
+                    self.embed_sum = onehot.t() @ x
+                    self.embed = self.embed_sum / self.cluster_size.unsqueeze(1)
+                    return x + (quantized - x).detach()
+                sizes, sums, embed = ((self.cluster_size.data, self.embed_sum.data, self.embed.data)
+                                      if self.style == ".data" else
+                                      (self.cluster_size, self.embed_sum, self.embed))
+                sizes.copy_(onehot.sum(0))
+                sums.copy_(onehot.t() @ x)
+                embed.copy_(sums / sizes.unsqueeze(1))
+        return x + (quantized - x).detach()
+
+
+def vq_model(style: str = "in place") -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), EMACodebook(style), nn.Linear(4, 4))
+
+
+def train_steps(model, steps: int = 3):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run():
+        for _ in range(steps):
+            model(batch(3)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return run
+
+
+@pytest.mark.parametrize("style", ["in place", "assigned"])
+@pytest.mark.parametrize("read_at_once", [True, False], ids=["cpu-path", "gpu-path"])
+def test_nan_a_forward_writes_into_its_own_buffer_is_named_in_that_call(monkeypatch, read_at_once,
+                                                                         style):
+    """The codebook's outputs stay finite (no input picks the nan codes), but its forward wrote
+    nan into its buffer: that call is named, in that batch, with the buffer as it left it."""
+    from numguard_nb import stats
+
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", read_at_once)
+    model = vq_model(style)
+    report = detection(model, train_steps(model))
+    assert (report.first_nonfinite.module_name, report.cause, report.batch_number) == ("1", CAUSE_FORWARD, 0)
+    assert [row.role for row in report.first_nonfinite.flagged_rows] == ["embed" + WRITTEN_IN_FORWARD]
+    assert "wrote it into embed, a buffer its forward updates in place" in report.hint
+    assert "a code no input chose" in report.hint
+
+
+@pytest.mark.parametrize("style", ["in place", "assigned"])
+def test_ops_names_the_division_that_wrote_nan_into_a_buffer_the_forward_reads_too(style):
+    """ops=True re-runs the call from the buffers it started with (its forward read and updated
+    them), names the op and line that made the nan it wrote, and leaves the buffers as the
+    failing call left them."""
+    model = vq_model(style)
+    left = {}
+
+    def run():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model[1].register_forward_hook(  # (the failing call's: the re-run calls it again)
+            lambda module, args, output: left.setdefault("call", (module.embed.clone(), module.embed)) and None)
+        model(batch(3)).square().mean().backward()
+        optimizer.step()
+
+    report = detection(model, run, ops=True)
+    frame = report.first_nonfinite
+    assert (frame.module_name, frame.op) == ("1", "aten.div.Tensor"), frame.op_note
+    assert ("sums / sizes" in frame.source or "self.embed_sum / self.cluster_size" in frame.source)
+    assert "divided 0 by 0" in report.hint
+    values, held = left["call"]
+    assert model[1].embed is held  # the very tensor, not the re-run's
+    assert torch.equal(model[1].embed.isnan(), values.isnan())
+    assert torch.equal(model[1].embed.nan_to_num(), values.nan_to_num())
+
+
+def test_nan_written_into_a_buffer_through_data_is_named_at_the_next_forward_with_its_batch():
+    """An update through `.data` moves no version counter, so the write itself is not seen: the
+    next forward finds the buffer non-finite, and says the forward before found it finite."""
+    model = vq_model(".data")
+    report = detection(model, train_steps(model))
+    assert (report.first_nonfinite.module_name, report.cause, report.batch_number) == ("1", CAUSE_WEIGHTS, 1)
+    assert report.weights_origin == ORIGIN_SINCE_FORWARD
+    assert "held none when the forward of batch 0 began" in report.reason
+    assert "through `.data`" in report.hint and "a code no input chose" in report.hint
+
+
+def test_buffers_written_finite_in_forward_raise_nothing():
+    """Healthy buffers updated in forward (an EMA of activations, BatchNorm's running statistics)
+    are no alarm; the EMA's shows as each call left it."""
+
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(4))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.mean.lerp_(x.mean(0), 0.1)
+            return x - self.mean
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Ema(), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    with Guard(model) as guard:
+        train_steps(model, steps=5)()
+        frames_ = [frame for frame in guard.report.frames if frame.phase == FORWARD]
+    roles = {(frame.module_name, row.role) for frame in frames_ for row in frame.rows}
+    assert ("1", "mean" + WRITTEN_IN_FORWARD) in roles
 
 
 # ---- the hook: global while attached, gone after ----------------------------------------------

@@ -1073,3 +1073,20 @@ def test_an_uncaught_error_in_a_script_says_the_op_the_line_and_the_hint(tmp_pat
     assert "first non-finite op: aten.log.default" in said
     assert f"called from: {script}:5: loss = torch.log(model(torch.ones(2, 4)) - 100).mean()" in said
     assert "err.report after `except numguard_nb.NonFiniteError as err`" in said
+
+
+def test_a_guard_never_attached_says_so_when_its_report_is_read():
+    """Guard(model) alone watches nothing (Hugging Face's detector hooks at construction): its
+    report is no all-clear, and reading it warns how to attach."""
+    model = nn.Linear(2, 2)
+    guard = Guard(model)
+    model(torch.full((1, 2), float("nan")))
+    with pytest.warns(UserWarning, match="never attached, so it watched nothing: run the training "
+                                         r"code inside `with guard:`"):
+        report = guard.report
+    assert "never attached" in report.summary()
+    with guard:
+        model(torch.ones(1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "never attached" not in guard.report.summary()

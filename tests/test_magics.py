@@ -294,10 +294,50 @@ def test_bad_arguments_are_one_line_usage_errors(ip, line, expected):
     assert hook_count(ip.user_ns["net"]) == 0 and event_handlers(ip) == []
 
 
-def test_empty_namespace_is_a_usage_error(ip):
+def test_a_cell_that_makes_no_model_runs_and_says_nothing_was_guarded(ip):
     ip.reset(new_session=False)
     result, captured = run(ip, "%%numguard\nx = 1")
-    assert "no torch.nn.Module (or Trainer) in the namespace" in usage_error_line(captured)
+    assert result.success and ip.user_ns["x"] == 1
+    assert captured.stdout.strip() == (
+        "numguard: nothing was guarded: the cell made a model in its last statement or not at all "
+        "(a model is guarded from the statement after the one that makes it)")
+
+
+BUILD_AND_TRAIN = (
+    "import torch\n"
+    "from torch import nn\n"
+    "torch.manual_seed(0)\n"
+    "{name} = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))\n"
+    "x = torch.randn(8, 4)\n"
+    "loss = torch.log({name}(x) - 100).mean()\n"
+    "loss.backward()\n"
+)
+
+
+@pytest.mark.parametrize("namespace, line", [
+    ("empty", ""), ("another model in it", ""), ("empty", "made"), ("another model in it", "made"),
+])
+def test_a_cell_that_makes_its_model_is_guarded_from_the_next_statement(ip, namespace, line):
+    """Build and train in one cell (a Colab habit): the model the cell makes is guarded from
+    the statement after, whether or not the namespace held a model before, named or not."""
+    if namespace == "empty":
+        ip.reset(new_session=False)
+    result, captured = run(ip, f"%%numguard {line}\n" + BUILD_AND_TRAIN.format(name="made"))
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    report = ip.user_ns["_numguard"]
+    assert report.first_nonfinite.op == "aten.log.default" and report.batch_number == 0
+    assert any(frame.module_name.endswith("0") and frame.module_class == "Linear"
+               for frame in report.frames)
+    said = "guarding made (Sequential) from here on" if namespace == "empty" or line else \
+        "made is a new Sequential: guarding it"
+    assert f"numguard: {said}" in captured.stdout
+    assert hook_count(ip.user_ns["made"]) == 0 and event_handlers(ip) == []
+
+
+def test_a_name_the_cell_does_not_make_is_still_refused_with_a_suggestion(ip):
+    result, captured = run(ip, "%%numguard nett\nmade = 1")
+    assert isinstance(result.error_in_exec, UsageError) and "did you mean net?" in usage_error_line(captured)
+    assert "made" not in ip.user_ns  # refused before the cell ran
 
 
 def test_options_reach_the_guard(ip, monkeypatch):
@@ -714,3 +754,16 @@ def test_an_armed_numguard_on_refuses_bad_options_at_once_and_turns_off_cleanly(
     assert run(ip, "%numguard on")[0].success
     assert run(ip, "%numguard off")[1].stdout.strip() == "numguard: off (no model was guarded)"
     assert event_handlers(ip) == []
+
+
+def test_numguard_on_guards_a_model_made_in_a_later_cell_from_the_next_cell(ip):
+    run(ip, "%numguard on")
+    try:
+        result, captured = run(ip, "other = nn.Sequential(nn.Linear(4, 4))")
+        assert result.success and "numguard: other is a new Sequential: guarding it" in captured.stdout
+        result, captured = run(ip, "torch.log(other(torch.randn(2, 4)) - 100).sum().backward()")
+        assert isinstance(result.error_in_exec, NonFiniteError)
+        assert ip.user_ns["_numguard"].first_nonfinite.op == "aten.log.default"
+    finally:
+        run(ip, "%numguard off")
+    assert hook_count(ip.user_ns["other"]) == 0 and event_handlers(ip) == []

@@ -18,7 +18,8 @@ from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
-    GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, PARAM,
+    GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
+    ORIGIN_SINCE_FORWARD, PARAM,
     PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
@@ -201,6 +202,9 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
         if step is not None:
             return f"{first} when it attached, or an optimizer step wrote them since: {step.words}"
         return f"{first} when it attached"
+    if kind == ORIGIN_SINCE_FORWARD:
+        return (f"{head}: they held none when the forward of batch {origin.finite_batch} began, "
+                f"so that forward wrote them (an update inside {where}) or code run after it did")
     if buffers:
         return f"{head}: running statistics went bad in an earlier batch"
     return f"{head}: an optimizer step or code outside the model's forward wrote them"
@@ -250,6 +254,8 @@ def weights_origin(pass_: PassRecord, call: CallRecord, bad_slots, steps):
     the optimizer steps the guard saw (`steps`, a `StepWatch`; None: unknown)."""
     if steps is None:
         return None
+    if all(slot[SLOT_CATEGORY] == BUFFER for slot in bad_slots):
+        return steps.buffers_origin(call.root_id)
     params = [value for value in (value_of(pass_, slot) for slot in bad_slots
                                   if slot[SLOT_CATEGORY] == PARAM) if value is not None]
     return steps.weights_origin(call.root_id, params)

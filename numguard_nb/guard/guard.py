@@ -19,6 +19,7 @@ the submodule); `mode="sentinel"` hooks no module (`Sentinel` checks per step in
 from __future__ import annotations
 
 import threading
+import warnings
 from functools import partial
 from typing import Dict, Iterable, Optional
 
@@ -27,9 +28,10 @@ from torch import nn
 
 from .. import _tree, rerun
 from .. import stats as _stats
+from .._util import user_stacklevel
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
-    MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
+    MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER, WRITTEN_IN_FORWARD,
 )
 from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
@@ -44,8 +46,8 @@ from .hooks import (
 from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .outside import OutsideWatch
 from .passes import (
-    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
-    PassRecord, PassState, ThreadPasses, graph_task_id,
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, ENTRY_VERSION, BackwardPasses,
+    BatchCounter, CallRecord, PassRecord, PassState, ThreadPasses, graph_task_id, is_entry_of,
 )
 from ..distributed.flags import RankFlags
 from .rank_reports import settle_after_reduction
@@ -59,6 +61,8 @@ __all__ = ["Guard", "NonFiniteError", "BatchLimitReached"]
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 _UNNAMED = ("?", "?", None)  # a module not hooked itself (a DataParallel replica shares hooks)
 _RAISED = object()  # the output the forward hook gets after a forward that raised
+NEVER_ATTACHED = ("numguard: this Guard was never attached, so it watched nothing: run the training "
+                  "code inside `with guard:` (or call guard.attach() first)")
 # Said once, after a culprit whose code ran compiled: the compiled code ignores hooks added after
 # it. Sentinel mode re-runs a failing call eagerly through the original model instead.
 _COMPILED_NOTE = ("; it ran compiled (torch.compile), so its submodules were not watched: guard "
@@ -208,6 +212,7 @@ class Guard:
         self._ranks = None  # DDP: the flags its gradient all-reduce carries (`ranks`)
         self.outside = OutsideWatch(self)  # the code between top-level calls (a loss)
         self._attached = False
+        self._ever_attached = False  # (a report of a guard never attached says so)
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self.recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
@@ -232,6 +237,7 @@ class Guard:
             self._forget_passes()
             if self.options.mode == MODE_SENTINEL:  # no hooks on modules: checks per step
                 self._attached = self._sentinel.attach()
+                self._ever_attached = self._ever_attached or self._attached
                 self.outside.start()  # the loss is checked as in full mode
                 return self
             try:
@@ -248,7 +254,7 @@ class Guard:
             except BaseException:
                 self.detach()
                 raise
-            self._attached = True
+            self._attached = self._ever_attached = True
             return self
 
     def detach(self) -> None:
@@ -317,7 +323,16 @@ class Guard:
 
     @property
     def report(self) -> Report:
-        """The detection report if there was one, else a report of the last frames seen."""
+        """The detection report if there was one, else a report of the last frames seen (of a
+        guard never attached: a warning, and a report that says so)."""
+        report = self.latest_report()
+        if not self._ever_attached:  # Guard(model) alone watches nothing, unlike HF's detector
+            warnings.warn(NEVER_ATTACHED, stacklevel=user_stacklevel())
+            report.reason = NEVER_ATTACHED[len("numguard: "):]
+        return report
+
+    def latest_report(self) -> Report:
+        """`report` for the views that attach the guard themselves (the magics, the callbacks)."""
         if self.detection is not None or self.options.mode == MODE_SENTINEL:
             return self.detection or self._sentinel.report()
         return self.outside.noted(self.scaling.noted(frames.make_report(
@@ -393,6 +408,8 @@ class Guard:
             return
         watch_grads = self.watch_backward and torch.is_grad_enabled()
         self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
+        if module._buffers:
+            self._written_buffers(state.forward, call, module)
         if self._capture is not None and not stack:
             self._capture.note_output(output)  # the code after the call reads it
         if self._op_recorder is not None and watch_grads and not stack:
@@ -486,6 +503,21 @@ class Guard:
             targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
             if leaf:
                 self.threads.state.note_leaf_targets(targets)
+
+    def _written_buffers(self, pass_: PassRecord, call: CallRecord, module) -> None:
+        """Buffers the call's forward changed in place or assigned anew (an EMA, a codebook's
+        statistics): what it wrote is something it produced, summarised again as one of its
+        outputs. (A change through `.data`, or BatchNorm's kernel updating its running
+        statistics, moves no version counter: the next call finds what they hold.)"""
+        cache = pass_.cache
+        for bname, buffer in module._buffers.items():
+            if buffer is None or not buffer.is_floating_point() or buffer.is_inference():
+                continue  # (an inference tensor keeps no version to tell by)
+            entry = cache.get(id(buffer))  # what the call's start summarised, or none: a new one
+            if entry is None or not is_entry_of(entry, buffer) or entry[ENTRY_VERSION] != buffer._version:
+                call.slots.append(pass_.weight_slot(buffer, bname + WRITTEN_IN_FORWARD, OUTPUT,
+                                                    (call.module_id, bname), self._nonzero_min,
+                                                    self._sign_hints))
 
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:

@@ -35,7 +35,7 @@ from ..errors import BatchLimitReached
 __all__ = [
     "SLOT_ROLE", "SLOT_CATEGORY", "SLOT_KIND", "SLOT_DTYPE", "SLOT_SHAPE", "SLOT_INDEX", "SLOT_SEQ",
     "ENTRY_REF", "ENTRY_VERSION", "ENTRY_INDEX", "ENTRY_TARGETS", "ENTRY_SHAPE", "ENTRY_KIND",
-    "FINE", "CallRecord", "PassRecord", "PassState", "ThreadPasses", "BackwardPasses",
+    "FINE", "CallRecord", "PassRecord", "is_entry_of", "PassState", "ThreadPasses", "BackwardPasses",
     "BatchCounter",
 ]
 
@@ -73,6 +73,13 @@ class CallRecord:
         self.parent: Optional[CallRecord] = None  # the enclosing call, in forward
         self.root_id = module_id  # the top-level module whose call this is part of
         self.forward: Optional[CallRecord] = None  # for a backward call: its forward call
+
+
+def is_entry_of(entry: list, t: torch.Tensor) -> bool:
+    """Whether a cache entry under `id(t)` is `t`'s, not a dead tensor's that had its id. (A held
+    entry is `t` itself: it is alive, so no other has its id.)"""
+    ref = entry[ENTRY_REF]
+    return ref is t or (type(ref) is weakref.ref and ref() is t)
 
 
 class PassRecord:

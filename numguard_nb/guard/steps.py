@@ -30,7 +30,8 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .. import numerics
-from .._schema import ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD
+from .._schema import (ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
+                       ORIGIN_SINCE_FORWARD)
 from .._util import WeakHook, user_stacklevel
 from ..report import OptimizerStep
 
@@ -158,6 +159,15 @@ class StepWatch:
         if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
         return Origin(ORIGIN_OUTSIDE_FORWARD, None, finite_batch)
+
+    def buffers_origin(self, root_id: int) -> Origin:
+        """How buffers found non-finite in the latest forward of `root_id` got that way: no
+        optimizer writes them, so they were non-finite when the guard attached, or changed since
+        the forward before (which found them finite)."""
+        latest, _, before, finite_batch = self._roots.get(root_id, (0, None, None, None))
+        if before is None:
+            return Origin(ORIGIN_BEFORE_ATTACH, None, None)
+        return Origin(ORIGIN_SINCE_FORWARD, None, finite_batch)
 
     def _first_holding(self, steps, params) -> Optional[OptimizerStep]:
         """The first of `steps` whose optimizer holds one of `params` (or is gone), described;

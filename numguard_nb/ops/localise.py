@@ -90,7 +90,7 @@ def _failure(note: str) -> OpLocation:
 
 
 def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
-              backward: bool, allow_inf: bool = False) -> OpLocation:
+              backward: bool, allow_inf: bool = False, buffers=None) -> OpLocation:
     problem = _problem(root, culprit, call_index, limit)
     if problem is not None:
         return _failure(f"could not localise the op: {problem}")
@@ -119,6 +119,8 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
         for role, t in list(_tree.named_leaves(args, "input")) + list(_tree.named_leaves(kwargs, "input")):
             if isinstance(t, torch.Tensor):
                 mode.protect("input", role, t)
+        for module, name, buffer, value in buffers or ():
+            mode.start_from(module, name, buffer, value)
         handles.append(culprit.register_forward_pre_hook(mode.pre_hook, with_kwargs=True,
                                                          prepend=True))
         handles.append(culprit.register_forward_hook(mode.post_hook, with_kwargs=True,
@@ -261,21 +263,23 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
 
 # ---- the API -------------------------------------------------------------------------------------
 def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *,
-                     allow_inf=False) -> OpLocation:
+                     allow_inf=False, buffers=None) -> OpLocation:
     """Re-run `root(*args, **kwargs)` under no_grad with the RNG state `rng` (from `rng_state()`,
     taken before the failing call) and name the first ATen op inside call `call_index` of
     `culprit` that turned finite inputs into inf/nan (or, with `limit`, beyond it). With
-    `allow_inf` (the culprit is allowed to produce inf), only nan counts. Never raises.
+    `allow_inf` (the culprit is allowed to produce inf), only nan counts. `buffers`: what the
+    buffers held when the failing call began (`rerun.buffers_at_start`), set for the re-run.
+    Never raises.
     """
     try:
         return _localise(root, args, kwargs, rng, None, culprit, call_index, limit, backward=False,
-                         allow_inf=allow_inf)
+                         allow_inf=allow_inf, buffers=buffers)
     except Exception as error:
         return _failure(f"op localisation failed: {error_line(error)}")
 
 
 def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_index,
-                      limit=None, *, allow_inf=False) -> OpLocation:
+                      limit=None, *, allow_inf=False, buffers=None) -> OpLocation:
     """Re-run the forward with grad enabled, then backward from the root's output tensors (in
     `_tree.tensors` order) with `root_grad_outputs` (None entries: no gradient), and name the first
     ATen op run by an autograd node created in call `call_index` of `culprit` that turned finite
@@ -284,6 +288,6 @@ def localise_backward(root, args, kwargs, rng, root_grad_outputs, culprit, call_
     """
     try:
         return _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
-                         backward=True, allow_inf=allow_inf)
+                         backward=True, allow_inf=allow_inf, buffers=buffers)
     except Exception as error:
         return _failure(f"op localisation failed: {error_line(error)}")

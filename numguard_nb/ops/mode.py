@@ -161,6 +161,17 @@ def _current_node():
 
 
 # ---- the mode ----------------------------------------------------------------------------------
+
+def _float_buffers(module) -> list:
+    return [b for b in module._buffers.values() if b is not None and b.is_floating_point()]
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
 class RerunMode(TorchDispatchMode):
     """The dispatch mode of one re-run: protects state everywhere, checks ops in the culprit."""
 
@@ -198,6 +209,8 @@ class RerunMode(TorchDispatchMode):
         self.snapshots: dict = {}  # id(tensor) -> (tensor, copy before the first write)
         self.written: dict = {}  # (kind, name) -> op that wrote
         self.buffer_reads: set = set()
+        self.restarted: set = set()  # names of buffers set back to the failing call's start
+        self.swapped: list = []  # (module, name, buffer it held) for buffers swapped for a re-run
         self.seeded_op: Optional[str] = None
         self.errors: list = []
 
@@ -217,6 +230,25 @@ class RerunMode(TorchDispatchMode):
         except RuntimeError:  # inference tensors have no version counter
             version = None
         self.versions.setdefault(id(t), (t, version))
+
+    def start_from(self, module, name: str, buffer: torch.Tensor, value: torch.Tensor) -> None:
+        """Set `module`'s buffer `name` back to `value`, what it held when the failing call began
+        (`buffer`, then; its forward updated it since, in place or by assigning a new tensor),
+        keeping what it holds now for `restore`: a forward that reads what it updates then runs
+        again as it ran."""
+        current = module._buffers.get(name)
+        entries = self.protected.get(_storage_key(current)) if current is not None else None
+        if not entries or value.shape != current.shape:
+            return
+        if current is buffer:
+            if id(current) not in self.snapshots:
+                self.snapshots[id(current)] = (current, current.detach().clone())
+            with torch.no_grad():
+                current.copy_(value)
+        else:  # assigned anew by the call: the re-run gets the old one's values in its place
+            self.swapped.append((module, name, current))
+            module._buffers[name] = value.clone()
+        self.restarted.update(entry_name for kind, entry_name, _ in entries if kind == "buffer")
 
     def _note_write(self, t: torch.Tensor, op: str) -> None:
         entries = self.protected.get(_storage_key(t))
@@ -241,6 +273,9 @@ class RerunMode(TorchDispatchMode):
             except Exception:
                 failed.append(type(base).__name__)
         self.snapshots.clear()
+        for module, name, buffer in self.swapped:
+            module._buffers[name] = buffer
+        self.swapped.clear()
         return failed
 
     def inexact_reason(self) -> Optional[str]:
@@ -253,7 +288,7 @@ class RerunMode(TorchDispatchMode):
                 return (f"the model modifies its weight {name} in place during forward ({op}), "
                         "so the weights are no longer those of the failing call")
         for (kind, name), op in self.written.items():
-            if kind == "buffer" and name in self.buffer_reads:
+            if kind == "buffer" and name in self.buffer_reads and name not in self.restarted:
                 return (f"the model reads buffer {name} that its forward also updates ({op}), "
                         "so the re-run started from a different state than the failing call")
         if self.seeded_op is not None and not self.has_rng:
@@ -282,7 +317,10 @@ class RerunMode(TorchDispatchMode):
             with self.internal():
                 received = _tree.tensors((args, kwargs))
                 weights = [p for p in module._parameters.values() if p is not None]
-                self.in_kinds = nonfinite_kinds(received + weights, self.limit)
+                buffers = _float_buffers(module)
+                self.buffer_versions = [(name, b, _version(b)) for name, b in module._buffers.items()
+                                        if b is not None and b.is_floating_point()]
+                self.in_kinds = nonfinite_kinds(received + weights + buffers, self.limit)
                 if self.stage == FORWARD and self.record_nodes:
                     self.grad_inputs = [t for t in received if t.requires_grad]
         except Exception as error:
@@ -298,7 +336,11 @@ class RerunMode(TorchDispatchMode):
         self.target_done = True
         try:
             with self.internal():
-                self.out_kinds = nonfinite_kinds(_tree.tensors(output), self.limit)
+                # what it returned, and the buffers it wrote (as the guard counts them)
+                written = [b for name, old, version in self.buffer_versions
+                           for b in (module._buffers.get(name),)
+                           if b is not None and (b is not old or _version(b) != version)]
+                self.out_kinds = nonfinite_kinds(_tree.tensors(output) + written, self.limit)
                 if self.record_nodes:
                     self._resolve(final=True)
                     for t in _tree.tensors(output):
@@ -307,6 +349,8 @@ class RerunMode(TorchDispatchMode):
         except Exception as error:
             self.fail(error)
         return None
+
+    buffer_versions: list = []  # the target call's floating buffers and their versions at its start
 
     def _grad_output_hook(self, grad):
         try:

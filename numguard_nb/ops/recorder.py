@@ -1,8 +1,9 @@
 """What op localisation needs from a guarded run, kept by the Guard when `ops=True`.
 
 For each top-level call: the module, its inputs, its call state (RNG streams, autocast, grad
-mode, taken once by the Guard for everything that may re-run the call) and how often each module
-had been called before it in the batch; and the gradients that arrive at the call's outputs, from
+mode, taken once by the Guard for everything that may re-run the call), copies of the buffers
+its forward may update (`rerun.buffers_at_start`) and how often each module had been called
+before it in the batch; and the gradients that arrive at the call's outputs, from
 which a backward re-run starts. On a detection, `localise` re-runs the step (`rerun`).
 """
 
@@ -13,7 +14,7 @@ from typing import Dict
 
 from .. import _tree
 from .._schema import CAUSE_FORWARD
-from ..rerun import CallState, collective_in, without_parallel_wrapper
+from ..rerun import CallState, buffers_at_start, collective_in, without_parallel_wrapper
 from .localise import OpLocation, localise_backward, localise_forward
 
 __all__ = ["OpRecorder"]
@@ -27,13 +28,14 @@ class OpRecorder:
     """The last top-level call of each guarded root, and the gradients at its outputs."""
 
     def __init__(self):
-        self.calls: Dict[int, tuple] = {}  # root id -> (root, args, kwargs, state, counts before)
+        # root id -> (root, args, kwargs, state, counts before, buffers at the start)
+        self.calls: Dict[int, tuple] = {}
         self.root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
 
     def remember_call(self, root, args, kwargs, state: CallState, call_counts: dict) -> None:
         """Keep a top-level call for a re-run. `call_counts` (module id -> calls so far in the
         batch): the culprit's call index within this call is its batch-wide index minus these."""
-        self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts))
+        self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts), buffers_at_start(root))
         self.root_grads.pop(id(root), None)
 
     def keep_root_grads(self, root_id: int, output, handles: list) -> None:
@@ -64,7 +66,7 @@ class OpRecorder:
         recorded = self.calls.get(root_id)
         if recorded is None or culprit is None:
             return OpLocation(note="op localisation needs the top-level call, which was not recorded")
-        root, args, kwargs, state, counts_before = recorded
+        root, args, kwargs, state, counts_before, buffers = recorded
         root = without_parallel_wrapper(root)  # its own forward would start collectives
         refused = collective_in(root)
         if refused:
@@ -72,9 +74,9 @@ class OpRecorder:
         index = call_index - counts_before.get(module_id, 0)
         if cause == CAUSE_FORWARD:
             return localise_forward(root, args, kwargs, state, culprit, index, limit,
-                                    allow_inf=allow_inf)
+                                    allow_inf=allow_inf, buffers=buffers)
         grads = self.root_grads.get(root_id)
         if grads is None:
             return OpLocation(note="op localisation needs the gradients of the model's outputs")
         return localise_backward(root, args, kwargs, state, grads, culprit, index, limit,
-                                 allow_inf=allow_inf)
+                                 allow_inf=allow_inf, buffers=buffers)
