@@ -103,6 +103,28 @@ class _CellOutcome:
         raise error
 
 
+def _hidden(shell) -> dict:
+    return getattr(shell, "user_ns_hidden", {})  # the shell's own variables
+
+
+def _waiting_for(namespace, hidden, names, made: Optional[set] = None) -> str:
+    """What a run must wait for before it starts, in words ('' where it can start now): 'a
+    model' where the namespace holds none and no name is given, else the names not defined yet:
+    all of them (`%numguard on`), or, for a `%%numguard` cell (`made`: the names it assigns),
+    any of them, where the cell makes each (a name it does not make is a typo or another cell's
+    model: refused with the namespace's suggestion when the run starts)."""
+    if not names:
+        try:
+            find_models(namespace, (), hidden)
+        except LookupError:
+            return "a model"
+        return ""
+    missing = [name for name in names if name.partition(".")[0] not in namespace]
+    if made is None:
+        return " and ".join(missing) if len(missing) == len(names) else ""
+    return " and ".join(missing) if all(name.partition(".")[0] in made for name in missing) else ""
+
+
 def _assigned_names(tree: ast.Module) -> set:
     """The names a cell's code assigns in the namespace: targets of its assignments, loops,
     `with ... as`, imports (not those inside the functions and classes it defines)."""
@@ -237,7 +259,7 @@ class NumguardMagics(Magics):
                              f"magic %numguard {command} (one %)")
         magic = "%%numguard"
         code, assigned = self._compile_cell(cell)  # a SyntaxError is raised before any hook
-        waiting_for = self._made_by_cell(args.names, assigned)
+        waiting_for = _waiting_for(self.shell.user_ns, _hidden(self.shell), args.names, assigned)
         if waiting_for:  # the cell makes its model: guarded from the statement after
             try:  # bad options are refused now, not when a model appears
                 guard_options(args, capture=False)
@@ -260,24 +282,11 @@ class NumguardMagics(Magics):
             self._replay_after_error(run, outcome.error)
         return outcome.result(run.hint)
 
-    def _made_by_cell(self, names: List[str], assigned: set) -> str:
-        """What a `%%numguard` cell must make before it is guarded, in words ('' where it can
-        start now): 'a model' where the namespace holds none and no name is given; the names not
-        defined yet where the cell assigns each of them (a name it does not assign is a typo or a
-        model of another cell: refused with the namespace's suggestion when the run starts)."""
-        if not names:
-            return self._not_defined_yet(names)
-        missing = [name for name in names if name.partition(".")[0] not in self.shell.user_ns]
-        if missing and all(name.partition(".")[0] in assigned for name in missing):
-            return " and ".join(missing)
-        return ""
-
     def _cell_run_if_ready(self, args, magic: str) -> Optional[GuardedRun]:
-        """The run of a `%%numguard` cell whose models did not exist when it began: made once
-        they do (before a statement), else None."""
-        namespace = self.shell.user_ns
-        if (self._not_defined_yet(args.names) if not args.names else
-                any(name.partition(".")[0] not in namespace for name in args.names)):
+        """The run of a `%%numguard` cell whose models did not exist when it began, once they
+        all do (before a statement), else None."""
+        made = {name.partition(".")[0] for name in args.names}
+        if _waiting_for(self.shell.user_ns, _hidden(self.shell), args.names, made):
             return None
         run = self._start_run(args, magic)
         if not args.quiet:
@@ -300,17 +309,8 @@ class NumguardMagics(Magics):
         self._listen(True)
 
     def _not_defined_yet(self, names: List[str]) -> str:
-        """What `%numguard on` must wait for, in words: 'a model' where the namespace holds none
-        and no name is given, 'model' for names not defined yet; '' where it can start now."""
-        namespace = self.shell.user_ns
-        if names:
-            missing = [name for name in names if name.partition(".")[0] not in namespace]
-            return " and ".join(missing) if len(missing) == len(names) else ""
-        try:
-            find_models(namespace, (), getattr(self.shell, "user_ns_hidden", {}))
-        except LookupError:
-            return "a model"
-        return ""
+        """What `%numguard on` must wait for, in words ('' where it can start now)."""
+        return _waiting_for(self.shell.user_ns, _hidden(self.shell), names)
 
     def _armed_run(self, args, magic: str) -> Optional[GuardedRun]:
         """The run of an armed `%numguard on`, or None while its models are still missing."""
@@ -445,7 +445,7 @@ class NumguardMagics(Magics):
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
     def _find_models(self, names: List[str], magic: str):
-        hidden = getattr(self.shell, "user_ns_hidden", {})
+        hidden = _hidden(self.shell)
         try:
             return find_models(self.shell.user_ns, names, hidden)
         except LookupError as error:
@@ -454,7 +454,7 @@ class NumguardMagics(Magics):
     def _find_scaler(self, args, magic: str):
         """(name, GradScaler) the run lets skipped steps through with: --scaler's, else the one
         of the namespace; (None, None) when there is none (or several: said in a line)."""
-        hidden = getattr(self.shell, "user_ns_hidden", {})
+        hidden = _hidden(self.shell)
         try:
             name, scaler, note = find_scaler(self.shell.user_ns, args.scaler, hidden)
         except LookupError as error:
@@ -478,7 +478,7 @@ class NumguardMagics(Magics):
                               output=args.output, quiet=args.quiet,
                               shorten=lambda error, hint: _make_short(error, hint, show_first),
                               scaler_name=scaler_name, every_model=not args.names,
-                              hidden=getattr(self.shell, "user_ns_hidden", {}))
+                              hidden=_hidden(self.shell))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 

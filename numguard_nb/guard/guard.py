@@ -31,7 +31,7 @@ from .. import stats as _stats
 from .._util import user_stacklevel
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
-    MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER, WRITTEN_IN_FORWARD,
+    MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
 )
 from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
@@ -46,8 +46,8 @@ from .hooks import (
 from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .outside import OutsideWatch
 from .passes import (
-    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, ENTRY_VERSION, BackwardPasses,
-    BatchCounter, CallRecord, PassRecord, PassState, ThreadPasses, graph_task_id, is_entry_of,
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
+    PassRecord, PassState, ThreadPasses, graph_task_id,
 )
 from ..distributed.flags import RankFlags
 from .rank_reports import settle_after_reduction
@@ -211,8 +211,7 @@ class Guard:
         self._sentinel = Sentinel(self)  # mode="sentinel": its checks, and its re-runs
         self._ranks = None  # DDP: the flags its gradient all-reduce carries (`ranks`)
         self.outside = OutsideWatch(self)  # the code between top-level calls (a loss)
-        self._attached = False
-        self._ever_attached = False  # (a report of a guard never attached says so)
+        self._attached = self._ever_attached = False  # (a guard never attached says so)
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self.recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
@@ -325,11 +324,7 @@ class Guard:
     def report(self) -> Report:
         """The detection report if there was one, else a report of the last frames seen (of a
         guard never attached: a warning, and a report that says so)."""
-        report = self.latest_report()
-        if not self._ever_attached:  # Guard(model) alone watches nothing, unlike HF's detector
-            warnings.warn(NEVER_ATTACHED, stacklevel=user_stacklevel())
-            report.reason = NEVER_ATTACHED[len("numguard: "):]
-        return report
+        return self.latest_report() if self._ever_attached else _never_attached(self.latest_report())
 
     def latest_report(self) -> Report:
         """`report` for the views that attach the guard themselves (the magics, the callbacks)."""
@@ -409,7 +404,7 @@ class Guard:
         watch_grads = self.watch_backward and torch.is_grad_enabled()
         self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
         if module._buffers:
-            self._written_buffers(state.forward, call, module)
+            state.forward.note_written_buffers(call, module, self._nonzero_min, self._sign_hints)
         if self._capture is not None and not stack:
             self._capture.note_output(output)  # the code after the call reads it
         if self._op_recorder is not None and watch_grads and not stack:
@@ -503,21 +498,6 @@ class Guard:
             targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)
             if leaf:
                 self.threads.state.note_leaf_targets(targets)
-
-    def _written_buffers(self, pass_: PassRecord, call: CallRecord, module) -> None:
-        """Buffers the call's forward changed in place or assigned anew (an EMA, a codebook's
-        statistics): what it wrote is something it produced, summarised again as one of its
-        outputs. (A change through `.data`, or BatchNorm's kernel updating its running
-        statistics, moves no version counter: the next call finds what they hold.)"""
-        cache = pass_.cache
-        for bname, buffer in module._buffers.items():
-            if buffer is None or not buffer.is_floating_point() or buffer.is_inference():
-                continue  # (an inference tensor keeps no version to tell by)
-            entry = cache.get(id(buffer))  # what the call's start summarised, or none: a new one
-            if entry is None or not is_entry_of(entry, buffer) or entry[ENTRY_VERSION] != buffer._version:
-                call.slots.append(pass_.weight_slot(buffer, bname + WRITTEN_IN_FORWARD, OUTPUT,
-                                                    (call.module_id, bname), self._nonzero_min,
-                                                    self._sign_hints))
 
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:
@@ -625,6 +605,14 @@ class Guard:
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
+
+
+def _never_attached(report: Report) -> Report:
+    """The report of a guard never attached: Guard(model) alone watches nothing (Hugging Face's
+    detector hooks the model as it is made), so a report says so, and a warning how to attach."""
+    warnings.warn(NEVER_ATTACHED, stacklevel=user_stacklevel())
+    report.reason = NEVER_ATTACHED[len("numguard: "):]
+    return report
 
 
 def _locate_op(guard: Guard, frame, call: CallRecord, cause, rules) -> None:

@@ -29,13 +29,13 @@ import torch
 
 from .. import numerics
 from .. import stats as _stats
-from .._schema import BACKWARD, VALUE_EMPTY, VALUE_TENSOR, VALUE_UNSUPPORTED
+from .._schema import BACKWARD, OUTPUT, VALUE_EMPTY, VALUE_TENSOR, VALUE_UNSUPPORTED, WRITTEN_IN_FORWARD
 from ..errors import BatchLimitReached
 
 __all__ = [
     "SLOT_ROLE", "SLOT_CATEGORY", "SLOT_KIND", "SLOT_DTYPE", "SLOT_SHAPE", "SLOT_INDEX", "SLOT_SEQ",
     "ENTRY_REF", "ENTRY_VERSION", "ENTRY_INDEX", "ENTRY_TARGETS", "ENTRY_SHAPE", "ENTRY_KIND",
-    "FINE", "CallRecord", "PassRecord", "is_entry_of", "PassState", "ThreadPasses", "BackwardPasses",
+    "FINE", "CallRecord", "PassRecord", "PassState", "ThreadPasses", "BackwardPasses",
     "BatchCounter",
 ]
 
@@ -75,7 +75,7 @@ class CallRecord:
         self.forward: Optional[CallRecord] = None  # for a backward call: its forward call
 
 
-def is_entry_of(entry: list, t: torch.Tensor) -> bool:
+def _is_entry_of(entry: list, t: torch.Tensor) -> bool:
     """Whether a cache entry under `id(t)` is `t`'s, not a dead tensor's that had its id. (A held
     entry is `t` itself: it is alive, so no other has its id.)"""
     ref = entry[ENTRY_REF]
@@ -149,6 +149,20 @@ class PassRecord:
         """The slot of a weight or buffer (`category`), summarised once per pass and held."""
         entry = self.summarise(t, site, nonzero_min, sign_hints, True)
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0)
+
+    def note_written_buffers(self, call: CallRecord, module, nonzero_min: bool, sign_hints: dict) -> None:
+        """Buffers a forward call changed in place or assigned anew (an EMA, a codebook's
+        statistics): what it wrote is something it produced, summarised again as one of its
+        outputs ("embed (after forward)"). (A change through `.data`, or BatchNorm's kernel
+        updating its running statistics, moves no version counter: the next call finds what
+        they hold.)"""
+        for name, buffer in module._buffers.items():
+            if buffer is None or not buffer.is_floating_point() or buffer.is_inference():
+                continue  # (an inference tensor keeps no version to tell by)
+            entry = self.cache.get(id(buffer))  # what the call's start summarised; none: a new one
+            if entry is None or not _is_entry_of(entry, buffer) or entry[ENTRY_VERSION] != buffer._version:
+                call.slots.append(self.weight_slot(buffer, name + WRITTEN_IN_FORWARD, OUTPUT,
+                                                   (call.module_id, name), nonzero_min, sign_hints))
 
     def close(self, call: CallRecord) -> None:
         """A forward call has closed: next in the pass's order, and among its parent's children."""
