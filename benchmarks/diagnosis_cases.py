@@ -560,6 +560,44 @@ def build_grad_scaler_warmup() -> Run:
                scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 16), autocast=torch.float16)
 
 
+# ZhangXInFD/SpeechTokenizer#18 (EuclideanCodebook's EMA divides by cluster sizes that can be 0),
+# lucidrains/vector-quantize-pytorch#38 ("some values might be equal to 0, we introduce the
+# laplace_smoothing"), google-deepmind/sonnet#248 (the epsilon that keeps the denominator from 0).
+# A VQ-VAE whose codebook is an EMA updated in its forward, written as torchmultimodal's Codebook
+# (facebookresearch/multimodal#47: in-place EMAs of the usage and the sums, then the embedding
+# assigned anew) without the Laplace smoothing: a code no input chose gets 0/0. The outputs stay
+# finite (no input is nearest to a nan code); the nan sits in the codebook.
+
+class EMACodebook(nn.Module):
+    def __init__(self, codes: int = 8, dim: int = 4, decay: float = 0.5):
+        super().__init__()
+        self.decay = decay
+        embedding = torch.randn(codes, dim)
+        self.register_buffer("embedding", embedding)
+        self.register_buffer("code_usage", torch.zeros(codes))
+        self.register_buffer("code_avg", embedding.clone())
+
+    def forward(self, z):
+        codes = torch.cdist(z, self.embedding).argmin(1)
+        quantized = F.embedding(codes, self.embedding)
+        if self.training:
+            with torch.no_grad():
+                onehot = F.one_hot(codes, len(self.embedding)).type(z.dtype)
+                self.code_usage.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+                self.code_avg.mul_(self.decay).add_(onehot.t() @ z, alpha=1 - self.decay)
+                self.embedding = self.code_avg / self.code_usage.unsqueeze(1)
+        return z + (quantized - z).detach()
+
+
+def build_vq_ema_zero_usage() -> Run:
+    gen = _seed(24)
+    model = nn.Sequential(nn.Linear(6, 4), EMACodebook(), nn.Linear(4, 6))
+    batches = [torch.randn(3, 6, generator=gen) for _ in range(3)]
+    return Run(models={"": model}, batches=batches,
+               forward=lambda x: F.mse_loss(model(x), x),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+
+
 # pytorch/pytorch#26098 (key padding with float('-inf') before softmax; nan only where a whole
 # row is masked, pytorch/pytorch#103749), huggingface/transformers#15326 (DistilBERT's -inf mask)
 # and #27114 (-inf in the extended attention mask). Every sequence keeps at least one token: the
@@ -736,6 +774,12 @@ CASES = (
          ("pytorch/pytorch#23395", "pytorch/pytorch#52248", "pytorch/pytorch#187297"),
          build_where_sqrt_beside_skip,
          Truth("block", BACKWARD, "aten.div.Tensor", 1, node="SqrtBackward0")),
+    Case("vq_ema_zero_usage",
+         "a VQ codebook's EMA in its forward divides by the usage of a code no input chose",
+         ("ZhangXInFD/SpeechTokenizer#18", "lucidrains/vector-quantize-pytorch#38",
+          "google-deepmind/sonnet#248", "facebookresearch/multimodal#47"),
+         build_vq_ema_zero_usage,
+         Truth("1", FORWARD, "aten.div.Tensor", 0)),
     Case("trap_grad_scaler_warmup",
          "GradScaler's first steps: inf gradients, steps skipped (healthy)",
          ("Lightning-AI/pytorch-lightning#18828", "Lightning-AI/pytorch-lightning#5558"),

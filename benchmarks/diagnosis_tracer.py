@@ -20,12 +20,13 @@ not hold one: `_softmax_backward_data` of a finite gradient and a saved row of n
 An op that reads saved values and no other floating-point tensor (nan_to_num's backward testing
 its saved input) computes one more such value, not a gradient: it produces nothing.
 
-A step is corrupted when its loss is non-finite or a parameter is non-finite after it. A run
+A step is corrupted when its loss is non-finite, a parameter is non-finite or a floating buffer
+finite before it is not after it (a codebook or running statistics the forward updates). A run
 with no corrupted step is healthy, whatever passed through it (-inf masks, loss-scaled gradients
 that GradScaler skips); otherwise the culprit is the first producer of the first corrupted step,
-counting only producers after the forward when the step's loss is finite: whatever its forward
-made never reached the loss (a log(0) that `where` drops, a nan row that nan_to_num zeroes), and
-the step was corrupted in backward or by the optimizer.
+counting only producers after the forward when the step's loss is finite and its buffers stayed
+finite: whatever its forward made never reached the loss (a log(0) that `where` drops, a nan
+row that nan_to_num zeroes), and the step was corrupted in backward or by the optimizer.
 
 Deliberately independent of numguard_nb: nothing here imports it.
 """
@@ -261,20 +262,30 @@ def _all_finite(models: Dict[str, torch.nn.Module]) -> bool:
                for model in models.values() for p in model.parameters())
 
 
+def _finite_buffers(models: Dict[str, torch.nn.Module]) -> set:
+    """The qualified names of the floating buffers that hold only finite values."""
+    return {f"{key}.{name}" for key, model in models.items() for name, buffer in model.named_buffers()
+            if buffer.is_floating_point() and bool(torch.isfinite(buffer).all())}
+
+
 def trace(case: Case) -> TraceResult:
     """Run `case` from scratch under the tracer and say where its first inf/nan was made."""
     run = case.build()
     tracer = _Tracer()
     corrupted: List[int] = []
     losses: List[float] = []
-    finite_loss = set()  # the steps whose loss was finite
+    finite_loss = set()  # the steps whose loss was finite (and that left the buffers finite)
+    finite_buffers = _finite_buffers(run.models)
 
     def after_step(batch: int, loss: torch.Tensor) -> None:
         value = float(loss.detach().float())
         losses.append(value)
-        if not math.isfinite(value) or not _all_finite(run.models):
+        finite = _finite_buffers(run.models)
+        buffers_bad = bool(finite_buffers - finite)
+        finite_buffers.intersection_update(finite)
+        if not math.isfinite(value) or not _all_finite(run.models) or buffers_bad:
             corrupted.append(batch)
-        if math.isfinite(value):
+        if math.isfinite(value) and not buffers_bad:
             finite_loss.add(batch)
         tracer.node_module.clear()  # the step's graph is gone
         tracer.forward_values.clear()
