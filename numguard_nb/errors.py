@@ -6,10 +6,19 @@ raise these, and a leaf module keeps them free of cycles.
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteError", "BatchLimitReached", "ReplayError", "CaptureTooLarge", "StepFailed"]
+import sys
+
+__all__ = ["NonFiniteError", "BatchLimitReached", "ReplayError", "CaptureTooLarge", "StepFailed",
+           "red_name"]
 
 
-def _red(name: str) -> str:
+def red_name(name: str) -> str:
+    """An exception's name as IPython shows its own: red, unless its colours are off
+    (`%colors nocolor`)."""
+    ipython = sys.modules.get("IPython")  # (never imported here: the engine runs without it)
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and str(getattr(shell, "colors", "")).lower() == "nocolor":
+        return name
     return f"\x1b[0;31m{name}\x1b[0m"
 
 
@@ -32,7 +41,7 @@ class NonFiniteError(FloatingPointError):
         # With the extension loaded, the report is displayed first and kept as `_numguard`.
         shown = _show_uncaught(self)
         lines = _verdict(self.report)
-        return [f"{_red(type(self).__name__)}: {lines[0]}"] + lines[1:] + [shown or _WHERE_THE_REPORT_IS]
+        return [f"{red_name(type(self).__name__)}: {lines[0]}"] + lines[1:] + [shown or _WHERE_THE_REPORT_IS]
 
 
 _WHERE_THE_REPORT_IS = ("the whole report (its frames, .to_text(), .to_frame()): err.report after "
@@ -61,7 +70,7 @@ class BatchLimitReached(RuntimeError):
     """Raised when the model is called for a batch past `abort_after_batch`."""
 
     def _render_traceback_(self):
-        return [f"{_red(type(self).__name__)}: {self}"]
+        return [f"{red_name(type(self).__name__)}: {self}"]
 
 
 class ReplayError(ValueError):

@@ -26,7 +26,11 @@ from ._schema import (
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
-__all__ = ["hint_for", "format_number", "limit_text"]
+__all__ = ["hint_for", "format_number", "limit_text", "OPS_ADVICE"]
+
+# How to have the op and the line named, where op localisation did not run (the magics say it
+# in their own words).
+OPS_ADVICE = "Rerun with `Guard(model, ops=True)` to name the op and the line."
 
 # float16's smallest positive (subnormal) value: below half of it a value rounds to 0, as Adam's
 # default eps of 1e-8 does.
@@ -217,7 +221,7 @@ class Facts:
         frame = self.frame
         if frame.op or frame.op_note:
             return ""
-        return " Rerun with `Guard(model, ops=True)` to name the op and the line."
+        return " " + OPS_ADVICE
 
 
 def _parse_op(op: Optional[str]):

@@ -29,7 +29,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ._util import message_line
-from .errors import BatchLimitReached, NonFiniteError, set_uncaught_display
+from .errors import BatchLimitReached, NonFiniteError, red_name, set_uncaught_display
 from .magic_args import (
     CELL, COMPARE, HISTORY, OFF, ON, STATUS, guard_options, parse, parse_bare,
     positive_int, positive_number, with_usage,
@@ -53,7 +53,7 @@ def short_traceback(error: BaseException, hint: str = "") -> List[str]:
     name = type(error).__name__
     report = getattr(error, "report", None)
     message = report.summary() if isinstance(report, Report) else str(error)
-    lines = [f"\x1b[0;31m{name}\x1b[0m: {message}"]
+    lines = [f"{red_name(name)}: {message}"]
     if hint:
         lines.append(hint)
     return lines
@@ -101,6 +101,11 @@ class _CellOutcome:
             hint = hint if isinstance(error, NonFiniteError) else ""
             raise _make_short(error, hint).with_traceback(None) from None
         raise error
+
+
+# How each magic has the op and the line named, for the hints (the engine's say `Guard(..., ops=True)`).
+_OPS_ADVICE = {"%%numguard": "Rerun the cell with `%%numguard --ops` to name the op and the line.",
+               "%numguard on": "Turn it on with `%numguard on --ops` to name the op and the line."}
 
 
 def _hidden(shell) -> dict:
@@ -478,7 +483,7 @@ class NumguardMagics(Magics):
                               output=args.output, quiet=args.quiet,
                               shorten=lambda error, hint: _make_short(error, hint, show_first),
                               scaler_name=scaler_name, every_model=not args.names,
-                              hidden=_hidden(self.shell))
+                              hidden=_hidden(self.shell), ops_advice=_OPS_ADVICE.get(magic, ""))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
@@ -597,10 +602,11 @@ class NumguardMagics(Magics):
             error._numguard_shown = True
         return f"numguard: the frames that led to it are in {REPORT_NAME}"
 
-    def close(self) -> None:
-        """Turn `%numguard on` off and remove its event handlers (for %unload_ext)."""
+    def close(self) -> str:
+        """Turn `%numguard on` off and remove its event handlers (for %unload_ext); the line
+        that says what was guarded ('numguard: already off' where nothing was)."""
         self._listen(False)
-        self._session.stop()
+        return self._session.stop()
 
     # ---- display -------------------------------------------------------------------------
     def _show(self, shown: ToShow) -> None:
@@ -638,7 +644,9 @@ def unload(ipython) -> None:
     magics = _loaded.pop(id(ipython), None)
     if magics is None:
         return
-    magics.close()
+    said = magics.close()
+    if said != "numguard: already off":  # %numguard on was on: its cells are no longer guarded
+        print(f"{said}; the extension is unloaded")
     if magics.syntax_check in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(magics.syntax_check)
     set_uncaught_display(next(reversed(_loaded.values())).show_uncaught if _loaded else None)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ._util import dtype_name, message_line, trainer_model
 from .errors import CaptureTooLarge, NonFiniteError
+from .explain import OPS_ADVICE
 from .guard import Guard, GuardOptions
 from .guard.scaler import is_loss_scaler, loss_scaler_of, skipped_summary
 from .report import Report
@@ -224,6 +225,8 @@ class GuardedRun:
             the models' names.
         every_model: the models are every model of the namespace (no names were given): each
             step looks for models made since as well (`hidden`: the shell's own variables).
+        ops_advice: how to have the op and the line named, in the words of the magic that made
+            the run (for the hints).
     """
 
     def __init__(self, namespace: dict, models: Dict[str, nn.Module],
@@ -231,10 +234,11 @@ class GuardedRun:
                  output: Optional[str] = None, quiet: bool = False,
                  shorten: Callable[[BaseException, str], BaseException] = _as_is,
                  scaler_name: Optional[str] = None, every_model: bool = False,
-                 hidden: Optional[Mapping] = None):
+                 hidden: Optional[Mapping] = None, ops_advice: str = ""):
         self.namespace = namespace
         self.names = tuple(models)  # the names followed from step to step
         self.every_model = every_model
+        self.ops_advice = ops_advice
         self._hidden = hidden
         self._made_since: set = set()  # names found since the start (every_model)
         self.scaler_name = scaler_name
@@ -254,6 +258,8 @@ class GuardedRun:
         self.guard = Guard(target, **options.as_kwargs())
 
     def _on_detect(self, report: Report) -> BaseException:
+        if self.ops_advice:
+            report.hint = report.hint.replace(OPS_ADVICE, self.ops_advice)
         self._detections.append(report)
         return self._shorten(NonFiniteError(report), self.hint)
 

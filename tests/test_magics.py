@@ -97,7 +97,7 @@ def test_detection_fails_the_cell_with_one_line_and_displays_the_report(ip):
     # IPython shows _render_traceback_: the culprit and the batch, no traceback through the hooks
     lines = error._render_traceback_()
     assert len(lines) == 2
-    assert lines[0] == f"\x1b[0;31mNonFiniteError\x1b[0m: {CULPRIT}: output holds +inf, which its inputs and weights did not hold"
+    assert lines[0] == f"NonFiniteError: {CULPRIT}: output holds +inf, which its inputs and weights did not hold"
     assert "_numguard" in lines[1]
     assert CULPRIT in captured.stdout
     assert "Traceback" not in captured.stdout and "guard.py" not in captured.stdout
@@ -196,7 +196,7 @@ def test_abort_after_stops_with_one_line_and_traces_are_displayed(ip):
     error = result.error_in_exec
     assert isinstance(error, BatchLimitReached)
     assert error._render_traceback_() == [
-        "\x1b[0;31mBatchLimitReached\x1b[0m: numguard: stopped before batch 5 because "
+        "BatchLimitReached: numguard: stopped before batch 5 because "
         "abort_after_batch=4 (batches 0..4 ran)"
     ]
     shown = reports_displayed(captured)
@@ -705,15 +705,24 @@ def test_without_capture_a_device_error_just_propagates(ip):
     assert "_numguard_replay" not in ip.user_ns and captured.outputs == []
 
 
-def test_short_traceback_is_the_exception_and_its_summary():
+def test_short_traceback_is_the_exception_and_its_summary_red_as_ipython_s_own(ip):
     culprit = Frame("x", "Linear", "forward", 3, 0, [])
     report = Report(frames=[culprit], first_nonfinite=culprit, batch_number=3,
                     reason="x (Linear) produced a non-finite value")
     error = NonFiniteError(report)
-    assert ng_magics.short_traceback(error) == [
-        "\x1b[0;31mNonFiniteError\x1b[0m: x (Linear) produced a non-finite value"]
-    plain = ng_magics._make_short(RuntimeError("boom"), "hint")
-    assert plain._render_traceback_() == ["\x1b[0;31mRuntimeError\x1b[0m: boom", "hint"]
+    colours = ip.colors
+    try:
+        ip.run_line_magic("colors", "nocolor")  # logs, a terminal without colours: no escapes
+        assert ng_magics.short_traceback(error) == [
+            "NonFiniteError: x (Linear) produced a non-finite value"]
+        plain = ng_magics._make_short(RuntimeError("boom"), "hint")
+        assert plain._render_traceback_() == ["RuntimeError: boom", "hint"]
+        assert error._render_traceback_()[0].startswith("NonFiniteError: x (Linear)")
+        ip.run_line_magic("colors", "neutral")
+        assert ng_magics.short_traceback(error)[0].startswith("\x1b[0;31mNonFiniteError\x1b[0m: x")
+        assert error._render_traceback_()[0].startswith("\x1b[0;31mNonFiniteError\x1b[0m: x")
+    finally:
+        ip.run_line_magic("colors", colours)
 
 
 def test_capture_that_would_not_fit_in_host_memory_is_a_usage_error(ip, monkeypatch):
@@ -767,3 +776,38 @@ def test_numguard_on_guards_a_model_made_in_a_later_cell_from_the_next_cell(ip):
     finally:
         run(ip, "%numguard off")
     assert hook_count(ip.user_ns["other"]) == 0 and event_handlers(ip) == []
+
+
+LOG_OF_NEGATIVE = (
+    "class Log(nn.Module):\n"
+    "    def forward(self, x):\n"
+    "        return torch.log(x)\n"
+    "logged = nn.Sequential(nn.Linear(4, 4), Log())\n"
+)
+
+
+def test_hints_in_a_notebook_say_how_to_name_the_op_with_the_magic(ip):
+    result, captured = run(ip, "%%numguard\n" + LOG_OF_NEGATIVE + "logged(torch.randn(3, 4)).sum()")
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    hint = ip.user_ns["_numguard"].hint
+    assert "Rerun the cell with `%%numguard --ops` to name the op and the line." in hint
+    assert "Guard(model, ops=True)" not in hint + captured.stdout + captured.stderr
+    run(ip, "%numguard on")
+    try:
+        run(ip, "logged(torch.randn(3, 4)).sum()")
+        assert "`%numguard on --ops`" in ip.user_ns["_numguard"].hint
+    finally:
+        run(ip, "%numguard off")
+
+
+def test_unloading_the_extension_under_numguard_on_says_guarding_stopped(ip):
+    run(ip, "%numguard on")
+    result, captured = run(ip, "%unload_ext numguard_nb")
+    assert result.success
+    assert captured.stdout.strip() == (
+        "numguard: off (guarded net (Sequential) up to batch 0); the extension is unloaded")
+    assert hook_count(ip.user_ns["net"]) == 0 and event_handlers(ip) == []
+    ip.run_cell("%load_ext numguard_nb")
+    result, captured = run(ip, "%unload_ext numguard_nb")
+    assert captured.stdout.strip() == ""  # nothing was on: nothing to say
+    ip.run_cell("%load_ext numguard_nb")
