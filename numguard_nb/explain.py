@@ -333,12 +333,13 @@ def _weights_hint(facts: Facts) -> str:
                  "reload a checkpoint" if "Norm" in frame.module_class
                  else "reload them from a checkpoint")
         if origin == ORIGIN_SINCE_FORWARD:
-            held = f"{subject}, and {_pronoun(rows)} held none when the model's forward before began"
+            them = _pronoun(rows, object_=True)
+            held = f"{subject}, and {_pronoun(rows)} held none when the model's previous forward began"
             if "Norm" in frame.module_class:
-                return (f"{held}: that forward's batch held inf/nan (or values whose variance "
-                        f"overflows) and the running statistics kept it, or code after it wrote "
-                        f"them. Find that batch, then {reset}.")
-            return (f"{held}: the forward of {where} updated {_pronoun(rows, object_=True)} where "
+                return (f"{held}: that forward updated {them} in training mode from a batch holding "
+                        f"inf/nan (or values whose variance overflows), or code run after that "
+                        f"forward wrote {them}. Find that batch, then {reset}.")
+            return (f"{held}: the forward of {where} updated {them} where "
                     "autograd does not see it (in place through `.data`, as an EMA of statistics "
                     "or a codebook does: look for a division by a count that can be 0, such as a "
                     "code no input chose), or code after that forward did. An update made under "

@@ -130,6 +130,33 @@ def _waiting_for(namespace, hidden, names, made: Optional[set] = None) -> str:
     return " and ".join(missing) if all(name.partition(".")[0] in made for name in missing) else ""
 
 
+def _running_cell_number(shell) -> int:
+    """The number IPython gave the cell running now (`In[5]`): that of the code that called the
+    magic. (IPython 9 counts `execution_count` up before a cell runs, 7 after it.)"""
+    numbers = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        number = numbers.get(frame.f_code.co_filename)
+        if number is not None:
+            return number
+        frame = frame.f_back
+    return shell.execution_count
+
+
+def _compile_cell(shell, cell: str) -> tuple:
+    """A `%%numguard` cell's code, one top-level statement at a time (the last one, an
+    expression, compiled to give the cell's value), compiled the way IPython compiles a cell: all
+    of it before any of it runs; and the names it assigns in the namespace."""
+    # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
+    source = "\n" + shell.transform_cell(cell)
+    filename = shell.compile.cache(source, _running_cell_number(shell))
+    tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
+    code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
+    return code, _assigned_names(tree)
+
+
 def _assigned_names(tree: ast.Module) -> set:
     """The names a cell's code assigns in the namespace: targets of its assignments, loops,
     `with ... as`, imports (not those inside the functions and classes it defines)."""
@@ -263,7 +290,7 @@ class NumguardMagics(Magics):
             raise UsageError(f"%%numguard guards the cell below it; for '{command}' use the line "
                              f"magic %numguard {command} (one %)")
         magic = "%%numguard"
-        code, assigned = self._compile_cell(cell)  # a SyntaxError is raised before any hook
+        code, assigned = _compile_cell(self.shell, cell)  # a SyntaxError is raised before any hook
         waiting_for = _waiting_for(self.shell.user_ns, _hidden(self.shell), args.names, assigned)
         if waiting_for:  # the cell makes its model: guarded from the statement after
             try:  # bad options are refused now, not when a model appears
@@ -272,13 +299,14 @@ class NumguardMagics(Magics):
                 raise UsageError(f"{magic}: {message_line(error)}") from None
             run = None
         else:
-            run = self._start_run(args, magic)
-        run, outcome = self._run_cell(run, code, lambda: self._cell_run_if_ready(args, magic))
+            run = self._start_run(args, magic, made=assigned)
+        not_yet = [f"the cell made {waiting_for} in its last statement or not at all"]
+        run, outcome = self._run_cell(run, code,
+                                      lambda: self._cell_run_if_ready(args, magic, assigned, not_yet))
         if run is None:
             if not args.quiet:
-                print(f"numguard: nothing was guarded: the cell made {waiting_for} in its last "
-                      "statement or not at all (a model is guarded from the statement after the "
-                      "one that makes it)")
+                print(f"numguard: nothing was guarded: {not_yet[0]} (a model is guarded from the "
+                      "statement after the one that makes it)")
             return outcome.result("")
         self._show(run.finish_cell(failed=outcome.error is not None))
         self._show(run.show_headroom())
@@ -287,13 +315,19 @@ class NumguardMagics(Magics):
             self._replay_after_error(run, outcome.error)
         return outcome.result(run.hint)
 
-    def _cell_run_if_ready(self, args, magic: str) -> Optional[GuardedRun]:
+    def _cell_run_if_ready(self, args, magic: str, assigned: set, not_yet: list) -> Optional[GuardedRun]:
         """The run of a `%%numguard` cell whose models did not exist when it began, once they
-        all do (before a statement), else None."""
+        all do and stand for what the run needs (before a statement), else None, with why in
+        `not_yet[0]` (a name bound first to something else, a scaler the cell makes later)."""
         made = {name.partition(".")[0] for name in args.names}
         if _waiting_for(self.shell.user_ns, _hidden(self.shell), args.names, made):
             return None
-        run = self._start_run(args, magic)
+        try:
+            run = self._start_run(args, magic, made=assigned)
+        except UsageError as error:
+            not_yet[0] = message_line(error).partition(": ")[2] or message_line(error)
+            return None
+        run.joined_late.update(run.names)
         if not args.quiet:
             print(f"numguard: guarding {run.describe()} from here on")
         return run
@@ -468,9 +502,10 @@ class NumguardMagics(Magics):
             print(note)
         return name, scaler
 
-    def _start_run(self, args, magic: str, show_first=None) -> GuardedRun:
+    def _start_run(self, args, magic: str, show_first=None, made=None) -> GuardedRun:
         """The guard of the models named in `args` (all of the namespace's without names); its
-        errors call `show_first()` before IPython prints them."""
+        errors call `show_first()` before IPython prints them. `made`: the names a `%%numguard`
+        cell assigns, where its new models can appear (None: anywhere in the namespace)."""
         models = self._find_models(args.names, magic)
         capture, refused = choose_capture(args.capture, models)
         if refused and args.capture:
@@ -483,7 +518,8 @@ class NumguardMagics(Magics):
                               output=args.output, quiet=args.quiet,
                               shorten=lambda error, hint: _make_short(error, hint, show_first),
                               scaler_name=scaler_name, every_model=not args.names,
-                              hidden=_hidden(self.shell), ops_advice=_OPS_ADVICE.get(magic, ""))
+                              hidden=_hidden(self.shell), ops_advice=_OPS_ADVICE.get(magic, ""),
+                              new_models_in=made)
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 
@@ -505,32 +541,6 @@ class NumguardMagics(Magics):
         return obj
 
     # ---- running a guarded cell ----------------------------------------------------------
-    def _running_cell_number(self) -> int:
-        """The number IPython gave the cell running now (`In[5]`): that of the code that called
-        the magic. (IPython 9 counts `execution_count` up before a cell runs, 7 after it.)"""
-        numbers = getattr(self.shell.compile, "_filename_map", {})
-        frame = sys._getframe(1)
-        while frame is not None:
-            number = numbers.get(frame.f_code.co_filename)
-            if number is not None:
-                return number
-            frame = frame.f_back
-        return self.shell.execution_count
-
-    def _compile_cell(self, cell: str) -> tuple:
-        """The cell's code, one top-level statement at a time (the last one, an expression,
-        compiled to give the cell's value), compiled the way IPython compiles a cell: all of it
-        before any of it runs; and the names it assigns in the namespace."""
-        shell = self.shell
-        # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
-        source = "\n" + shell.transform_cell(cell)
-        filename = shell.compile.cache(source, self._running_cell_number())
-        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
-        code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
-        return code, _assigned_names(tree)
-
     def _run_cell(self, run: Optional[GuardedRun], code: list, start) -> tuple:
         """Run the statements one by one, each on the models their names stand for by then: a
         model the cell makes or rebuilds is guarded from the statement after (never by running a

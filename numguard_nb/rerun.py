@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import weakref
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
@@ -171,16 +172,19 @@ class Kept:
         self.restore()
 
 
-# A forward's buffers copied at each top-level call under ops=True, up to this many bytes.
+# A forward's buffers copied at each top-level call under ops=True: each one up to the first
+# size, or one seen written by a forward; all together up to the second.
+SMALL_BUFFER_BYTES = 2**20
 BUFFER_COPY_BYTES = 64 * 2**20
 
 
-def buffers_at_start(root: torch.nn.Module) -> Optional[list]:
-    """(module, name, buffer, copy) of each floating buffer of `root` that its forward may update
-    (in place, or by assigning a new tensor) and read again (an EMA, a codebook), taken as a call
-    starts, so that a re-run of the call can start from what it saw. Normalisation layers'
-    running statistics are left out: in training they shape no output. None past
-    `BUFFER_COPY_BYTES` (a cache kept in buffers)."""
+def buffers_at_start(root: torch.nn.Module, written=frozenset()) -> Optional[list]:
+    """(module, name, weak reference to the buffer, copy) of the floating buffers of `root` that
+    its forward may update (in place, or by assigning a new tensor) and read again (an EMA, a
+    codebook), taken as a call starts, so that a re-run of the call can start from what it saw:
+    the small ones, and larger ones a forward was seen writing (`written`: (id of the module,
+    name) pairs). Normalisation layers' running statistics are left out: in training they shape
+    no output. None past `BUFFER_COPY_BYTES`."""
     copies, size = [], 0
     with torch.no_grad():
         for module in root.modules():
@@ -189,10 +193,13 @@ def buffers_at_start(root: torch.nn.Module) -> Optional[list]:
             for name, buffer in module._buffers.items():
                 if buffer is None or not buffer.is_floating_point():
                     continue
-                size += buffer.numel() * buffer.element_size()
+                nbytes = buffer.numel() * buffer.element_size()
+                if nbytes > SMALL_BUFFER_BYTES and (id(module), name) not in written:
+                    continue  # (a table the forward only reads, say)
+                size += nbytes
                 if size > BUFFER_COPY_BYTES:
                     return None
-                copies.append((module, name, buffer, buffer.clone()))
+                copies.append((module, name, weakref.ref(buffer), buffer.clone()))
     return copies
 
 

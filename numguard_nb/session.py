@@ -224,7 +224,8 @@ class GuardedRun:
         scaler_name: the name `options.scaler` was found under (`find_scaler`), followed like
             the models' names.
         every_model: the models are every model of the namespace (no names were given): each
-            step looks for models made since as well (`hidden`: the shell's own variables).
+            step looks for models made since as well (`hidden`: the shell's own variables), among
+            the names `new_models_in` (a `%%numguard` cell's assignments; None: every name).
         ops_advice: how to have the op and the line named, in the words of the magic that made
             the run (for the hints).
     """
@@ -234,13 +235,16 @@ class GuardedRun:
                  output: Optional[str] = None, quiet: bool = False,
                  shorten: Callable[[BaseException, str], BaseException] = _as_is,
                  scaler_name: Optional[str] = None, every_model: bool = False,
-                 hidden: Optional[Mapping] = None, ops_advice: str = ""):
+                 hidden: Optional[Mapping] = None, ops_advice: str = "",
+                 new_models_in: Optional[set] = None):
         self.namespace = namespace
         self.names = tuple(models)  # the names followed from step to step
         self.every_model = every_model
+        self._new_models_in = new_models_in
         self.ops_advice = ops_advice
         self._hidden = hidden
-        self._made_since: set = set()  # names found since the start (every_model)
+        self._made_since: set = set()  # names found since the start, not yet said (every_model)
+        self.joined_late: set = set()  # names guarded from a statement after a cell's first
         self.scaler_name = scaler_name
         self.models = dict(models)  # what they stand for now
         self.missing: Dict[str, str] = {}  # name -> why it stands for no model now
@@ -332,13 +336,16 @@ class GuardedRun:
 
     def _look_up(self) -> Tuple[Dict[str, nn.Module], Dict[str, str]]:
         if self.every_model:  # models made since are followed too
+            namespace = self.namespace if self._new_models_in is None else {
+                name: self.namespace[name] for name in self._new_models_in if name in self.namespace}
             try:
-                made = find_models(self.namespace, (), self._hidden)
+                made = find_models(namespace, (), self._hidden)
             except LookupError:
                 made = {}
             new = tuple(name for name in made if name not in self.names)
             self.names += new
             self._made_since.update(new)
+            self.joined_late.update(new)
         found: Dict[str, nn.Module] = {}
         missing: Dict[str, str] = {}
         for name in self.names:
@@ -441,6 +448,11 @@ class GuardedRun:
         if not self.models:
             missing = "; ".join(self.missing.values())
             return ToShow(lines=[f"numguard: no model was guarded at the end of this cell ({missing})"])
+        if set(self.models) <= self.joined_late:  # made in the statement that used them, say
+            return ToShow(lines=[
+                f"numguard: {self.describe()} was not called after guarding began (from the "
+                "statement after the one that made it): make the model in a statement before the "
+                "code that uses it"])
         return ToShow(lines=[f"numguard: {self.describe()} was not called in this cell"])
 
 

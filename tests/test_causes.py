@@ -201,9 +201,10 @@ def test_buffers_from_an_earlier_batch_keep_their_own_words():
     report = detection(model, two_batches)
     assert report.weights_origin == ORIGIN_SINCE_FORWARD
     assert report.reason.endswith("they held none when the forward of batch 0 began, so that "
-                                  "forward wrote them (an update inside 1 (BatchNorm1d)) or code "
-                                  "run after it did"), report.reason
-    assert "running statistics kept it, or code after it wrote them" in report.hint
+                                  "forward (an update inside 1 (BatchNorm1d)) or code run after it "
+                                  "wrote them"), report.reason
+    assert ("it held none when the model's previous forward began: that forward updated it in "
+            "training mode from a batch holding inf/nan") in report.hint, report.hint
     report = detection(model, lambda: model(batch()))
     assert report.weights_origin == ORIGIN_BEFORE_ATTACH
     assert "running statistics kept it" in report.hint and "attached" in report.hint
@@ -639,3 +640,32 @@ def test_steps_after_watched_calls_give_no_such_warning(mode, recwarn):
         model(batch()).sum().backward()
         optimizers[0].step()
     assert not [w for w in recwarn if UNWATCHED in str(w.message)]
+
+
+def test_ops_copies_small_buffers_and_large_ones_only_once_a_forward_wrote_them():
+    """ops=True copies, at each step, the buffers a forward may write and read again: the small
+    ones, and a large one once a forward was seen writing it; a large table the forward only
+    reads is never copied (a copy per step of a 48 MiB table tripled a step's time)."""
+    from numguard_nb.rerun import SMALL_BUFFER_BYTES
+
+    class Tables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            rows = SMALL_BUFFER_BYTES // 16 + 1  # 4 float32 columns: just over the size
+            self.register_buffer("table", torch.randn(rows, 4))  # read only
+            self.register_buffer("ema", torch.zeros(rows, 4))  # written each step
+            self.register_buffer("small", torch.zeros(4))  # read only, small
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.ema[:2].lerp_(x[:2], 0.5)
+            return x @ self.table[:4] + self.small
+
+    model = Tables()
+    with Guard(model, ops=True) as guard:
+        copied_by_step = []
+        for _ in range(2):
+            model(torch.randn(4, 4))
+            copied = guard._op_recorder.calls[id(model)][5]
+            copied_by_step.append(sorted(name for _, name, _, _ in copied))
+    assert copied_by_step == [["small"], ["ema", "small"]]

@@ -811,3 +811,36 @@ def test_unloading_the_extension_under_numguard_on_says_guarding_stopped(ip):
     result, captured = run(ip, "%unload_ext numguard_nb")
     assert captured.stdout.strip() == ""  # nothing was on: nothing to say
     ip.run_cell("%load_ext numguard_nb")
+
+
+@pytest.mark.parametrize("line, cell", [
+    # the cell makes the scaler it names after the model
+    ("--scaler sc", "made = nn.Linear(4, 1)\nsc = torch.amp.GradScaler('cpu')\n"),
+    # the name stands for something else first
+    ("made", "made = None\nmade = nn.Linear(4, 1)\n"),
+])
+def test_a_cell_whose_model_is_not_ready_at_first_waits_for_it_and_runs_every_statement(ip, line, cell):
+    ip.reset(new_session=False)
+    ip.run_cell("import torch\nfrom torch import nn")
+    result, captured = run(ip, f"%%numguard {line}\n{cell}ran = True\n"
+                               "torch.log(made(torch.randn(2, 4)) - 100).sum().backward()")
+    assert ip.user_ns.get("ran") is True  # no statement was skipped
+    assert isinstance(result.error_in_exec, NonFiniteError), captured.stderr
+    assert "numguard: guarding made (Linear) from here on" in captured.stdout
+    assert hook_count(ip.user_ns["made"]) == 0 and event_handlers(ip) == []
+
+
+def test_a_cell_looks_for_new_models_only_among_the_names_it_assigns(ip, monkeypatch):
+    """Without names a cell follows models it makes, looking before each statement at the names
+    it assigns, not through the whole namespace (a notebook can hold tens of thousands)."""
+    from numguard_nb import session
+
+    for i in range(2000):
+        ip.user_ns[f"value{i}"] = i
+    looked_at = []
+    model_of = session.model_of
+    monkeypatch.setattr(session, "model_of", lambda obj: looked_at.append(obj) or model_of(obj))
+    result, _ = run(ip, "%%numguard\n" + "x = 1\n" * 40 + "other = nn.Linear(4, 4)\nother(torch.randn(1, 4))")
+    assert result.success
+    assert len(looked_at) < 3 * 2000 + 40 * 5, len(looked_at)  # scans to start, then a few names
+    assert ip.user_ns["_numguard"].frames[-1].module_name == "other"

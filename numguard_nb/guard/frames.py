@@ -204,7 +204,7 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
         return f"{first} when it attached"
     if kind == ORIGIN_SINCE_FORWARD:
         return (f"{head}: they held none when the forward of batch {origin.finite_batch} began, "
-                f"so that forward wrote them (an update inside {where}) or code run after it did")
+                f"so that forward (an update inside {where}) or code run after it wrote them")
     if buffers:
         return f"{head}: running statistics went bad in an earlier batch"
     return f"{head}: an optimizer step or code outside the model's forward wrote them"

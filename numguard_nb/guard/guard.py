@@ -403,8 +403,8 @@ class Guard:
             return
         watch_grads = self.watch_backward and torch.is_grad_enabled()
         self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
-        if module._buffers:
-            state.forward.note_written_buffers(call, module, self._nonzero_min, self._sign_hints)
+        if module._buffers:  # (under ops=True, what a forward writes is copied from then on)
+            state.forward.note_written_buffers(call, module, self._nonzero_min, self._sign_hints, self._op_recorder)
         if self._capture is not None and not stack:
             self._capture.note_output(output)  # the code after the call reads it
         if self._op_recorder is not None and watch_grads and not stack:

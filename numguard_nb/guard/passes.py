@@ -150,12 +150,14 @@ class PassRecord:
         entry = self.summarise(t, site, nonzero_min, sign_hints, True)
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0)
 
-    def note_written_buffers(self, call: CallRecord, module, nonzero_min: bool, sign_hints: dict) -> None:
+    def note_written_buffers(self, call: CallRecord, module, nonzero_min: bool, sign_hints: dict,
+                             recorder=None) -> None:
         """Buffers a forward call changed in place or assigned anew (an EMA, a codebook's
         statistics): what it wrote is something it produced, summarised again as one of its
         outputs ("embed (after forward)"). (A change through `.data`, or BatchNorm's kernel
         updating its running statistics, moves no version counter: the next call finds what
-        they hold.)"""
+        they hold.) `recorder` (an `ops.OpRecorder`, under ops=True) learns which were written."""
+        written = []
         for name, buffer in module._buffers.items():
             if buffer is None or not buffer.is_floating_point() or buffer.is_inference():
                 continue  # (an inference tensor keeps no version to tell by)
@@ -163,6 +165,9 @@ class PassRecord:
             if entry is None or not _is_entry_of(entry, buffer) or entry[ENTRY_VERSION] != buffer._version:
                 call.slots.append(self.weight_slot(buffer, name + WRITTEN_IN_FORWARD, OUTPUT,
                                                    (call.module_id, name), nonzero_min, sign_hints))
+                written.append(name)
+        if written and recorder is not None:
+            recorder.note_written(module, written)
 
     def close(self, call: CallRecord) -> None:
         """A forward call has closed: next in the pass's order, and among its parent's children."""

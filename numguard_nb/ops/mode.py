@@ -231,16 +231,16 @@ class RerunMode(TorchDispatchMode):
             version = None
         self.versions.setdefault(id(t), (t, version))
 
-    def start_from(self, module, name: str, buffer: torch.Tensor, value: torch.Tensor) -> None:
+    def start_from(self, module, name: str, buffer, value: torch.Tensor) -> None:
         """Set `module`'s buffer `name` back to `value`, what it held when the failing call began
-        (`buffer`, then; its forward updated it since, in place or by assigning a new tensor),
+        (`buffer()`, then; its forward updated it since, in place or by assigning a new tensor),
         keeping what it holds now for `restore`: a forward that reads what it updates then runs
         again as it ran."""
         current = module._buffers.get(name)
         entries = self.protected.get(_storage_key(current)) if current is not None else None
         if not entries or value.shape != current.shape:
             return
-        if current is buffer:
+        if buffer() is current:
             if id(current) not in self.snapshots:
                 self.snapshots[id(current)] = (current, current.detach().clone())
             with torch.no_grad():

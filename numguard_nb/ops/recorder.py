@@ -30,13 +30,19 @@ class OpRecorder:
     def __init__(self):
         # root id -> (root, args, kwargs, state, counts before, buffers at the start)
         self.calls: Dict[int, tuple] = {}
+        self.written: set = set()  # (id of a module, buffer name) a forward was seen writing
         self.root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
 
     def remember_call(self, root, args, kwargs, state: CallState, call_counts: dict) -> None:
         """Keep a top-level call for a re-run. `call_counts` (module id -> calls so far in the
         batch): the culprit's call index within this call is its batch-wide index minus these."""
-        self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts), buffers_at_start(root))
+        self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts),
+                                buffers_at_start(root, self.written))
         self.root_grads.pop(id(root), None)
+
+    def note_written(self, module, names: list) -> None:
+        """A forward call wrote these buffers of `module`: copied from the next call on."""
+        self.written.update((id(module), name) for name in names)
 
     def keep_root_grads(self, root_id: int, output, handles: list) -> None:
         """Hold the gradients arriving at a root's outputs (hook handles go to `handles`).
@@ -56,6 +62,7 @@ class OpRecorder:
 
     def clear(self) -> None:
         self.calls.clear()
+        self.written.clear()
         self.root_grads.clear()
 
     def localise(self, root_id: int, culprit, module_id: int, call_index: int, cause: str,
