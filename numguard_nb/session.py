@@ -245,6 +245,7 @@ class GuardedRun:
         self._hidden = hidden
         self._made_since: set = set()  # names found since the start, not yet said (every_model)
         self.joined_late: set = set()  # names guarded from a statement after a cell's first
+        self._scanned: set = set()  # names every_model found (not given, nor found at the start)
         self.scaler_name = scaler_name
         self.models = dict(models)  # what they stand for now
         self.missing: Dict[str, str] = {}  # name -> why it stands for no model now
@@ -345,6 +346,7 @@ class GuardedRun:
             new = tuple(name for name in made if name not in self.names)
             self.names += new
             self._made_since.update(new)
+            self._scanned.update(new)
             self.joined_late.update(new)
         found: Dict[str, nn.Module] = {}
         missing: Dict[str, str] = {}
@@ -363,7 +365,12 @@ class GuardedRun:
                 found[name] = model
         models = _top_level(found)
         for name in found.keys() - models.keys():
-            missing[name] = f"{name} is inside another guarded model: guarded through it"
+            if name in self._scanned:  # found by a scan (`part = net[0]`): not followed
+                self.names = tuple(kept for kept in self.names if kept != name)
+                for names in (self._scanned, self.joined_late, self._made_since):
+                    names.discard(name)
+            else:
+                missing[name] = f"{name} is inside another guarded model: guarded through it"
         return models, missing
 
     def _changes(self, models, missing, layouts) -> List[str]:

@@ -844,3 +844,10 @@ def test_a_cell_looks_for_new_models_only_among_the_names_it_assigns(ip, monkeyp
     assert result.success
     assert len(looked_at) < 3 * 2000 + 40 * 5, len(looked_at)  # scans to start, then a few names
     assert ip.user_ns["_numguard"].frames[-1].module_name == "other"
+
+
+def test_a_part_of_a_guarded_model_bound_to_a_name_in_the_cell_is_no_new_model(ip):
+    result, captured = run(ip, "%%numguard\npart = net[0]\n" + LOOP)
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert "part" not in captured.stdout  # guarded through net, nothing to say
+    assert ip.user_ns["_numguard"].first_nonfinite.module_name == "0"  # net's, not part's
