@@ -75,8 +75,8 @@ timeout 200 python benchmarks/overhead.py --device cuda --train --models gpt2-12
 
 section "DDP over nccl, one process"
 timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee -a "$out/checks.txt"
-section "distcheck: 2 processes on 1 GPU"
-timeout 60 python -m torch.distributed.run --nproc_per_node 2 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/checks.txt"
+section "distcheck: nccl, one process per GPU"
+timeout 60 python -m torch.distributed.run --nproc_per_node 1 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/checks.txt"
 
 bash scripts/gpu_memory.sh "$out"
 

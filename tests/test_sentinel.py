@@ -912,3 +912,52 @@ def test_a_model_call_that_raises_leaves_the_nested_hooks_in_place():
             model(x4())
         assert all(len(block._forward_hooks) == 1 for block in model.blocks)
     assert hooks_left(model) == []
+
+
+def test_while_the_model_runs_its_inner_entries_take_torch_s_fast_path_and_get_their_hooks_back():
+    seen = []
+    model = Blocks(probe=lambda block: seen.append((len(block._forward_pre_hooks),
+                                                     len(block._forward_hooks))))
+    with Guard(model, mode="sentinel"):
+        before = [(list(b._forward_pre_hooks), list(b._forward_hooks)) for b in model.blocks]
+        model(x4()).backward()
+        assert seen == [(0, 0)] * 3  # no hook: torch's fast path for each block
+        assert [(list(b._forward_pre_hooks), list(b._forward_hooks)) for b in model.blocks] == before
+    assert hooks_left(model) == []
+
+
+def test_a_hook_registered_on_an_inner_entry_while_the_model_runs_comes_after_the_guard_s():
+    added = []
+
+    def probe(block):
+        if not added:
+            added.append(block.register_forward_hook(lambda *a: None))
+
+    model = Blocks(probe=probe)
+    with Guard(model, mode="sentinel"):
+        ours = list(model.blocks[0]._forward_hooks)
+        model(x4()).backward()
+        assert list(model.blocks[0]._forward_hooks) == ours + [added[0].id]
+        added[0].remove()
+    assert hooks_left(model) == []
+
+
+def test_after_an_interrupted_model_call_a_reset_puts_the_inner_hooks_back():
+    calls = []
+
+    def probe(block):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # (torch runs no closing hook for it)
+
+    model = Blocks(probe=probe)
+    with Guard(model, mode="sentinel") as guard:
+        with pytest.raises(KeyboardInterrupt):
+            model(x4())
+        guard.reset()  # what the session does after a failed cell
+        bad = x4()
+        bad[0, 0] = float("inf")
+        with pytest.raises(NonFiniteError) as caught:  # a block called on its own: checked
+            model.blocks[2](bad * 0)
+        assert caught.value.report.first_nonfinite.module_name == "blocks.2"
+    assert hooks_left(model) == []

@@ -141,6 +141,33 @@ def test_same_weights_with_and_without_the_deferred_sentinel(deferred_on_host):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_a_call_captured_into_a_cuda_graph_makes_no_read_and_seals_nothing(deferred_on_host,
+                                                                           monkeypatch):
+    """Warm-up calls leave checks open; the call captured next must not seal them (a copy and an
+    event recorded in a capture belong to the graph, and asking the event fails there): they
+    are sealed and read at the first call after the capture."""
+    from numguard_nb.guard import hooks
+
+    made = []
+    real_init = DeferredRead.__init__
+    monkeypatch.setattr(DeferredRead, "__init__",
+                        lambda self, vectors: made.append(1) or real_init(self, vectors))
+    model = Net()
+    deferred_on_host[0] = False  # the device is done with the warm-up's values
+    with pytest.raises(NonFiniteError, match="batch 2"):  # (the captured call counts none)
+        with Guard(model, mode="sentinel") as guard, torch.no_grad():
+            model(_batch(0, -1))
+            model(_batch(1, -1))
+            sealed = len(made)
+            monkeypatch.setattr(hooks, "stream_capturing", lambda: True)
+            model(_batch(2, -1))  # captured
+            assert len(made) == sealed and guard._sentinel.checks.pending
+            monkeypatch.setattr(hooks, "stream_capturing", lambda: False)
+            model(_batch(3, 3))  # after the capture, with a nan: sealed and read at the exit
+            assert len(made) == sealed + 1
+    assert len(made) == sealed + 2
+
+
 def _steps_without_sync(model, loss_of) -> None:
     """Four guarded training steps (fused AdamW) under torch's sync detector in "error" mode
     from the second on (the first warms up): any host synchronisation raises."""

@@ -178,8 +178,7 @@ class Guard:
     max_frames, trace_batches, mode = _Option("max_frames"), _Option("trace_batches"), _Option("mode")
     abort_after_batch, backward, sync = _Option("abort_after_batch"), _Option("backward"), _Option("sync")
     allow_inf, limit_dtype, stop_at_limit = _Option("allow_inf"), _Option("limit_dtype"), _Option("stop_at_limit")
-    on_trace, on_detect, ops, history_every = (_Option(name) for name in (
-        "on_trace", "on_detect", "ops", "history_every"))
+    on_trace, on_detect, ops, history_every = map(_Option, ("on_trace", "on_detect", "ops", "history_every"))
     # Whether attach takes a capture (off in the magics when the weights' host copy stops fitting)
     capture_enabled, scaler, max_skipped_steps = (_Option(name) for name in (
         "capture", "scaler", "max_skipped_steps"))
@@ -301,6 +300,7 @@ class Guard:
         """Forget unfinished passes (Ctrl-C) in every thread, and an unconfirmed overflow."""
         self._forget_passes()
         self.scaling.forget_step()
+        self._sentinel.interrupted()
 
     def _forget_passes(self) -> None:
         self.threads = ThreadPasses(lambda: self.batch_number)

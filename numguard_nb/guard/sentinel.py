@@ -44,6 +44,7 @@ from .hooks import (
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
+from .set_aside import SetAside
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
@@ -84,7 +85,8 @@ def _entry_modules(prefix: str, root: nn.Module):
 class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
-    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans")
+    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans",
+                 "inner")
 
     def __init__(self, module: nn.Module, name: str, primary: bool):
         self.module = module
@@ -95,6 +97,7 @@ class _Entry:
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
+        self.inner: list = []  # a model's: (entry inside it, its two hook ids), set aside in its calls
 
 
 class _Call:
@@ -184,6 +187,7 @@ class Sentinel:
         self.entries: Dict[int, _Entry] = {}
         self.tasks = BackwardPasses()  # autograd graph task -> the calls it goes through
         self._handles: list = []  # module hooks
+        self._aside = SetAside()  # the inner entries' hooks while their model runs
         self._grad_handles = LiveHandles()  # hooks on output tensors (dead once their graph is freed)
         self._local = _ThreadState()
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
@@ -208,6 +212,9 @@ class Sentinel:
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, position == 0 and module is root)
+                    if module is not root:
+                        self.entries[id(root)].inner.append(
+                            (module, tuple(self.entries[id(module)].hook_ids)))
             # optimizer steps: what wrote weights found non-finite
             self.guard.steps.start(self.guard.models)
             self.checks.start()
@@ -254,6 +261,7 @@ class Sentinel:
                 self.ranks.detach()
                 self.ranks = None
         self.attached = False
+        self._aside.forget()
         self._grad_handles.remove_all()
         for handle in self._handles + self._registration_handles:
             handle.remove()
@@ -270,6 +278,10 @@ class Sentinel:
         self._call_counts.clear()
         self._local = _ThreadState()
         self._batch = -1
+
+    def interrupted(self) -> None:
+        """A call was interrupted (Ctrl-C): the inner entries' hooks go back now."""
+        self._aside.put_back(any_thread=True)
 
     def report(self) -> Report:
         """The outputs of the last top-level calls checked, all finite (and the steps a loss
@@ -292,19 +304,25 @@ class Sentinel:
         depth = local.depth
         if depth and not still_running(local.top_frame):
             depth = 0
-        if not depth and self.checks.pending:
-            if not self._backward_due():
-                self.checks.seal()  # a call no backward followed
-            self.checks.look()  # the steps before, if the device has their values by now
         local.depth = depth + 1
         if depth:
             return
+        entry = self.entries.get(id(module))
+        if entry is not None and entry.inner:
+            self._aside.take(entry.inner)  # their calls in this one need no hooks (set_aside)
+        # Compiled, traced, exported or captured into a CUDA graph: no device work of ours (in a
+        # capture an event recorded is the graph's, and asking it fails).
+        inert = inert_context()
+        if self.checks.pending and not inert:
+            if not self._backward_due():
+                self.checks.seal()  # a call no backward followed
+            self.checks.look()  # the steps before, if the device has their values by now
         local.call = None
         local.top_frame = own_call_frame_id()
-        # Compiled, traced or exported; or recomputed in backward (activation checkpointing).
-        if inert_context() or graph_task_id() != -1:
+        # ...or recomputed in backward (activation checkpointing).
+        if inert or graph_task_id() != -1:
             return
-        entry, guard = self.entries[id(module)], self.guard
+        guard = self.guard
         guard.outside.enter_model()  # the code before this call (a loss) is over: checked
         if entry.primary and not guard.batches_counted_by_caller:
             guard.batch_number = guard.batches.next(guard.options.abort_after_batch)
@@ -326,6 +344,7 @@ class Sentinel:
         local.depth = max(local.depth - 1, 0)
         if local.depth:
             return
+        self._aside.put_back()  # (the inner entries' hooks, if this call set them aside)
         call, local.call = local.call, None
         if call is None or output is _RAISED or call.entry.module is not module \
                 or forward_raised():
