@@ -4,6 +4,7 @@
                                   [--models t5,gpt2,mlp,deep,t5-compiled]
     python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194
     python benchmarks/overhead.py --quick     # T5 and the MLP, 8 steps: a first look
+    python benchmarks/overhead.py ... --pairs # each detector in rounds of its own (see below)
 
 On this project's 2-core CPU --quick takes about 30 seconds, three models at 12 steps about a
 minute; the default run takes several minutes more, most of it inductor compiling T5.
@@ -29,6 +30,12 @@ machine noise hits them alike; the table shows the median step time and the medi
 each step's time divided by the no-detector step of the same round (paired, so that slow drift on
 a shared machine cancels out), and the mean of those ratios: the median hides what a few steps
 pay (history_every=N runs one batch in N with the full hooks), the mean shows it, noise and all.
+
+With --pairs each detector runs in rounds of its own, with the unguarded model and an unguarded
+copy of it, in alternating order: a training loop runs one detector, not eight, and where the host
+sets the pace (a GPU step of many small modules) the others' code in between costs time too (on
+an H200, GPT-2 124M in full mode: 1.76x round-robin, 1.50x in pairs). The copy's ratio, a last
+column, is the noise floor of those rounds.
 """
 
 from __future__ import annotations
@@ -217,29 +224,54 @@ def step(model, batch, context, device, optimizer=None, sync_debug=None):
     return time.perf_counter() - start
 
 
-def bench(name, device, steps, warmup=3, train=False):
+def bench(name, device, steps, warmup=3, train=False, pairs=False):
+    """Rows (detector, median ms, median ratio, mean ratio, host syncs, unguarded copy's ratio).
+    Round-robin over every configuration; with `pairs`, each detector in rounds of its own with
+    the unguarded model and an unguarded copy of it (the copy's ratio: the noise floor), its
+    steps alone between the unguarded ones, as in a training loop that runs one of them."""
     torch.manual_seed(0)
     model, batch = BUILDERS[name](device)
     model.eval()  # no dropout: every configuration computes exactly the same thing
     configs = make_compiled_configs(model) if name.endswith("-compiled") else make_configs(model)
+    if pairs:
+        configs["none (an unguarded copy)"] = (copy.deepcopy(model), contextlib.nullcontext)
     # lr=0: the weights stay as they are, and every step computes the same thing
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizers = {key: torch.optim.AdamW(m.parameters(), lr=0.0, **fused) if train else None
                   for key, (m, _) in configs.items()}
+    detectors = [key for key in configs if not key.startswith("none")]
+    groups = ([["none", "none (an unguarded copy)", key] for key in detectors] if pairs
+              else [list(configs)])
     times = {key: [] for key in configs}
+    copy_times: dict = {}  # detector -> the copy's steps in its rounds
     with warnings_silenced():
-        for i in range(warmup + steps):
-            for key, (m, context) in configs.items():
-                elapsed = step(m, batch, context, device, optimizers[key])
-                if i >= warmup:
-                    times[key].append(elapsed)
+        for group in groups:
+            base, copy_ = (times["none"], []) if pairs else (None, None)
+            if pairs:
+                times["none"] = []
+            for i in range(warmup + steps):
+                for key in (group if i % 2 or not pairs else group[::-1]):
+                    m, context = configs[key]
+                    elapsed = step(m, batch, context, device, optimizers[key])
+                    if i >= warmup:
+                        (copy_ if pairs and key == group[1] else times[key]).append(elapsed)
+            if pairs:
+                copy_times[group[2]] = (list(times["none"]), copy_)
+                times[group[2] + " base"] = times["none"]
+                times["none"] = base + times["none"]
         syncs = {key: host_syncs(m, batch, context, device, optimizers[key])
                  for key, (m, context) in configs.items()} if device.type == "cuda" else {}
     rows = []
-    for key, values in times.items():
-        ratios = [t / base for t, base in zip(values, times["none"])]
+    for key in ["none"] + detectors:
+        values = times[key]
+        base = times[key + " base"] if pairs and key != "none" else times["none"][:len(values)]
+        ratios = [t / b for t, b in zip(values, base)]
+        noise = ""
+        if key in copy_times:
+            own_base, copies = copy_times[key]
+            noise = f"{statistics.median(c / b for c, b in zip(copies, own_base)):.3f}x"
         rows.append((key, statistics.median(values) * 1e3, statistics.median(ratios),
-                     statistics.fmean(ratios), syncs.get(key, "")))
+                     statistics.fmean(ratios), syncs.get(key, ""), noise))
     return rows
 
 
@@ -271,6 +303,9 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--train", action="store_true",
                         help="time whole training steps: with an AdamW step and zero_grad")
+    parser.add_argument("--pairs", action="store_true",
+                        help="time each detector in rounds of its own with the unguarded model and an "
+                             "unguarded copy (whose ratio is the noise floor), not all round-robin")
     parser.add_argument("--quick", action="store_true",
                         help="a first look: T5 and the MLP, 8 steps (unless --models/--steps say otherwise)")
     args = parser.parse_args()
@@ -284,12 +319,16 @@ def main():
     device = torch.device(args.device)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     what = "training steps (forward, backward, AdamW step, zero_grad)" if args.train else "steps (forward, backward)"
-    print(f"torch {torch.__version__}, {label}, median of {args.steps} interleaved {what}\n")
-    print("| model | detector | step (ms) | ratio | mean ratio | host syncs per step |\n"
-          "|---|---|---:|---:|---:|---:|")
+    how = "in pairs with the unguarded model" if args.pairs else "interleaved"
+    print(f"torch {torch.__version__}, {label}, median of {args.steps} {what}, {how}\n")
+    copy_column = (" unguarded copy |", "---:|") if args.pairs else ("", "")
+    print(f"| model | detector | step (ms) | ratio | mean ratio | host syncs per step |{copy_column[0]}\n"
+          f"|---|---|---:|---:|---:|---:|{copy_column[1]}")
     for name in args.models.split(","):
-        for key, ms, ratio, mean, syncs in bench(name, device, args.steps, train=args.train):
-            print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x | {mean:.2f}x | {syncs} |", flush=True)
+        for key, ms, ratio, mean, syncs, noise in bench(name, device, args.steps, train=args.train,
+                                                        pairs=args.pairs):
+            extra = f" {noise} |" if args.pairs else ""
+            print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x | {mean:.2f}x | {syncs} |{extra}", flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s in all)")
 
 

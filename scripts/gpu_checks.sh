@@ -2,7 +2,7 @@
 # The checks that need a GPU, in one run of a few minutes (for a lent machine; see README).
 #   bash scripts/gpu_checks.sh [OUT_DIR]
 # Writes checks.txt (the device, the cuda tests, host syncs, the replay, row cost, DDP), overhead.md,
-# overhead-again.md, memory.txt and profile.txt into OUT_DIR (default $OUT or .): few files, as a
+# overhead-pairs.md, memory.txt and profile.txt into OUT_DIR (default $OUT or .): few files, as a
 # lent machine sends back at most 8. The profile comes last, so a run cut short keeps the rest.
 set -u
 out=${1:-${OUT:-.}}
@@ -70,8 +70,8 @@ section "host time per row of full mode's statistics: 0-d rows stacked, rows wri
 timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee -a "$out/checks.txt"
 section "overhead of a training step (bf16 autocast, fused AdamW)"
 timeout 300 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
-section "the same, run again (run-to-run spread)"
-timeout 200 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | grep -E "none|sentinel" | tee "$out/overhead-again.md"
+section "the same, each detector in pairs with the unguarded model (and an unguarded copy: the noise floor)"
+timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead-pairs.md" | tail -30
 
 section "DDP over nccl, one process"
 timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee -a "$out/checks.txt"
