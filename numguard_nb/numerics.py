@@ -27,7 +27,7 @@ import torch
 from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
-           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
+           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_flag_of_groups", "nonfinite_of", "output_flag",
            "readable", "stats_flag"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
@@ -232,20 +232,31 @@ def nonfinite_flag(tensors: list) -> Optional[torch.Tensor]:
     not say which tensor. Its kernel writes each value back times 1.0 (the same bits). None
     where it cannot take them: tensors that take gradients themselves (a double backward's:
     the write would count as an in-place change) or a kind it has no kernel for."""
-    if not tensors or any(t.requires_grad for t in tensors):
+    if not tensors:
         return None
-    tensors = [_local(t) for t in tensors]
-    device = tensors[0].device
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return nonfinite_flag_of_groups(list(by_dtype.values()))
+
+
+def nonfinite_flag_of_groups(groups: list) -> Optional[torch.Tensor]:
+    """`nonfinite_flag` of tensors already grouped by dtype (lists, one dtype each, one device),
+    with no look at each tensor's dtype."""
+    if any(t.requires_grad for group in groups for t in group):
+        return None
+    groups = [[_local(t) for t in group] if any(type(t) not in _PLAIN for t in group) else group
+              for group in groups if group]
+    if not groups:
+        return None
+    device = groups[0][0].device
     one = _ONES.get(device)
     if one is None:
         one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
     found = torch.zeros(1, dtype=torch.float32, device=device)
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
     try:
         with torch.no_grad():
-            for group in by_dtype.values():
+            for group in groups:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
     except (RuntimeError, TypeError, NotImplementedError):
         return None
@@ -265,17 +276,24 @@ class DeferredRead:
     """Float32 vectors on the device, copied to pinned host memory as soon as they are computed,
     read once there. Vectors on the host need no copy and are ready at once."""
 
-    __slots__ = ("_host", "_event", "_sizes", "_values")
+    __slots__ = ("_host", "_event", "_sizes", "_values", "on_device")
 
     def __init__(self, vectors: list):
         self._sizes = [int(v.numel()) for v in vectors]
         self._values: Optional[list] = None
         self._event = None
+        self.on_device: Optional[torch.Tensor] = None  # the vectors joined, until read
         if not vectors:
             self._host = None
             self._values = []
             return
-        flat = torch.cat([v.reshape(-1) for v in vectors])
+        # A model across devices (layers on two GPUs, or some on the CPU) has a flag per device:
+        # joined on a GPU's, where a copy waits for nothing.
+        device = next((v.device for v in vectors if v.device.type == "cuda"), vectors[0].device)
+        flat = torch.cat([v.reshape(-1) if v.device == device
+                          else v.reshape(-1).to(device, non_blocking=True) for v in vectors])
+        if flat.device.type in DEFERRED_DEVICE_TYPES:
+            self.on_device = flat
         if flat.device.type == "cuda":
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
@@ -304,5 +322,5 @@ class DeferredRead:
             for size in self._sizes:
                 self._values.append(flat[start:start + size])
                 start += size
-            self._host = self._event = None
+            self._host = self._event = self.on_device = None
         return self._values

@@ -234,6 +234,36 @@ def test_on_cuda_a_loss_computed_outside_the_model_makes_no_host_synchronisation
     _steps_without_sync(Logits().cuda(), loss_of)
 
 
+class AcrossDevices(nn.Module):
+    """Its first layer on the GPU, its second on the CPU (a model placed across devices): a
+    step's gradient flags are one per device, joined for one read."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 8).cuda()
+        self.second = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x.cuda())).cpu()).mean()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_model_across_the_gpu_and_the_cpu_is_checked_and_named():
+    torch.manual_seed(0)
+    model = AcrossDevices()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(4):
+                model(_batch(step, -1)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 1:
+                    with torch.no_grad():
+                        model.second.weight[0, 0] = float("inf")  # the next backward's gradients
+    assert caught.value.report.first_nonfinite.module_name == "second"  # (healthy steps first)
+
+
 @pytest.mark.cuda
 def test_on_cuda_a_nan_made_by_the_loss_code_is_named_with_its_op_and_the_weights_kept():
     torch.manual_seed(0)
@@ -427,3 +457,27 @@ def test_the_flag_of_a_watched_region_is_not_finite_exactly_when_a_row_is_not(de
     assert bool(flag.isfinite()) is (planted is None)
     launches = sum(1 for event in prof.events() if event.name in ("aten::copy_", "aten::_to_copy"))
     assert launches <= 8, launches
+
+
+class SqrtWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * torch.sqrt(self.w)
+
+
+def test_a_parameter_set_while_guarded_has_its_gradient_checked_on_the_device_path(deferred_on_host):
+    """The gradients' grouping is made once per set of parameters: a new one is grouped too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtWeight(), nn.Linear(4, 2))
+    deferred_on_host[0] = False
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            model(_batch(0, -1)).sum().backward()
+            model[1].w = nn.Parameter(torch.zeros(4))  # d sqrt(w) / dw at 0: inf
+            model(_batch(1, -1)).sum().backward()
+    report = caught.value.report
+    assert report.first_nonfinite.module_name == "1" and report.phase == "backward"
+    assert [row.role for row in report.frames[-1].rows if row.flagged] == ["w.grad"]

@@ -300,7 +300,7 @@ class Guard:
         """Forget unfinished passes (Ctrl-C) in every thread, and an unconfirmed overflow."""
         self._forget_passes()
         self.scaling.forget_step()
-        self._sentinel.interrupted()
+        self._sentinel.aside.put_back(any_thread=True)  # (after an interrupt)
 
     def _forget_passes(self) -> None:
         self.threads = ThreadPasses(lambda: self.batch_number)

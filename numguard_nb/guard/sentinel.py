@@ -187,7 +187,7 @@ class Sentinel:
         self.entries: Dict[int, _Entry] = {}
         self.tasks = BackwardPasses()  # autograd graph task -> the calls it goes through
         self._handles: list = []  # module hooks
-        self._aside = SetAside()  # the inner entries' hooks while their model runs
+        self.aside = SetAside()  # the inner entries' hooks while their model runs (reset: back)
         self._grad_handles = LiveHandles()  # hooks on output tensors (dead once their graph is freed)
         self._local = _ThreadState()
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
@@ -261,7 +261,7 @@ class Sentinel:
                 self.ranks.detach()
                 self.ranks = None
         self.attached = False
-        self._aside.forget()
+        self.aside.forget()
         self._grad_handles.remove_all()
         for handle in self._handles + self._registration_handles:
             handle.remove()
@@ -270,7 +270,8 @@ class Sentinel:
         self._sampled.stop()
         self._handles.clear()
         self._registration_handles.clear()  # in place: the finalizer holds it
-        self._known_parameters = self.checks.guarded_ids = None
+        self._known_parameters = None
+        self.checks.parameters_changed()
         self.entries.clear()
         self.tasks.clear()
         self._sign_hints.clear()
@@ -278,10 +279,6 @@ class Sentinel:
         self._call_counts.clear()
         self._local = _ThreadState()
         self._batch = -1
-
-    def interrupted(self) -> None:
-        """A call was interrupted (Ctrl-C): the inner entries' hooks go back now."""
-        self._aside.put_back(any_thread=True)
 
     def report(self) -> Report:
         """The outputs of the last top-level calls checked, all finite (and the steps a loss
@@ -309,7 +306,7 @@ class Sentinel:
             return
         entry = self.entries.get(id(module))
         if entry is not None and entry.inner:
-            self._aside.take(entry.inner)  # their calls in this one need no hooks (set_aside)
+            self.aside.take(entry.inner)  # their calls in this one need no hooks (set_aside)
         # Compiled, traced, exported or captured into a CUDA graph: no device work of ours (in a
         # capture an event recorded is the graph's, and asking it fails).
         inert = inert_context()
@@ -344,7 +341,7 @@ class Sentinel:
         local.depth = max(local.depth - 1, 0)
         if local.depth:
             return
-        self._aside.put_back()  # (the inner entries' hooks, if this call set them aside)
+        self.aside.put_back()  # (the inner entries' hooks, if this call set them aside)
         call, local.call = local.call, None
         if call is None or output is _RAISED or call.entry.module is not module \
                 or forward_raised():
@@ -482,7 +479,7 @@ class Sentinel:
         try:
             self.passes_checked += 1
             parameters = self._parameters()
-            grads = [p.grad for p in parameters if p.grad is not None]
+            grads = [g for p in parameters if (g := p.grad) is not None]
             if grads and numerics.deferred(grads[0]) and not self.guard.synchronous:
                 done = check_gradients_later(self, done, parameters)
                 return
@@ -605,7 +602,8 @@ class Sentinel:
         return self._known_parameters
 
     def new_parameters(self, module, name, value) -> None:
-        self._known_parameters = self.checks.guarded_ids = None
+        self._known_parameters = None
+        self.checks.parameters_changed()
 
     def parameter_names(self) -> dict:
         return {id(p): rerun.original_name(qualified_name(prefix, name))

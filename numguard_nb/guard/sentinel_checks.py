@@ -53,8 +53,10 @@ class _Sealed:
 
     def found_inf(self, device: torch.device) -> torch.Tensor:
         """1.0 where a value is not fine, else 0.0: a float32 flag on `device`, never read."""
-        flat = torch.cat([v.reshape(-1).to(device, non_blocking=True) for v in self.device_values])
-        return (~(flat < numerics._INF).all()).float()
+        flat = self.read.on_device
+        if flat is None:  # (read meanwhile, or values on the host)
+            flat = torch.cat([v.reshape(-1).to(device, non_blocking=True) for v in self.device_values])
+        return (~(flat < numerics._INF).all()).float().to(device, non_blocking=True)
 
 
 def _remove_all(handles: list) -> None:
@@ -83,6 +85,19 @@ class StepChecks:
         weakref.finalize(self, _remove_all, self._handles)
         self._lent = weakref.WeakKeyDictionary()  # optimizer -> the found_inf this lent it
         self.unraised: Optional[BaseException] = None
+        self._gradient_groups: Optional[GradientGroups] = None
+
+    def parameters_changed(self) -> None:
+        """The guarded parameters are to be looked up again (or the sentinel detached): what
+        was made of them goes, holding none of them."""
+        self.guarded_ids = self._gradient_groups = None
+
+    def gradient_groups(self, parameters: list) -> "GradientGroups":
+        """The grouping of `parameters`, the sentinel's list of them (a new list after a change)."""
+        groups = self._gradient_groups
+        if groups is None or groups.parameters is not parameters:
+            groups = self._gradient_groups = GradientGroups(parameters)
+        return groups
 
     def start(self) -> None:
         """Watch the optimizer steps (torch's global hooks, holding this weakly)."""
@@ -223,16 +238,17 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
     """On an asynchronous device: one flag of the gradients per device (their norms where a
     GradScaler is watched), read when ready. The calls keep the gradients their outputs got
     until then (a re-run needs them); returns the calls whose gradients can go now."""
-    groups = gradients_by_device(parameters)
+    groups = sentinel.checks.gradient_groups(parameters).gradients()
     # One flag per device unless a GradScaler needs the names of the gradients it overflowed
     # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
     per_parameter = sentinel.guard.scaling.scaler_of(sentinel.guard.options) is not None
-    for group in groups:
-        grads = [p.grad for p in group]
-        flag = None if per_parameter else numerics.nonfinite_flag(grads)
-        sentinel.checks.add(numerics.grad_norms(grads) if flag is None else flag,
+    for group, grads_by_dtype in groups:
+        flag = None if per_parameter else numerics.nonfinite_flag_of_groups(grads_by_dtype)
+        norms = None if flag is not None else numerics.grad_norms(
+            [g for grads in grads_by_dtype for g in grads])  # in `group`'s order
+        sentinel.checks.add(flag if norms is None else norms,
                             partial(_late_backward_problem, sentinel, calls, parameters,
-                                    group if flag is None else None),
+                                    None if norms is None else group),
                             partial(_forget_gradients, calls))
     verdict = sentinel.ranks.take_fresh_verdict() if sentinel.ranks is not None else None
     if verdict is not None:  # acted on first: what every rank made, as every rank learnt it
@@ -270,22 +286,46 @@ def _forget_gradients(calls: list) -> None:
         call.grads = [None] * len(call.grads)
 
 
-def gradients_by_device(parameters: list) -> list:
-    """The parameters whose gradients hold numbers to check, in lists by device."""
-    groups: dict = {}
-    for p in parameters:
-        grad = p.grad
-        if grad is None:
-            continue
-        if type(grad) is not torch.Tensor or grad.layout is not torch.strided \
-                or not grad.is_floating_point():  # the rare kinds: checked in full
-            if not (grad.layout is torch.strided and grad.is_floating_point()
-                    and numerics.readable(grad)):
-                continue
-        elif grad.is_meta or not grad.numel():
-            continue
-        groups.setdefault(grad.device, []).append(p)
-    return list(groups.values())
+class GradientGroups:
+    """The guarded parameters whose gradients can hold numbers to check (floating, not empty,
+    not meta), grouped once by device and dtype: a gradient has its parameter's device and dtype
+    (autograd and the `.grad` setter see to it), so a step looks at each gradient only to see
+    that it is there and plain. Made again when the parameters are looked up again."""
+
+    __slots__ = ("parameters", "_groups")
+
+    def __init__(self, parameters: list):
+        self.parameters = parameters  # (held: its identity says whether this is still its grouping)
+        by_device: dict = {}
+        for p in parameters:
+            if p.is_floating_point() and p.numel() and not p.is_meta:
+                by_device.setdefault(p.device, {}).setdefault(p.dtype, []).append(p)
+        self._groups = [list(by_dtype.values()) for by_dtype in by_device.values()]
+
+    def gradients(self) -> list:
+        """Per device: (its parameters with a gradient to check, their gradients in lists by
+        dtype, in the same order)."""
+        found = []
+        plain, strided = torch.Tensor, torch.strided
+        for by_dtype in self._groups:
+            parameters, grads_by_dtype = [], []
+            for group in by_dtype:
+                grads = []
+                for p in group:
+                    grad = p.grad
+                    if grad is None:
+                        continue
+                    if type(grad) is not plain or grad.layout is not strided:  # rare: in full
+                        if not (grad.layout is strided and grad.is_floating_point()
+                                and numerics.readable(grad)):
+                            continue
+                    parameters.append(p)
+                    grads.append(grad)
+                if grads:
+                    grads_by_dtype.append(grads)
+            if grads_by_dtype:
+                found.append((parameters, grads_by_dtype))
+        return found
 
 
 def nonfinite_gradients(names: dict, parameters: list, norms: list) -> list:
