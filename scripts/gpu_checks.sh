@@ -2,7 +2,7 @@
 # The checks that need a GPU, in one run of a few minutes (for a lent machine; see README).
 #   bash scripts/gpu_checks.sh [OUT_DIR]
 # Writes checks.txt (the device, the cuda tests, host syncs, the replay, row cost, DDP), overhead.md,
-# overhead-pairs.md, memory.txt and profile.txt into OUT_DIR (default $OUT or .): few files, as a
+# attribution.md, memory.txt and profile.txt into OUT_DIR (default $OUT or .): few files, as a
 # lent machine sends back at most 8. The profile comes last, so a run cut short keeps the rest.
 set -u
 out=${1:-${OUT:-.}}
@@ -68,10 +68,14 @@ PY
 
 section "host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
 timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee -a "$out/checks.txt"
-section "overhead of a training step (bf16 autocast, fused AdamW)"
-timeout 300 python benchmarks/overhead.py --device cuda --train --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
-section "the same, each detector in pairs with the unguarded model (and an unguarded copy: the noise floor)"
-timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead-pairs.md" | tail -30
+section "overhead of a training step (bf16 autocast, fused AdamW), each detector in pairs with the unguarded model"
+timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
+section "where the time goes: variants with a part switched off, in pairs"
+{ timeout 120 python benchmarks/attribute.py --device cuda --model stack194 --steps 40 \
+    --variants sentinel,sentinel-nested-hooked,sentinel-model-only,sentinel-no-gradient-flag,sentinel-no-flags
+  timeout 150 python benchmarks/attribute.py --device cuda --model gpt2-124m --steps 20 \
+    --variants full,full-no-statistics,full-no-weights,full-forward-only
+} 2>&1 | tee "$out/attribution.md"
 
 section "DDP over nccl, one process"
 timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee -a "$out/checks.txt"
@@ -81,7 +85,7 @@ timeout 60 python -m torch.distributed.run --nproc_per_node 1 -m numguard_nb.dis
 bash scripts/gpu_memory.sh "$out"
 
 echo "== where a step's time goes on the GPU (cProfile, torch.profiler, the device's idle gaps)"
-for spec in "stack194 none" "stack194 sentinel" "gpt2-124m full"; do
+for spec in "stack194 sentinel" "gpt2-124m full"; do
   set -- $spec
   echo "=== $1 $2" >> "$out/profile.txt"
   timeout 100 python benchmarks/profile_step.py --model "$1" --config "$2" --device cuda --steps 6 --top 15 \
