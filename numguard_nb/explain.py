@@ -69,7 +69,11 @@ MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolutio
                           "Mv", "Addmv", "Dot", "Matmul"))
 NORM_NODES = frozenset(("Norm", "LinalgVectorNorm", "Cdist", "Dist"))
 
-AUTOCAST_OFF = 'with torch.autocast("cuda", enabled=False):'
+
+
+def _autocast_off(facts: "Facts") -> str:
+    """The line that turns autocast off, for the device it ran on (CUDA where it was off)."""
+    return f'with torch.autocast("{facts.report.autocast_device or "cuda"}", enabled=False):'
 CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
 FROM_LOGITS = "`F.log_softmax`, `F.logsigmoid` or `nn.BCEWithLogitsLoss`"
 
@@ -289,19 +293,20 @@ def _in_float32(facts: Facts) -> str:
     the line op localisation named is."""
     frame = facts.frame
     params = facts.rows_of(PARAM)
+    off = _autocast_off(facts)
     if params and frame.module_name:
         path = _module_path(frame.module_name)
         call = _float32_call(facts)
         if not call:
-            return (f"keep `{path}` in float32 (in `{AUTOCAST_OFF}`, with `{path}.float()` for a "
+            return (f"keep `{path}` in float32 (in `{off}`, with `{path}.float()` for a "
                     "model made with `.half()`, and its input `.float()`)")
-        fix = f"keep this layer in float32 (under autocast `{AUTOCAST_OFF} {call}`"
+        fix = f"keep this layer in float32 (under autocast `{off} {call}`"
         if any(row.dtype == "float16" for row in params):
             fix += f"; in a model made with `.half()` also `{path}.float()`"
         return fix + ")"
     if facts.line:
-        return f"run `{facts.line}` in float32 (in `{AUTOCAST_OFF}`, its operands `.float()`)"
-    return f"run {facts.where} in float32 (in `{AUTOCAST_OFF}`, its inputs `.float()`)"
+        return f"run `{facts.line}` in float32 (in `{off}`, its operands `.float()`)"
+    return f"run {facts.where} in float32 (in `{off}`, its inputs `.float()`)"
 
 
 # ---- causes outside a module's code ----------------------------------------------------------

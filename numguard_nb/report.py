@@ -242,6 +242,9 @@ class Report:
     # reached this rank through the gradient all-reduce); None where the ranks could not tell.
     source_rank: Optional[int] = None
     limit_dtype: Optional[str] = None
+    # The device type autocast ran on where it was found ("" where it was off): what a hint that
+    # turns autocast off for a layer names.
+    autocast_device: str = ""
     # Why the culprit went non-finite and what to try, with the numbers (`explain.hint_for`);
     # set by the engine on a detection, empty when nothing is wrong.
     hint: str = ""

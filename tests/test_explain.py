@@ -148,6 +148,18 @@ def test_fp16_matmul_overflow_keeps_the_layer_in_float32_under_autocast():
     assert "bfloat16 (largest value 3.39e+38)" in hint
 
 
+def test_an_overflow_under_cpu_autocast_is_told_to_turn_off_the_cpu_s_autocast():
+    model = FeedForward()
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.full((2, 4), 3.0))
+
+    report = detect(model, step)
+    assert report.first_nonfinite.module_name == "wo" and report.autocast_device == "cpu"
+    assert 'with torch.autocast("cpu", enabled=False): h = self.wo(h.float())' in hint_for(report)
+
+
 def test_fp16_overflow_in_a_sequential_layer_names_its_path():
     model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 4, bias=False))
     with torch.no_grad():

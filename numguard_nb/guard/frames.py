@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .. import numerics
+from .. import numerics, rerun
 from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
@@ -300,10 +300,12 @@ def make_report(frames, culprit, kind, reason, cause, batch_number, options) -> 
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if culprit is None and not reason:
         reason = unwatched_note(frames)
+    autocast = next((device for device in rerun.AUTOCAST_DEVICES if rerun.autocast_dtype(device)), "")
     return Report(
         frames=frames, first_nonfinite=culprit, batch_number=batch_number, kind=kind,
         reason=reason, cause=cause, rank=rank, world_size=world,
         limit_dtype=dtype_name(options.limit_dtype) if options.limit_dtype else None,
+        autocast_device=autocast,
     )
 
 
