@@ -298,7 +298,7 @@ class DeferredRead:
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(flat.device))  # where the copy runs
         else:
             self._host = flat
 

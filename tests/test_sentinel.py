@@ -961,3 +961,92 @@ def test_after_an_interrupted_model_call_a_reset_puts_the_inner_hooks_back():
             model.blocks[2](bad * 0)
         assert caught.value.report.first_nonfinite.module_name == "blocks.2"
     assert hooks_left(model) == []
+
+
+def test_a_copy_of_an_inner_entry_made_while_the_model_runs_is_unhooked_and_runs():
+    snapshots = []
+    model = Blocks(probe=lambda block: snapshots.append(copy.copy(block)) if not snapshots else None)
+    with Guard(model, mode="sentinel"):
+        model(x4()).backward()
+        snapshot = snapshots[0]
+        assert snapshot._forward_pre_hooks is not model.blocks[0]._forward_pre_hooks
+        assert len(snapshot._forward_pre_hooks) == len(snapshot._forward_hooks) == 0
+        snapshot(x4())  # (its hooks were the guard's, called with a module they do not know)
+    assert hooks_left(model) == []
+
+
+def test_a_deep_copy_of_a_guarded_model_with_a_parametrized_entry_keeps_its_flags():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Linear(4, 1))
+    with Guard(model, mode="sentinel"):
+        model(x4()).sum().backward()
+        ema = copy.deepcopy(model)
+    assert ema[0].training is True and ema[1].training is True
+
+
+def test_a_data_parallel_replica_sharing_the_hook_dicts_runs_unguarded():
+    model = Blocks()
+    with Guard(model, mode="sentinel"):
+        replica = model._replicate_for_data_parallel()  # what DataParallel's replicate() makes
+        replica(x4())
+        assert [len(b._forward_pre_hooks) for b in model.blocks] == [1, 1, 1]
+    assert hooks_left(model) == []
+
+
+def test_a_thread_inside_a_block_when_another_puts_the_hooks_back_still_has_its_call_checked():
+    """Thread 1's call sets the blocks' hooks aside; thread 2 enters a block meanwhile (torch's
+    slow path there: the block has a backward hook), and thread 1 puts the hooks back before it
+    leaves: the block's closing hook then runs in thread 2 without its opening one."""
+    import threading
+
+    inside, t1_inside, t1_go, t2_go = (threading.Event() for _ in range(4))
+
+    class Waiting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if threading.current_thread().name == "t2":
+                inside.set()
+                t2_go.wait(5)
+            return self.lin(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Waiting(), nn.Linear(4, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            if threading.current_thread().name == "t1":
+                t1_inside.set()
+                t1_go.wait(5)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Model()
+    model.a.register_full_backward_hook(lambda *args: None)
+    found = {}
+
+    def run(name, x):
+        try:
+            with torch.no_grad():
+                model(x)
+        except NonFiniteError as error:
+            found[name] = error.report.first_nonfinite.module_name
+
+    with Guard(model, mode="sentinel"):
+        t1 = threading.Thread(target=run, args=("t1", x4()), name="t1")
+        t2 = threading.Thread(target=run, args=("t2", x4() * float("nan")), name="t2")
+        t1.start()
+        t1_inside.wait(5)
+        t2.start()
+        inside.wait(5)
+        t1_go.set()
+        t1.join()
+        t2_go.set()
+        t2.join()
+    assert found == {"t2": ""}  # the nan fed to the model: its data, named at the model's call

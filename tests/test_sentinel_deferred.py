@@ -481,3 +481,90 @@ def test_a_parameter_set_while_guarded_has_its_gradient_checked_on_the_device_pa
     report = caught.value.report
     assert report.first_nonfinite.module_name == "1" and report.phase == "backward"
     assert [row.role for row in report.frames[-1].rows if row.flagged] == ["w.grad"]
+
+
+class LazyHead(nn.Module):
+    """A head made lazily, first used after some steps: no gradient of it until then."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.LazyLinear(1)
+
+    def forward(self, x, use_head=False):
+        h = self.body(x)
+        return (self.head(h) if use_head else h).sum()
+
+
+def test_a_lazy_parameter_not_yet_made_at_a_backward_is_checked_once_it_is(deferred_on_host):
+    torch.manual_seed(0)
+    model = LazyHead()
+    deferred_on_host[0] = False
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            model(_batch(0, -1)).backward()  # the head is not made yet: no error for it
+            model.zero_grad()
+            model(_batch(1, -1), use_head=True)  # made here
+            with torch.no_grad():
+                model.head.weight[0, 0] = float("inf")
+            model(_batch(2, -1), use_head=True).backward()
+    assert caught.value.report.first_nonfinite.module_name == "head"
+
+
+class Grown(nn.Module):
+    """A parameter empty at first, given values in place later (same object)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.extra = nn.Parameter(torch.empty(0))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return (y * torch.sqrt(self.extra) if self.extra.numel() else y).sum()
+
+
+def test_a_parameter_given_values_in_place_has_its_gradient_checked(deferred_on_host):
+    torch.manual_seed(0)
+    model = Grown()
+    deferred_on_host[0] = False
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            model(_batch(0, -1)).backward()
+            model.zero_grad()
+            model.extra.data = torch.zeros(4)  # d sqrt(w) / dw at 0: inf
+            model(_batch(1, -1)).backward()
+    assert [row.role for row in caught.value.report.frames[-1].rows if row.flagged] == ["extra.grad"]
+
+
+def test_a_sparse_gradient_holding_inf_is_found_on_the_device_path(deferred_on_host):
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    deferred_on_host[0] = False
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            out = model(torch.tensor([1, 2, 3]))
+            out.backward(torch.full_like(out, float("inf")))  # the code outside hands it inf
+    assert caught.value.report.phase == "backward"
+
+
+def test_an_optimizer_step_captured_into_a_cuda_graph_asks_no_event_and_gets_no_flag(
+        deferred_on_host, monkeypatch):
+    """A whole step captured after warm-up steps: the step still unread must not be looked at
+    from inside the capture (an event asked there fails; a flag would be baked into the graph)."""
+    from numguard_nb.guard import hooks
+
+    asked = []
+    real_ready = DeferredRead.ready
+    monkeypatch.setattr(DeferredRead, "ready", lambda self: asked.append(1) or real_ready(self))
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with Guard(model, mode="sentinel"):
+        for step in range(3):
+            model(_batch(step, -1)).backward()
+            optimizer.step()
+        monkeypatch.setattr(hooks, "stream_capturing", lambda: True)
+        asked.clear()
+        model(_batch(3, -1)).backward()
+        optimizer.step()
+        assert asked == [] and not hasattr(optimizer, "found_inf")
+        monkeypatch.setattr(hooks, "stream_capturing", lambda: False)

@@ -26,6 +26,7 @@ _ATTRIBUTES = ("__reduce_ex__", "__deepcopy__")
 # The hook dicts a forward hook or pre-hook has entries in (keyed by its handle's id).
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks")  # those whose values are the hooks
 
 
 class _Dropped:
@@ -59,7 +60,7 @@ class CopyWithoutGuard:
         for name in _ATTRIBUTES:
             if name in module.__dict__:
                 memo[id(module.__dict__[name])] = _DROPPED
-        for name in _HOOK_DICTS:
+        for name in _HOOKS:  # (the other dicts' values are flags, True: not to be dropped)
             for hook_id, hook in getattr(module, name).items():
                 if hook_id in self.hook_ids:
                     memo[id(hook)] = _DROPPED
@@ -82,9 +83,9 @@ class CopyWithoutGuard:
             value = state.get(name)
             if getattr(value, "__self__", None) is self:
                 del state[name]
-        for name in _HOOK_DICTS:
+        for name in _HOOK_DICTS:  # the copy's own dicts: never the module's, shared
             hooks = state.get(name)
-            if hooks and not self.hook_ids.isdisjoint(hooks.keys()):
+            if hooks is not None:
                 state[name] = OrderedDict((k, v) for k, v in hooks.items() if k not in self.hook_ids)
         return state
 

@@ -158,7 +158,24 @@ class _ThreadState(threading.local):
     def __init__(self):
         self.depth = 0
         self.top_frame = 0  # id of the top-level call's `_call_impl` frame
+        self.top_module = 0  # id of its module
         self.call = None
+
+
+def _closes_top_level(local: _ThreadState, module) -> bool:
+    """Whether `module`'s closing hook ends this thread's top-level call (then depth 0), not a
+    call inside it. By the module and, where a count says nested, its call's frame: a call inside
+    whose opening hook did not run (another thread put the set-aside hooks back while it ran)
+    throws the count off, and must neither end the top-level call nor let the next one inside
+    pass for top-level."""
+    depth = local.depth - 1
+    if id(module) != local.top_module or (depth > 0 and own_call_frame_id() != local.top_frame):
+        if depth <= 0 and still_running(local.top_frame):
+            depth = 1
+        local.depth = max(depth, 0)
+        return False
+    local.depth = 0
+    return True
 
 
 class _OutputGradient:
@@ -270,8 +287,7 @@ class Sentinel:
         self._sampled.stop()
         self._handles.clear()
         self._registration_handles.clear()  # in place: the finalizer holds it
-        self._known_parameters = None
-        self.checks.parameters_changed()
+        self._known_parameters = self.checks.guarded_ids = None
         self.entries.clear()
         self.tasks.clear()
         self._sign_hints.clear()
@@ -304,8 +320,12 @@ class Sentinel:
         local.depth = depth + 1
         if depth:
             return
+        local.call = None
+        local.top_frame, local.top_module = own_call_frame_id(), id(module)
         entry = self.entries.get(id(module))
-        if entry is not None and entry.inner:
+        if entry is None:
+            return  # a replica sharing this module's hook dicts (DataParallel's): not guarded
+        if entry.inner:
             self.aside.take(entry.inner)  # their calls in this one need no hooks (set_aside)
         # Compiled, traced, exported or captured into a CUDA graph: no device work of ours (in a
         # capture an event recorded is the graph's, and asking it fails).
@@ -314,8 +334,6 @@ class Sentinel:
             if not self._backward_due():
                 self.checks.seal()  # a call no backward followed
             self.checks.look()  # the steps before, if the device has their values by now
-        local.call = None
-        local.top_frame = own_call_frame_id()
         # ...or recomputed in backward (activation checkpointing).
         if inert or graph_task_id() != -1:
             return
@@ -338,8 +356,7 @@ class Sentinel:
         if is_dynamo_compiling() or self.paused:
             return
         local = self._local
-        local.depth = max(local.depth - 1, 0)
-        if local.depth:
+        if not _closes_top_level(local, module):
             return
         self.aside.put_back()  # (the inner entries' hooks, if this call set them aside)
         call, local.call = local.call, None
@@ -602,8 +619,7 @@ class Sentinel:
         return self._known_parameters
 
     def new_parameters(self, module, name, value) -> None:
-        self._known_parameters = None
-        self.checks.parameters_changed()
+        self._known_parameters = self.checks.guarded_ids = None
 
     def parameter_names(self) -> dict:
         return {id(p): rerun.original_name(qualified_name(prefix, name))

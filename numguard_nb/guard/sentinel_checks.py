@@ -28,6 +28,7 @@ import torch
 
 from .. import numerics
 from .._util import WeakHook
+from .hooks import inert_context
 from ..errors import NonFiniteError
 
 __all__ = ["StepChecks", "check_gradients_later"]
@@ -85,19 +86,6 @@ class StepChecks:
         weakref.finalize(self, _remove_all, self._handles)
         self._lent = weakref.WeakKeyDictionary()  # optimizer -> the found_inf this lent it
         self.unraised: Optional[BaseException] = None
-        self._gradient_groups: Optional[GradientGroups] = None
-
-    def parameters_changed(self) -> None:
-        """The guarded parameters are to be looked up again (or the sentinel detached): what
-        was made of them goes, holding none of them."""
-        self.guarded_ids = self._gradient_groups = None
-
-    def gradient_groups(self, parameters: list) -> "GradientGroups":
-        """The grouping of `parameters`, the sentinel's list of them (a new list after a change)."""
-        groups = self._gradient_groups
-        if groups is None or groups.parameters is not parameters:
-            groups = self._gradient_groups = GradientGroups(parameters)
-        return groups
 
     def start(self) -> None:
         """Watch the optimizer steps (torch's global hooks, holding this weakly)."""
@@ -201,8 +189,8 @@ class StepChecks:
 
     # ---- the optimizer step --------------------------------------------------------------------
     def _before_step(self, optimizer) -> None:
-        if not self._sealed or not self._holds(optimizer):
-            return
+        if not self._sealed or not self._holds(optimizer) or inert_context():
+            return  # (a step captured into a CUDA graph: no event asked, no flag baked into it)
         self.look()
         if not self._sealed:
             return
@@ -238,7 +226,7 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
     """On an asynchronous device: one flag of the gradients per device (their norms where a
     GradScaler is watched), read when ready. The calls keep the gradients their outputs got
     until then (a re-run needs them); returns the calls whose gradients can go now."""
-    groups = sentinel.checks.gradient_groups(parameters).gradients()
+    groups = gradients_by_device(parameters)
     # One flag per device unless a GradScaler needs the names of the gradients it overflowed
     # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
     per_parameter = sentinel.guard.scaling.scaler_of(sentinel.guard.options) is not None
@@ -286,46 +274,38 @@ def _forget_gradients(calls: list) -> None:
         call.grads = [None] * len(call.grads)
 
 
-class GradientGroups:
-    """The guarded parameters whose gradients can hold numbers to check (floating, not empty,
-    not meta), grouped once by device and dtype: a gradient has its parameter's device and dtype
-    (autograd and the `.grad` setter see to it), so a step looks at each gradient only to see
-    that it is there and plain. Made again when the parameters are looked up again."""
-
-    __slots__ = ("parameters", "_groups")
-
-    def __init__(self, parameters: list):
-        self.parameters = parameters  # (held: its identity says whether this is still its grouping)
-        by_device: dict = {}
-        for p in parameters:
-            if p.is_floating_point() and p.numel() and not p.is_meta:
-                by_device.setdefault(p.device, {}).setdefault(p.dtype, []).append(p)
-        self._groups = [list(by_dtype.values()) for by_dtype in by_device.values()]
-
-    def gradients(self) -> list:
-        """Per device: (its parameters with a gradient to check, their gradients in lists by
-        dtype, in the same order)."""
-        found = []
-        plain, strided = torch.Tensor, torch.strided
-        for by_dtype in self._groups:
-            parameters, grads_by_dtype = [], []
-            for group in by_dtype:
-                grads = []
-                for p in group:
-                    grad = p.grad
-                    if grad is None:
-                        continue
-                    if type(grad) is not plain or grad.layout is not strided:  # rare: in full
-                        if not (grad.layout is strided and grad.is_floating_point()
-                                and numerics.readable(grad)):
-                            continue
-                    parameters.append(p)
-                    grads.append(grad)
-                if grads:
-                    grads_by_dtype.append(grads)
-            if grads_by_dtype:
-                found.append((parameters, grads_by_dtype))
-        return found
+def gradients_by_device(parameters: list) -> list:
+    """Per device: (the parameters whose gradients hold numbers to check, their gradients in
+    lists by dtype, in the same order). Each gradient is looked at as it is now (a parameter can
+    change device, dtype or size in place, or come to life lazily): nothing is kept between steps.
+    A sparse gradient is checked through its stored values."""
+    groups: dict = {}
+    plain, strided = torch.Tensor, torch.strided
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if type(grad) is not plain or grad.layout is not strided:  # the rare kinds
+            if grad.is_sparse and grad.is_floating_point():
+                grad = grad._values()  # (the stored values: uncoalesced is fine for a check)
+            elif not (grad.layout is strided and grad.is_floating_point()
+                      and numerics.readable(grad)):
+                continue
+        elif not grad.is_floating_point():
+            continue
+        key = (grad.device, grad.dtype)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([], [])
+        group[0].append(p)
+        group[1].append(grad)
+    by_device: dict = {}
+    for (device, _), (params, grads) in groups.items():
+        if device.type != "meta":  # (no numbers: nothing to check)
+            entry = by_device.setdefault(device, ([], []))
+            entry[0].extend(params)
+            entry[1].append(grads)
+    return list(by_device.values())
 
 
 def nonfinite_gradients(names: dict, parameters: list, norms: list) -> list:

@@ -12,7 +12,10 @@ they were, when the call ends.
 What that misses: a submodule called on its own by another thread while the model runs in this
 one; and, after an interrupt that skipped the model's closing hook, a submodule called on its own
 before the model's next call ends (the session puts them back after a failed cell; detaching
-drops them).
+drops them). A hook registered on such a submodule during the model's call with `prepend=True`
+ends up after the sentinel's. Calls of the model in other threads are still checked: a call
+inside whose opening hook did not run (the hooks were aside then) cannot end theirs
+(`sentinel._closes_top_level`), and a copy made meanwhile gets hook dicts of its own (`copies`).
 """
 
 from __future__ import annotations
