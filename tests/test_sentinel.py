@@ -1050,3 +1050,97 @@ def test_a_thread_inside_a_block_when_another_puts_the_hooks_back_still_has_its_
         t2_go.set()
         t2.join()
     assert found == {"t2": ""}  # the nan fed to the model: its data, named at the model's call
+
+
+def test_a_recursive_model_s_inner_call_closing_half_seen_does_not_end_its_top_level_call():
+    """Thread 2 runs M -> M' -> a, and a's closing hook runs without its opening one (thread 1 set
+    the hooks aside, then put them back while thread 2 was inside a): M' must not end thread 2's
+    call, whose outer output holds nan."""
+    import threading
+
+    inside, t1_inside, t1_go, t2_go = (threading.Event() for _ in range(4))
+
+    def me():
+        return threading.current_thread().name
+
+    class Waiting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if me() == "t2":
+                inside.set()
+                t2_go.wait(5)
+            return self.lin(x)
+
+    class Recursive(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = Waiting()
+
+        def forward(self, x, n=0):
+            if me() == "t1":
+                t1_inside.set()
+                t1_go.wait(5)
+                return self.a(x)
+            if n:  # the outer call: nan only here
+                h = self(x, n - 1)
+                return h + torch.log(-torch.ones_like(h))
+            return self.a(x)
+
+    torch.manual_seed(0)
+    model = Recursive()
+    model.a.register_full_backward_hook(lambda *args: None)  # torch's slow path in `a`
+    found = {}
+
+    def run(name):
+        try:
+            with torch.no_grad():
+                model(torch.ones(2, 4), n=1)
+        except NonFiniteError:
+            found[name] = True
+
+    with Guard(model, mode="sentinel"):
+        t1 = threading.Thread(target=run, args=("t1",), name="t1")
+        t2 = threading.Thread(target=run, args=("t2",), name="t2")
+        t1.start()
+        t1_inside.wait(5)
+        t2.start()
+        inside.wait(5)
+        t1_go.set()
+        t1.join()
+        t2_go.set()
+        t2.join()
+    assert found == {"t2": True}
+
+
+class SharesItsState(nn.Module):
+    """A class whose own __deepcopy__ shares its attributes (hook dicts too) with the copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__ = dict(self.__dict__)
+        new._modules = copy.deepcopy(self._modules, memo)
+        return new
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "full"])
+def test_a_deep_copy_made_by_a_class_s_own_deepcopy_leaves_the_original_guarded(mode):
+    model = nn.Sequential(SharesItsState(), nn.Linear(4, 1))
+    with Guard(model, mode=mode):
+        model(x4()).sum().backward()
+        ema = copy.deepcopy(model)
+        assert ema[0]._forward_hooks is not model[0]._forward_hooks
+        assert "__reduce_ex__" not in ema[0].__dict__
+        with pytest.raises(NonFiniteError):
+            model[0](torch.full((2, 4), float("nan")))  # called on its own: still checked
+    assert hooks_left(model) == []

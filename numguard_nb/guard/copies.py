@@ -64,17 +64,19 @@ class CopyWithoutGuard:
             for hook_id, hook in getattr(module, name).items():
                 if hook_id in self.hook_ids:
                     memo[id(hook)] = _DROPPED
+                    memo.setdefault(id(memo), []).append(hook)  # (its id stays its own)
         replica = type(module).__deepcopy__(module, memo)
         state = getattr(replica, "__dict__", None)
         if isinstance(state, dict):
             for name in _ATTRIBUTES:
-                if state.get(name) is _DROPPED:
+                value = state.get(name)
+                if value is _DROPPED or getattr(value, "__self__", None) is self:
                     del state[name]
-            for name in _HOOK_DICTS:
+            for name in _HOOK_DICTS:  # new dicts: the class's copy may share the module's
                 hooks = state.get(name)
-                if hooks:
-                    for hook_id in self.hook_ids & hooks.keys():
-                        del hooks[hook_id]
+                if hooks is not None:
+                    state[name] = OrderedDict((k, v) for k, v in hooks.items()
+                                              if k not in self.hook_ids)
         return replica
 
     def _state_without_guard(self, state: dict) -> dict:

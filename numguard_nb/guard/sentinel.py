@@ -164,12 +164,12 @@ class _ThreadState(threading.local):
 
 def _closes_top_level(local: _ThreadState, module) -> bool:
     """Whether `module`'s closing hook ends this thread's top-level call (then depth 0), not a
-    call inside it. By the module and, where a count says nested, its call's frame: a call inside
+    call inside it. By the module and its call's frame, not by the count alone: a call inside
     whose opening hook did not run (another thread put the set-aside hooks back while it ran)
-    throws the count off, and must neither end the top-level call nor let the next one inside
-    pass for top-level."""
+    throws the count off, and must neither end the top-level call (nor let a recursive call of
+    the same model end it) nor let the next call inside pass for top-level."""
     depth = local.depth - 1
-    if id(module) != local.top_module or (depth > 0 and own_call_frame_id() != local.top_frame):
+    if id(module) != local.top_module or own_call_frame_id() != local.top_frame:
         if depth <= 0 and still_running(local.top_frame):
             depth = 1
         local.depth = max(depth, 0)
