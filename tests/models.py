@@ -104,6 +104,17 @@ class SqrtOfZeroPlusInput(nn.Module):
         return torch.sqrt(h) + x  # OP:sqrt_backward
 
 
+class SqrtWeight(nn.Module):
+    """x * sqrt(w): with w = 0 only the weight's own gradient is inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * torch.sqrt(self.w)
+
+
 class PowHalf(nn.Module):
     def forward(self, x):
         return x.abs().pow(0.5)  # OP:pow_backward

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import EatsInput, Exp, FirstCallOnly, LogNet, SqrtOfZeroPlusInput
+from models import EatsInput, Exp, FirstCallOnly, LogNet, SqrtOfZeroPlusInput, SqrtWeight
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb.guard import GuardOptions
 from numguard_nb.guard.sentinel import _top_of
@@ -484,17 +485,6 @@ def test_memory_stays_flat_over_2000_steps():
     assert grown < 64 * 1024, f"{grown} bytes more after 2000 steps"
 
 
-class SqrtWeight(nn.Module):
-    """x * sqrt(w): with w = 0 only the weight's own gradient is inf."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return x * torch.sqrt(self.w)
-
-
 def test_a_parameter_set_while_guarded_has_its_gradient_checked():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SqrtWeight(), nn.Linear(4, 2))
@@ -874,15 +864,20 @@ class Blocks(nn.Module):
         return x.sum()
 
 
+def _block_alone_is_checked(model: Blocks, index: int) -> None:
+    """A block called on its own (top level), 0 * inf made in it: named as the producer."""
+    bad = x4()
+    bad[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError) as caught:
+        model.blocks[index](bad * 0)
+    assert caught.value.report.first_nonfinite.module_name == f"blocks.{index}"
+
+
 def test_a_nested_entry_called_at_top_level_after_the_model_is_checked():
     model = Blocks()
     with Guard(model, mode="sentinel"):
         model(x4()).backward()
-        bad = x4()
-        bad[0, 0] = float("inf")
-        with pytest.raises(NonFiniteError) as caught:  # a block called at top level: checked
-            model.blocks[1](bad * 0)
-        assert caught.value.report.first_nonfinite.module_name == "blocks.1"
+        _block_alone_is_checked(model, 1)
     assert hooks_left(model) == []
 
 
@@ -898,15 +893,20 @@ def test_a_nested_entry_with_a_hook_of_the_user_s_keeps_its_hooks_in_their_order
     assert hooks_left(model) == []
 
 
-def test_a_model_call_that_raises_leaves_the_nested_hooks_in_place():
+def _raising_at_the_second_block(error: BaseException):
+    """A probe for `Blocks` that raises `error` as the second block is about to run."""
     calls = []
 
     def probe(block):
-        calls.append(1)
+        calls.append(block)
         if len(calls) == 2:
-            raise ValueError("the user's forward fails")
+            raise error
 
-    model = Blocks(probe=probe)
+    return probe
+
+
+def test_a_model_call_that_raises_leaves_the_nested_hooks_in_place():
+    model = Blocks(probe=_raising_at_the_second_block(ValueError("the user's forward fails")))
     with Guard(model, mode="sentinel"):
         with pytest.raises(ValueError):
             model(x4())
@@ -943,23 +943,13 @@ def test_a_hook_registered_on_an_inner_entry_while_the_model_runs_comes_after_th
 
 
 def test_after_an_interrupted_model_call_a_reset_puts_the_inner_hooks_back():
-    calls = []
-
-    def probe(block):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # (torch runs no closing hook for it)
-
-    model = Blocks(probe=probe)
+    # (torch runs no closing hook for a KeyboardInterrupt)
+    model = Blocks(probe=_raising_at_the_second_block(KeyboardInterrupt()))
     with Guard(model, mode="sentinel") as guard:
         with pytest.raises(KeyboardInterrupt):
             model(x4())
         guard.reset()  # what the session does after a failed cell
-        bad = x4()
-        bad[0, 0] = float("inf")
-        with pytest.raises(NonFiniteError) as caught:  # a block called on its own: checked
-            model.blocks[2](bad * 0)
-        assert caught.value.report.first_nonfinite.module_name == "blocks.2"
+        _block_alone_is_checked(model, 2)
     assert hooks_left(model) == []
 
 
@@ -995,94 +985,95 @@ def test_a_data_parallel_replica_sharing_the_hook_dicts_runs_unguarded():
     assert hooks_left(model) == []
 
 
-def test_a_thread_inside_a_block_when_another_puts_the_hooks_back_still_has_its_call_checked():
-    """Thread 1's call sets the blocks' hooks aside; thread 2 enters a block meanwhile (torch's
-    slow path there: the block has a backward hook), and thread 1 puts the hooks back before it
-    leaves: the block's closing hook then runs in thread 2 without its opening one."""
-    import threading
+class _Race:
+    """Thread t1's model call sets the inner entries' hooks aside and pauses; t2 enters an inner
+    entry (torch's slow path there: it has a backward hook) and pauses; t1 ends its call, putting
+    the hooks back; then t2 goes on: that entry's closing hook runs in t2 without its opening one."""
 
-    inside, t1_inside, t1_go, t2_go = (threading.Event() for _ in range(4))
+    def __init__(self):
+        self.t1_inside, self.t1_go, self.t2_inside, self.t2_go = (threading.Event() for _ in range(4))
 
-    class Waiting(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
+    def pause_t1(self) -> None:
+        if threading.current_thread().name == "t1":
+            self.t1_inside.set()
+            self.t1_go.wait(5)
 
-        def forward(self, x):
-            if threading.current_thread().name == "t2":
-                inside.set()
-                t2_go.wait(5)
-            return self.lin(x)
+    def pause_t2(self) -> None:
+        if threading.current_thread().name == "t2":
+            self.t2_inside.set()
+            self.t2_go.wait(5)
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = Waiting(), nn.Linear(4, 1)
+    def run(self, target, t1_args: tuple, t2_args: tuple) -> None:
+        t1 = threading.Thread(target=target, args=("t1",) + t1_args, name="t1")
+        t2 = threading.Thread(target=target, args=("t2",) + t2_args, name="t2")
+        t1.start()
+        self.t1_inside.wait(5)
+        t2.start()
+        self.t2_inside.wait(5)
+        self.t1_go.set()
+        t1.join()
+        self.t2_go.set()
+        t2.join()
 
-        def forward(self, x):
-            h = self.a(x)
-            if threading.current_thread().name == "t1":
-                t1_inside.set()
-                t1_go.wait(5)
-            return self.b(h)
 
-    torch.manual_seed(0)
-    model = Model()
-    model.a.register_full_backward_hook(lambda *args: None)
+class _PausesT2(nn.Module):
+    def __init__(self, race: _Race):
+        super().__init__()
+        self.race = race
+        self.lin = nn.Linear(4, 4)
+        self.register_full_backward_hook(lambda *args: None)  # torch's slow path in its calls
+
+    def forward(self, x):
+        self.race.pause_t2()
+        return self.lin(x)
+
+
+def _nonfinite_errors_by_thread(model, race: _Race, t1_args: tuple, t2_args: tuple,
+                                **kwargs) -> dict:
     found = {}
 
     def run(name, x):
         try:
             with torch.no_grad():
-                model(x)
+                model(x, **kwargs)
         except NonFiniteError as error:
             found[name] = error.report.first_nonfinite.module_name
 
     with Guard(model, mode="sentinel"):
-        t1 = threading.Thread(target=run, args=("t1", x4()), name="t1")
-        t2 = threading.Thread(target=run, args=("t2", x4() * float("nan")), name="t2")
-        t1.start()
-        t1_inside.wait(5)
-        t2.start()
-        inside.wait(5)
-        t1_go.set()
-        t1.join()
-        t2_go.set()
-        t2.join()
+        race.run(run, t1_args, t2_args)
+    return found
+
+
+def test_a_thread_inside_a_block_when_another_puts_the_hooks_back_still_has_its_call_checked():
+    class Model(nn.Module):
+        def __init__(self, race):
+            super().__init__()
+            self.race = race
+            self.a, self.b = _PausesT2(race), nn.Linear(4, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            self.race.pause_t1()
+            return self.b(h)
+
+    torch.manual_seed(0)
+    race = _Race()
+    found = _nonfinite_errors_by_thread(Model(race), race, (x4(),), (x4() * float("nan"),))
     assert found == {"t2": ""}  # the nan fed to the model: its data, named at the model's call
 
 
 def test_a_recursive_model_s_inner_call_closing_half_seen_does_not_end_its_top_level_call():
-    """Thread 2 runs M -> M' -> a, and a's closing hook runs without its opening one (thread 1 set
-    the hooks aside, then put them back while thread 2 was inside a): M' must not end thread 2's
-    call, whose outer output holds nan."""
-    import threading
-
-    inside, t1_inside, t1_go, t2_go = (threading.Event() for _ in range(4))
-
-    def me():
-        return threading.current_thread().name
-
-    class Waiting(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            if me() == "t2":
-                inside.set()
-                t2_go.wait(5)
-            return self.lin(x)
+    """t2 runs M -> M' -> a: M' must not end t2's call, whose outer output holds nan."""
 
     class Recursive(nn.Module):
-        def __init__(self):
+        def __init__(self, race):
             super().__init__()
-            self.a = Waiting()
+            self.race = race
+            self.a = _PausesT2(race)
 
         def forward(self, x, n=0):
-            if me() == "t1":
-                t1_inside.set()
-                t1_go.wait(5)
+            if threading.current_thread().name == "t1":
+                self.race.pause_t1()
                 return self.a(x)
             if n:  # the outer call: nan only here
                 h = self(x, n - 1)
@@ -1090,29 +1081,10 @@ def test_a_recursive_model_s_inner_call_closing_half_seen_does_not_end_its_top_l
             return self.a(x)
 
     torch.manual_seed(0)
-    model = Recursive()
-    model.a.register_full_backward_hook(lambda *args: None)  # torch's slow path in `a`
-    found = {}
-
-    def run(name):
-        try:
-            with torch.no_grad():
-                model(torch.ones(2, 4), n=1)
-        except NonFiniteError:
-            found[name] = True
-
-    with Guard(model, mode="sentinel"):
-        t1 = threading.Thread(target=run, args=("t1",), name="t1")
-        t2 = threading.Thread(target=run, args=("t2",), name="t2")
-        t1.start()
-        t1_inside.wait(5)
-        t2.start()
-        inside.wait(5)
-        t1_go.set()
-        t1.join()
-        t2_go.set()
-        t2.join()
-    assert found == {"t2": True}
+    race = _Race()
+    found = _nonfinite_errors_by_thread(Recursive(race), race, (torch.ones(2, 4),),
+                                        (torch.ones(2, 4),), n=1)
+    assert list(found) == ["t2"]
 
 
 class SharesItsState(nn.Module):

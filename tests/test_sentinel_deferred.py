@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import SqrtWeight
 from numguard_nb import Guard, NonFiniteError, numerics, stats
 from numguard_nb.numerics import DeferredRead
 
@@ -457,15 +458,6 @@ def test_the_flag_of_a_watched_region_is_not_finite_exactly_when_a_row_is_not(de
     assert bool(flag.isfinite()) is (planted is None)
     launches = sum(1 for event in prof.events() if event.name in ("aten::copy_", "aten::_to_copy"))
     assert launches <= 8, launches
-
-
-class SqrtWeight(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return x * torch.sqrt(self.w)
 
 
 def test_a_parameter_set_while_guarded_has_its_gradient_checked_on_the_device_path(deferred_on_host):
