@@ -1116,3 +1116,41 @@ def test_a_deep_copy_made_by_a_class_s_own_deepcopy_leaves_the_original_guarded(
         with pytest.raises(NonFiniteError):
             model[0](torch.full((2, 4), float("nan")))  # called on its own: still checked
     assert hooks_left(model) == []
+
+
+def test_a_detach_while_another_thread_puts_the_hooks_back_leaves_no_hook_behind():
+    from collections import OrderedDict
+
+    writing, go_on = threading.Event(), threading.Event()
+
+    class SlowHooks(OrderedDict):
+        """A hook dict whose writes wait, once armed: a put-back caught half done."""
+
+        armed = False
+
+        def __setitem__(self, key, value):
+            if SlowHooks.armed:
+                SlowHooks.armed = False
+                writing.set()
+                go_on.wait(5)
+            super().__setitem__(key, value)
+
+    model = Blocks()
+    block = model.blocks[1]
+    block._forward_pre_hooks = SlowHooks(block._forward_pre_hooks)
+    guard = Guard(model, mode="sentinel").attach()
+
+    def call():
+        SlowHooks.armed = True  # (the attach's own writes are done)
+        model(x4())
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert writing.wait(5)  # the call's end is putting the hooks back
+    detacher = threading.Thread(target=guard.detach)
+    detacher.start()
+    detacher.join(0.2)  # it waits for the put-back (without the lock: done by now)
+    go_on.set()
+    caller.join(5)
+    detacher.join(5)
+    assert hooks_left(model) == []

@@ -27,13 +27,16 @@ __all__ = ["SetAside"]
 
 
 class SetAside:
-    """The sentinel's pre-hook and hook of some modules, out of their hook dicts for a while."""
+    """The sentinel's pre-hook and hook of some modules, out of their hook dicts for a while.
+    Taking, putting back and forgetting hold one lock: a detach in one thread waits for a put-back
+    under way in another, then removes what it put back (no hook is left behind)."""
 
-    __slots__ = ("_taken", "_thread")
+    __slots__ = ("_taken", "_thread", "_lock")
 
     def __init__(self):
         self._taken: List[tuple] = []  # (module, pre-hook id, pre-hook, hook id, hook)
         self._thread: Optional[int] = None  # the thread that set them aside
+        self._lock = threading.Lock()
 
     @property
     def active(self) -> bool:
@@ -44,25 +47,33 @@ class SetAside:
         other forward hook; nothing while some are aside (an outer call's, or another thread's)."""
         if self._thread is not None:
             return
-        self._thread = threading.get_ident()
-        for module, (pre_id, hook_id) in modules:
-            pre_hooks, hooks = module._forward_pre_hooks, module._forward_hooks
-            if len(pre_hooks) == 1 and len(hooks) == 1 and pre_id in pre_hooks and hook_id in hooks:
-                self._taken.append((module, pre_id, pre_hooks.pop(pre_id), hook_id, hooks.pop(hook_id)))
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.get_ident()
+            for module, (pre_id, hook_id) in modules:
+                pre_hooks, hooks = module._forward_pre_hooks, module._forward_hooks
+                if len(pre_hooks) == 1 and len(hooks) == 1 and pre_id in pre_hooks and hook_id in hooks:
+                    self._taken.append((module, pre_id, pre_hooks.pop(pre_id), hook_id,
+                                        hooks.pop(hook_id)))
 
     def put_back(self, any_thread: bool = False) -> None:
         """Put them back, first in their dicts (where they were): by the thread that took them,
         or by any with `any_thread` (after an interrupt)."""
-        if self._thread is None or (not any_thread and self._thread != threading.get_ident()):
+        if self._thread is None:
             return
-        taken, self._taken, self._thread = self._taken, [], None
-        for module, pre_id, pre_hook, hook_id, hook in taken:
-            for hooks, key, value in ((module._forward_pre_hooks, pre_id, pre_hook),
-                                      (module._forward_hooks, hook_id, hook)):
-                hooks[key] = value
-                if len(hooks) > 1:  # one registered meanwhile: ours came first
-                    hooks.move_to_end(key, last=False)
+        with self._lock:
+            if self._thread is None or (not any_thread and self._thread != threading.get_ident()):
+                return
+            for module, pre_id, pre_hook, hook_id, hook in self._taken:
+                for hooks, key, value in ((module._forward_pre_hooks, pre_id, pre_hook),
+                                          (module._forward_hooks, hook_id, hook)):
+                    hooks[key] = value
+                    if len(hooks) > 1:  # one registered meanwhile: ours came first
+                        hooks.move_to_end(key, last=False)
+            self._taken, self._thread = [], None
 
     def forget(self) -> None:
         """Drop them (detaching: their handles' removal takes the rest of their entries)."""
-        self._taken, self._thread = [], None
+        with self._lock:
+            self._taken, self._thread = [], None
