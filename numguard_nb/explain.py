@@ -69,11 +69,6 @@ MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolutio
                           "Mv", "Addmv", "Dot", "Matmul"))
 NORM_NODES = frozenset(("Norm", "LinalgVectorNorm", "Cdist", "Dist"))
 
-
-
-def _autocast_off(facts: "Facts") -> str:
-    """The line that turns autocast off, for the device it ran on (CUDA where it was off)."""
-    return f'with torch.autocast("{facts.report.autocast_device or "cuda"}", enabled=False):'
 CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
 FROM_LOGITS = "`F.log_softmax`, `F.logsigmoid` or `nn.BCEWithLogitsLoss`"
 
@@ -285,6 +280,11 @@ def _float32_call(facts: Facts) -> str:
     whole = re.fullmatch(rf"(\w+)\s*=\s*self\.{name}\(([\w.]+)\)", facts.line)
     target = whole.group(1) if whole else "out"
     return f"{target} = self.{attribute}({call.group(1)}.float())"
+
+
+def _autocast_off(facts: Facts) -> str:
+    """The line that turns autocast off, for the device it ran on (CUDA where it was off)."""
+    return f'with torch.autocast("{facts.report.autocast_device or "cuda"}", enabled=False):'
 
 
 def _in_float32(facts: Facts) -> str:

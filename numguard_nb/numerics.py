@@ -27,7 +27,7 @@ import torch
 from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
-           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_flag_of_groups", "nonfinite_of", "output_flag",
+           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
            "readable", "stats_flag"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
@@ -225,24 +225,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 _ONES: Dict[torch.device, torch.Tensor] = {}  # device -> float32 1.0: a scale that changes nothing
 
 
-def nonfinite_flag(tensors: list) -> Optional[torch.Tensor]:
+def nonfinite_flag(groups: list) -> Optional[torch.Tensor]:
     """One float32 value on the tensors' device (all on one): +inf where any holds inf or nan,
-    else -1 (`fine` tells). GradScaler's fused check, one launch per dtype and no tensor made
-    per input: far less host time than `grad_norms` on a model of many parameters, but it does
-    not say which tensor. Its kernel writes each value back times 1.0 (the same bits). None
-    where it cannot take them: tensors that take gradients themselves (a double backward's:
-    the write would count as an in-place change) or a kind it has no kernel for."""
-    if not tensors:
-        return None
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    return nonfinite_flag_of_groups(list(by_dtype.values()))
-
-
-def nonfinite_flag_of_groups(groups: list) -> Optional[torch.Tensor]:
-    """`nonfinite_flag` of tensors already grouped by dtype (lists, one dtype each, one device),
-    with no look at each tensor's dtype."""
+    else -1 (`fine` tells). `groups`: the tensors in lists of one dtype each. GradScaler's fused
+    check, one launch per dtype and no tensor made per input: far less host time than
+    `grad_norms` on a model of many parameters, but it does not say which tensor. Its kernel
+    writes each value back times 1.0 (the same bits). None where it cannot take them: tensors
+    that take gradients themselves (a double backward's: the write would count as an in-place
+    change) or a kind it has no kernel for."""
     if any(t.requires_grad for group in groups for t in group):
         return None
     groups = [[_local(t) for t in group] if any(type(t) not in _PLAIN for t in group) else group

@@ -231,7 +231,7 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
     # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
     per_parameter = sentinel.guard.scaling.scaler_of(sentinel.guard.options) is not None
     for group, grads_by_dtype in groups:
-        flag = None if per_parameter else numerics.nonfinite_flag_of_groups(grads_by_dtype)
+        flag = None if per_parameter else numerics.nonfinite_flag(grads_by_dtype)
         norms = None if flag is not None else numerics.grad_norms(
             [g for grads in grads_by_dtype for g in grads])  # in `group`'s order
         sentinel.checks.add(flag if norms is None else norms,
