@@ -62,3 +62,19 @@ def shell(ipython):
     ipython.run_cell("%load_ext numguard_nb")
     yield ipython
     ipython.run_cell("%unload_ext numguard_nb")
+
+
+@pytest.fixture
+def deferred_on_host(monkeypatch):
+    """CPU values read as a GPU's are (statistics as device rows, flags read later); `held[0]`
+    True: the device has not finished them yet."""
+    from numguard_nb import numerics, stats
+    from numguard_nb.numerics import DeferredRead
+
+    monkeypatch.setattr(numerics, "DEFERRED_DEVICE_TYPES", {"cpu", "cuda"})
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    held = [True]
+    real_ready = DeferredRead.ready
+    monkeypatch.setattr(DeferredRead, "ready",
+                        lambda self: not held[0] and real_ready(self) or self._values is not None)
+    return held

@@ -30,19 +30,6 @@ class Net(nn.Module):
         return self.second(torch.relu(self.first(x))).mean()
 
 
-@pytest.fixture
-def deferred_on_host(monkeypatch):
-    """CPU values read as a GPU's are (statistics as device rows, flags read later); `held[0]`
-    True: the device has not finished them yet."""
-    monkeypatch.setattr(numerics, "DEFERRED_DEVICE_TYPES", {"cpu", "cuda"})
-    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
-    held = [True]
-    real_ready = DeferredRead.ready
-    monkeypatch.setattr(DeferredRead, "ready",
-                        lambda self: not held[0] and real_ready(self) or self._values is not None)
-    return held
-
-
 OPTIMIZERS = {
     "fused": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
     "foreach": lambda params: torch.optim.AdamW(params, lr=0.1, foreach=True),

@@ -1,8 +1,8 @@
 """Sentinel mode (`Guard(model, mode="sentinel")`): the guard left on for a whole run at almost no
 cost, and the full diagnosis when a step breaks.
 
-Contract: it checks what a step cannot hide (each top-level call's outputs, the code between a
-call and its backward, the gradients after each backward) and, on the first problem, runs the
+Contract: it checks what a step cannot hide (each top-level call's outputs and the buffers it
+wrote, the code between a call and its backward, the gradients after each backward) and, on the first problem, runs the
 failing call(s) again under the full guard (`sentinel_rerun`) and raises that report
 (`found_by="re-run"`), before an optimizer step writes weights from those gradients. A healthy
 step's outputs and gradients are bit-identical, and on a GPU it waits for nothing
@@ -45,6 +45,7 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
 from .set_aside import SetAside
+from .sentinel_buffers import Before, BufferSlots, entry_buffers, is_floating_buffer, nonfinite
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
@@ -58,6 +59,7 @@ _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict
 
 
 MAX_OPEN_CALL_VALUES = 64  # calls' values left open for a backward (several ranks), at most
+WRITTEN = "buffers written"  # (module id, WRITTEN) accepted: its written buffers re-ran finely
 
 
 def _queue_callback(callback) -> None:
@@ -86,7 +88,7 @@ class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
     __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans",
-                 "inner")
+                 "inner", "buffers")
 
     def __init__(self, module: nn.Module, name: str, primary: bool):
         self.module = module
@@ -98,6 +100,7 @@ class _Entry:
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
         self.inner: list = []  # a model's: (entry inside it, its two hook ids), set aside in its calls
+        self.buffers: Optional[BufferSlots] = None  # where its floating buffers are (None: look up)
 
 
 class _Call:
@@ -105,7 +108,7 @@ class _Call:
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
                  "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
-                 "held", "forward", "ranks_settled")
+                 "held", "forward", "ranks_settled", "buffers")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
@@ -129,6 +132,7 @@ class _Call:
         self.held = None  # under DDP: its forward problem, raised once every rank knows (ranks)
         self.ranks_settled = False  # on a device: its step's reduction was acted on
         self.forward = entry.module.__dict__.get("forward")  # an instance's own (redirected)
+        self.buffers = Before(entry_buffers(entry))  # what its forward writes is checked too
 
     def inputs_now_changed(self) -> bool:
         return _versions((self.args, self.kwargs)) != self.versions
@@ -239,10 +243,13 @@ class Sentinel:
             self.ranks = RankFlags.attach_any(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
-            changed = WeakHook(self, "new_parameters", takes=3)
+            changed, buffers = (WeakHook(self, "new_parameters", takes=3),
+                                WeakHook(self, "new_buffer", takes=3))  # (a module: both)
             self._registration_handles += [
                 module_hooks.register_module_parameter_registration_hook(changed),
-                module_hooks.register_module_module_registration_hook(changed)]
+                module_hooks.register_module_module_registration_hook(changed),
+                module_hooks.register_module_module_registration_hook(buffers),
+                module_hooks.register_module_buffer_registration_hook(buffers)]
         except BaseException:
             self.detach()
             raise
@@ -378,10 +385,13 @@ class Sentinel:
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options
         tensors = list(_tree.tensors(output))
+        written = call.buffers.written()  # buffers the forward wrote: checked as outputs
         rerun = False
-        if tensors and numerics.deferred(tensors[0]) and not self.guard.synchronous:
+        first = tensors[0] if tensors else written[0] if written else None
+        if first is not None and numerics.deferred(first) and not self.guard.synchronous:
             # an asynchronous device: one value computed there, read when it is ready
-            value = numerics.output_flag(t for t in tensors if numerics.readable(t))
+            value = numerics.output_flag(t for t in itertools.chain(tensors, written)
+                                         if numerics.readable(t))
             if value is not None:  # read with the gradients of the backward that follows
                 self.checks.add(value, partial(self._late_forward_problem, call))
                 if self.ranks is not None and torch.is_grad_enabled() and options.backward:
@@ -401,6 +411,10 @@ class Sentinel:
             pass_.read_back()  # the forward's one synchronisation
             rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
                      and self._forward_problem(call, pass_, record))
+            if not rerun and written and (id(entry.module), WRITTEN) not in self._accepted \
+                    and nonfinite(written):
+                rerun = self._rerun_forward(call, pass_, record, {})
+                self._accepted.add((id(entry.module), WRITTEN))  # what the full guard accepts
             self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
         if not rerun:  # (a re-run counted it in the full guard)
@@ -523,22 +537,10 @@ class Sentinel:
         """Keep the gradients that had no numbers to read (meta, fake) as rows of the report,
         as full mode keeps them: the report says they were not watched."""
         names, unread_ids = self.parameter_names(), {id(t) for t in unread}
-        pass_, _ = self._gradients_read(call, [(names.get(id(p), "?"), p.grad) for p in parameters
-                                               if p.grad is not None and id(p.grad) in unread_ids])
+        pass_, _ = _gradients_read(call, self._sign_hints, [
+            (names.get(id(p), "?"), p.grad) for p in parameters
+            if p.grad is not None and id(p.grad) in unread_ids])
         self._recent.remember(pass_, self.guard.options.max_frames)
-
-    def _gradients_read(self, call: _Call, named_grads: list) -> tuple:
-        """(pass, record) of the gradients [(parameter name, grad)], summarised and read."""
-        pass_ = PassRecord()
-        record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
-                            call.batch_number, call.call_index, True)
-        for name, grad in named_grads:
-            summary = pass_.summarise(grad, None, False, self._sign_hints)
-            record.slots.append((f"{name}.grad", GRAD_PARAM, summary[ENTRY_KIND], grad.dtype,
-                                 summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
-        pass_.calls.append(record)
-        pass_.read_back()
-        return pass_, record
 
     def _loss_scaling_excuses(self, call: _Call, bad: list) -> bool:
         """The one place loss scaling plugs in. With a GradScaler (the `scaler` option) inf/nan
@@ -549,7 +551,7 @@ class Sentinel:
         options = self.guard.options
         if self.guard.scaling.scaler_of(options) is None:
             return False
-        pass_, record = self._gradients_read(call, bad)
+        pass_, record = _gradients_read(call, self._sign_hints, bad)
         return self.guard.scaling.excuses(options, pass_, record, record.slots, CAUSE_BACKWARD)
 
     def _backward_problem(self, calls: List[_Call], parameters: list) -> None:
@@ -621,6 +623,11 @@ class Sentinel:
     def new_parameters(self, module, name, value) -> None:
         self._known_parameters = self.checks.guarded_ids = None
 
+    def new_buffer(self, module, name, value) -> None:
+        if not is_floating_buffer(module, name):  # (a new one: the entries look theirs up again)
+            for entry in self.entries.values():
+                entry.buffers = None
+
     def parameter_names(self) -> dict:
         return {id(p): rerun.original_name(qualified_name(prefix, name))
                 for prefix, root in self.guard.models.items()
@@ -639,6 +646,20 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+def _gradients_read(call: _Call, sign_hints: dict, named_grads: list) -> tuple:
+    """(pass, record) of the gradients [(parameter name, grad)], summarised and read."""
+    pass_ = PassRecord()
+    record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
+                        call.batch_number, call.call_index, True)
+    for name, grad in named_grads:
+        summary = pass_.summarise(grad, None, False, sign_hints)
+        record.slots.append((f"{name}.grad", GRAD_PARAM, summary[ENTRY_KIND], grad.dtype,
+                             summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
+    pass_.calls.append(record)
+    pass_.read_back()
+    return pass_, record
 
 
 def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool,

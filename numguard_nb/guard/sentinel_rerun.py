@@ -33,7 +33,7 @@ from .._schema import (
 from .._util import dtype_name
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
-from . import frames
+from . import frames, sentinel_buffers
 from .passes import graph_task_id
 from .sentinel_checks import GradStandIn
 
@@ -245,6 +245,7 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
         return _not_rerun(seen, call, options, refused)
     allow_inf = options.inf_allowed(call.entry.name)
     with rerun.Kept(models.values()):
+        sentinel_buffers.set_back([call])  # what the call's forward found
         rerun.finite_running_statistics(models.values())
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
@@ -255,7 +256,8 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
                                          call.kwargs, call.state.grad_enabled)
             except NonFiniteError as error:
                 return _found(error.report)
-            if _has_problem(_tree.tensors(output), allow_inf, options.stop_rules.limit_max):
+            if _has_problem(_tree.tensors(output) + sentinel_buffers.written_again(call), allow_inf,
+                            options.stop_rules.limit_max):
                 return None  # the same values again, and the full guard's rules accept them
             output = None
         if not rerun.involves_compiled(call.entry.module):
@@ -304,6 +306,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
         return _not_rerun(seen, calls[0], options, refused)
     batch = calls[0].batch_number
     with rerun.Kept(models.values()):
+        sentinel_buffers.set_back(calls)
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
             full = _rerun_guard(guard, _eager_models(models), batch)
