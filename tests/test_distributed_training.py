@@ -262,8 +262,9 @@ def test_the_example_runs_under_torchrun_and_both_ranks_name_the_same_fault():
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), str(root / "examples" / "ddp_nan_on_rank1.py"),
-         "--backward"], capture_output=True, text=True, timeout=120, env=env, cwd=root)
+         "--master_port", str(_free_port()), str(root / "tests" / "exit_at_once.py"),
+         str(root / "examples" / "ddp_nan_on_rank1.py"), "--backward"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=root)
     lines = {line.split(":")[0]: line for line in done.stdout.splitlines()
              if line.startswith("rank ")}
     assert done.returncode == 0, done.stderr[-2000:]
