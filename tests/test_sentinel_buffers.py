@@ -62,20 +62,29 @@ class CachedMask(nn.Module):
         return torch.softmax(x @ x.t() / 2 + self.mask, -1) @ x
 
 
-def _train(model, steps: int, seed: int = 0):
+class WithLoss(nn.Module):  # the loss in the model: no code outside it to watch
+    def __init__(self, start: float):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), ZeroCountEMA(start), nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.body(x).square().mean()
+
+
+def _train(model, steps: int, seed: int = 0, device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     for _ in range(steps):
-        x = torch.randn(4, 4, generator=gen)
+        x = torch.randn(4, 4, generator=gen).to(device)
         F.mse_loss(model(x), x).backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
-def _caught(model, steps: int) -> NonFiniteError:
+def _caught(model, steps: int, device: str = "cpu") -> NonFiniteError:
     with pytest.raises(NonFiniteError) as raised:
         with Guard(model, mode="sentinel"):
-            _train(model, steps)
+            _train(model, steps, device=device)
     return raised.value
 
 
@@ -162,15 +171,7 @@ def test_a_buffer_registered_after_the_guard_attached_is_watched(path):
 def test_a_healthy_step_that_writes_buffers_waits_for_nothing(deferred_on_host):
     from numguard_nb import numerics
 
-    class WithLoss(nn.Module):  # the loss in the model: no code outside it to watch
-        def __init__(self):
-            super().__init__()
-            self.body = nn.Sequential(nn.Linear(4, 4), ZeroCountEMA(start=1e9), nn.Linear(4, 4))
-
-        def forward(self, x):
-            return self.body(x).square().mean()
-
-    model = WithLoss()
+    model = WithLoss(start=1e9)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     gen = torch.Generator().manual_seed(0)
     with Guard(model, mode="sentinel"):
@@ -181,6 +182,27 @@ def test_a_healthy_step_that_writes_buffers_waits_for_nothing(deferred_on_host):
             optimizer.zero_grad()
             assert numerics.READS.waited == before, f"step {step} waited for device values"
             deferred_on_host[0] = step % 2 == 0
+
+
+@pytest.mark.cuda
+def test_on_cuda_buffer_writes_make_no_host_synchronisation_and_a_bad_one_is_named():
+    model = WithLoss(start=1e9).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(4, 4, device="cuda")
+    with Guard(model, mode="sentinel"):
+        for step in range(4):
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                model(x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.manual_seed(0)
+    bad = nn.Sequential(nn.Linear(4, 4), ZeroCountEMA(), nn.Linear(4, 4)).cuda()
+    report = _caught(bad, 5, device="cuda").report
+    assert (report.first_nonfinite.module_name, report.first_nonfinite.op,
+            report.batch_number) == ("1", "aten.div.Tensor", 2)
 
 
 def test_the_first_calls_copy_every_small_buffer_then_only_those_written_in_place():
