@@ -143,11 +143,12 @@ def fine(value: float) -> bool:
     return value < _INF
 
 
-def output_flag(tensors) -> Optional[torch.Tensor]:
+def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]:
     """One float32 value on the device that is nan or +inf where an output holds nan or +inf
     (`fine` tells). -inf alone passes (an attention or action mask: the loss and the gradients
     judge whether it does harm). `amax` propagates nan and is +inf where +inf is: one reduction
-    per tensor, no copy."""
+    per tensor, no copy. `extra`: float32 0-d values to judge with them (written buffers'). On a
+    GPU's device where the tensors are on several (a model split across devices)."""
     maxima = []
     with torch.no_grad():
         for t in tensors:
@@ -157,9 +158,14 @@ def output_flag(tensors) -> Optional[torch.Tensor]:
                 maxima.append(t.amax().float())
             elif t.is_complex():
                 maxima.append(t.abs().amax().float())
-    if not maxima:
-        return None
-    return maxima[0].reshape(1) if len(maxima) == 1 else torch.stack(maxima).max().reshape(1)
+        maxima += extra or ()
+        if not maxima:
+            return None
+        if len(maxima) == 1:
+            return maxima[0].reshape(1)
+        device = next((m.device for m in maxima if m.device.type == "cuda"), maxima[0].device)
+        return torch.stack([m if m.device == device else m.to(device, non_blocking=True)
+                            for m in maxima]).max().reshape(1)
 
 
 def stats_flag(vectors: list, sink: Optional["_stats.RowSink"] = None) -> Optional[torch.Tensor]:

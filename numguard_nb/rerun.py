@@ -32,6 +32,7 @@ import weakref
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from ._util import compiled_original
 
@@ -149,18 +150,25 @@ class Kept:
             with torch.no_grad():
                 for module in unique.values():
                     for name, buffer in module._buffers.items():
-                        if buffer is not None:
-                            self.buffers.append((module, name, buffer, buffer.clone()))
+                        if buffer is not None and not isinstance(buffer, UninitializedTensorMixin):
+                            version = -1 if buffer.is_inference() else buffer._version
+                            self.buffers.append((module, name, buffer, buffer.clone(), version))
 
     def restore(self) -> None:
+        """The values back, and the buffers' version counters as they were: the caller's graph
+        may have saved a buffer for its backward, which checks that nothing wrote it since."""
+        moved = []
         with torch.no_grad():
-            for module, name, buffer, saved in self.buffers:
+            for module, name, buffer, saved, version in self.buffers:
                 module._buffers[name] = buffer
                 try:
                     buffer.copy_(saved)
                 except RuntimeError:  # an inference tensor: written only in inference mode
                     with torch.inference_mode():
                         buffer.copy_(saved)
+                if version >= 0 and buffer._version != version:
+                    moved.append((buffer, version))
+        _set_versions(moved)
         for module, flag in self.flags:
             module.training = flag
         self.state.restore()
@@ -170,6 +178,20 @@ class Kept:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+def _set_versions(moved: list) -> None:
+    """Set the version counters of [(tensor, version)] back, their values being what they were
+    then (torch's own means, where it has them: a write to a saved buffer otherwise fails the
+    caller's backward)."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None or not moved:
+        return
+    try:
+        setter(tuple(t for t, _ in moved), tuple(v for _, v in moved))
+    except TypeError:  # (older torch: one tensor at a time)
+        for t, version in moved:
+            setter(t, version)
 
 
 # A forward's buffers copied at each top-level call under ops=True: each one up to the first

@@ -72,9 +72,35 @@ class MaskedNet(nn.Module):
         return self.last(self.first(x)), self.log(x[:, :1] + 1)
 
 
+class ScaledMean(nn.Module):
+    """Keeps in a buffer the batch's mean over its smallest first feature + 1e4: inf for rank 1's
+    bad batch (-1e4 there), while its outputs stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.avg.copy_(x.mean(0) / (x[:, 0] + 1e4).min())
+        return x
+
+
+class BufferNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.mean = ScaledMean()
+        self.last = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.last(self.first(self.mean(x)))
+
+
 def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
     x = torch.rand(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-    if rank == 1 and step == BAD_STEP and setup in ("forward", "masked", "masked, called twice"):
+    if rank == 1 and step == BAD_STEP and setup in ("forward", "masked", "masked, called twice",
+                                                    "buffer"):
         x[:, 0] = -1e4  # log of a negative value in rank 1's forward
     if rank == 1 and step == BAD_STEP and setup == "backward":
         x[0, 0] = 1000.0  # rank 1's backward makes nan
@@ -83,7 +109,7 @@ def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
 
 MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
 NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet,
-        "masked, called twice": MaskedNet}
+        "masked, called twice": MaskedNet, "buffer": BufferNet}
 
 
 def _as_on_a_gpu(rank: int) -> None:
@@ -223,6 +249,17 @@ def test_a_nan_made_on_rank_1_stops_both_ranks_at_that_step_and_names_rank_1(set
         assert got[rank][7] == 1, got  # the DataFrame's source_rank column
         assert got[rank][-1] < TIMEOUT_S, got  # no rank waited for a collective's timeout
     assert got[1][2] == module, got
+    assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "sentinel on a gpu", "full"])
+def test_a_buffer_written_non_finite_on_rank_1_stops_both_ranks_at_that_step(mode):
+    got = _run("buffer", mode)
+    assert sorted(got) == [0, 1], got
+    for rank in (0, 1):
+        assert got[rank][0] == "detected", got
+        assert got[rank][-1] < TIMEOUT_S, got  # no rank waited for a collective's timeout
+    assert got[1][1] == BAD_STEP and got[1][2] == "module.mean", got
     assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
 
 

@@ -205,20 +205,219 @@ def test_on_cuda_buffer_writes_make_no_host_synchronisation_and_a_bad_one_is_nam
             report.batch_number) == ("1", "aten.div.Tensor", 2)
 
 
-def test_the_first_calls_copy_every_small_buffer_then_only_those_written_in_place():
+def test_the_first_training_calls_copy_every_small_buffer_then_only_those_written_in_place():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), ZeroCountEMA(start=1e9), Codebook())
 
     class Entry:
-        module, buffers = model, None
+        module, name, buffers = model, "", None
 
-    slots = sentinel_buffers.entry_buffers(Entry)
-    names = {i: name for i, (_, name) in enumerate(slots.pairs)}
     copied = []
-    for _ in range(sentinel_buffers.FRESH_CALLS + 1):
-        before = sentinel_buffers.Before(slots)
+    for learning in [False] * 3 + [True] * (sentinel_buffers.FRESH_CALLS + 1):
+        before = sentinel_buffers.Before(Entry, learning)
         model(torch.randn(4, 4))
         before.written()
-        copied.append(sorted(names[i] for i in (before.copies or {})))
-    assert copied[0] == sorted(names.values())  # the first write is not known until seen
+        copied.append(sorted(Entry.buffers.names[i] for i in (before.copies or {})))
+    assert copied[:3] == [[]] * 3  # evaluation calls copy nothing, and leave the first ones
+    assert copied[3] == ["1.running_mean", "1.running_var", "2.avg", "2.count", "3.embedding",
+                         "3.total", "3.usage"]  # the first write is not known until seen
     # BatchNorm's kernel moves no version; the codebook's embedding is replaced, not written
-    assert copied[-1] == ["avg", "count", "total", "usage"]
+    assert copied[-1] == ["2.avg", "2.count", "3.total", "3.usage"]
+
+
+class ClassMinimum(nn.Module):
+    """Keeps each class's smallest feature seen: +inf for a class no batch had yet (healthy),
+    and nan once `poisoned` (a bad write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("minimum", torch.full((3,), float("inf")))
+        self.poisoned = False
+
+    def forward(self, x):
+        with torch.no_grad():
+            seen = torch.full((3,), float("inf"))
+            seen[0] = x[0, 0] * (float("nan") if self.poisoned else 1.0)
+            self.minimum.copy_(torch.minimum(self.minimum, seen))
+        return x
+
+
+def test_a_buffer_that_keeps_inf_raises_nothing_and_leaves_the_other_checks_on(path):
+    torch.manual_seed(0)
+    healthy = nn.Sequential(nn.Linear(4, 4), ClassMinimum())
+    with Guard(healthy, mode="sentinel") as guard:
+        _train(healthy, 4)
+    assert guard.report.ok
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), ClassMinimum(), ZeroCountEMA())
+    report = _caught(model, 5).report
+    assert (report.first_nonfinite.module_name, report.batch_number) == ("2", 2)
+    model = nn.Sequential(nn.Linear(4, 4), ClassMinimum())
+    with pytest.raises(NonFiniteError) as raised:
+        with Guard(model, mode="sentinel"):
+            _train(model, 3)
+            model[1].poisoned = True
+            _train(model, 1)
+    report = raised.value.report
+    assert (report.first_nonfinite.module_name, report.batch_number) == ("1", 3)
+
+
+def test_a_buffer_that_keeps_inf_is_not_run_again_at_every_step(deferred_on_host):
+    model = nn.Sequential(nn.Linear(4, 4), ClassMinimum())
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with Guard(model, mode="sentinel"):
+        _train(model, 4)
+    assert len(calls) == 4  # no re-run
+
+
+def test_a_re_run_leaves_what_the_callers_graph_saved_of_a_buffer_usable():
+    from numguard_nb import rerun
+
+    class Normalise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.full((4,), 2.0))
+
+        def forward(self, x):
+            return x / self.scale  # the division saves the buffer for its backward
+
+    model = Normalise()
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = model(x).sum()
+    with rerun.Kept([model]):
+        model.scale.mul_(3)  # what a re-run writes, then put back
+    loss.backward()  # the saved buffer's version is as the graph saved it
+    assert torch.equal(model.scale, torch.full((4,), 2.0))
+    assert torch.equal(x.grad, torch.full((3, 4), 0.5))
+
+
+def test_a_model_with_lazy_modules_is_watched(path):
+    def made():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d(), nn.Linear(4, 4))
+
+    guarded, plain = made(), made()
+    with Guard(guarded, mode="sentinel") as guard:
+        torch.manual_seed(1)
+        _train(guarded, 3)
+    torch.manual_seed(1)
+    _train(plain, 3)
+    assert guard.report.ok
+    for (name, mine), (_, theirs) in zip(guarded.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.parametrize("made", ["assigned to a None buffer", "registered"])
+def test_a_buffer_first_given_a_tensor_by_the_call_that_makes_it_inf_is_named_there(path, made):
+    class InverseStd(nn.Module):  # data-dependent initialisation in the first batch
+        def __init__(self):
+            super().__init__()
+            if made != "registered":
+                self.register_buffer("inv_std", None)
+
+        def forward(self, x):
+            if getattr(self, "inv_std", None) is None:
+                with torch.no_grad():
+                    self.register_buffer("inv_std", 1 / x.std(0))  # inf for a constant feature
+            return x
+
+    model = nn.Sequential(InverseStd(), nn.Linear(4, 4))
+    with pytest.raises(NonFiniteError) as raised:
+        with Guard(model, mode="sentinel"):
+            x = torch.randn(4, 4)
+            x[:, 2] = 1.0
+            model(x).sum().backward()
+    assert raised.value.report.batch_number == 0
+    assert "inv_std" in raised.value.report.reason
+    assert model[0].inv_std.isinf().any()  # as the call left it
+
+
+def test_evaluation_calls_before_training_copy_nothing_and_leave_the_op_named(path):
+    class TrainEMA(ZeroCountEMA):  # writes only in training; its count reaches 0 at once
+        def forward(self, x):
+            return super().forward(x) if self.training else x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), TrainEMA(start=1.0))
+    with pytest.raises(NonFiniteError) as raised:
+        with Guard(model, mode="sentinel"):
+            model.eval()
+            with torch.no_grad():
+                for _ in range(3):  # a sanity check's evaluation steps
+                    model(torch.randn(4, 4))
+            model.train()
+            _train(model, 2)
+    report = raised.value.report
+    assert (report.first_nonfinite.module_name, report.first_nonfinite.op) == (
+        "1", "aten.div.Tensor")
+
+
+def test_a_model_that_makes_a_module_list_at_each_call_does_not_look_its_buffers_up_again(
+        monkeypatch):
+    made = []
+    real = sentinel_buffers.BufferSlots.__init__
+    monkeypatch.setattr(sentinel_buffers.BufferSlots, "__init__",
+                        lambda self, *args: made.append(1) or real(self, *args))
+
+    class Sliced(nn.Module):  # as decoders that run `self.layers[:n]`
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:
+                x = layer(x) * self.scale
+            return x
+
+    model = Sliced()
+    with Guard(model, mode="sentinel"):
+        _train(model, 5)
+    assert len(made) == 1
+
+
+def test_calls_without_gradients_copy_no_buffer(monkeypatch):
+    copied = []
+    real = sentinel_buffers._copies
+    monkeypatch.setattr(sentinel_buffers, "_copies",
+                        lambda tensors, positions: copied.append(1) or real(tensors, positions))
+
+    class Cache(nn.Module):  # a key/value cache written in place at each decoding step
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("keys", torch.zeros(16, 4))
+
+        def forward(self, x, position: int):
+            self.keys[position] = x[0]
+            return self.keys[:position + 1].sum(0)
+
+    model = Cache()
+    with Guard(model, mode="sentinel"), torch.no_grad():
+        for position in range(8):
+            model(torch.randn(1, 4), position)
+    assert not copied
+
+
+def test_a_replaced_buffer_is_not_kept_once_its_call_was_checked():
+    import gc
+    import weakref
+
+    class Smoothed(nn.Module):  # an average replaced at each call
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("average", torch.zeros(4))
+
+        def forward(self, x):
+            self.average = 0.5 * self.average + 0.5 * x.detach().mean(0)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Smoothed())
+    gen = torch.Generator().manual_seed(0)
+    with Guard(model, mode="sentinel"):
+        x = torch.randn(4, 4, generator=gen)
+        model(x).sum().backward()
+        old = weakref.ref(model[1].average)
+        loss = model(x).sum()  # replaced in this call; its backward not run yet
+        gc.collect()
+        assert old() is None
+        loss.backward()

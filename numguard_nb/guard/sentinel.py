@@ -34,7 +34,8 @@ from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics, rerun
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
-from .._schema import BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF
+from .._schema import (BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF,
+                       WRITTEN_IN_FORWARD)
 from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import copies, detect, frames
@@ -45,7 +46,8 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
 from .set_aside import SetAside
-from .sentinel_buffers import Before, BufferSlots, entry_buffers, is_floating_buffer, nonfinite
+from . import sentinel_buffers
+from .sentinel_buffers import Before, BufferSlots
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
@@ -59,7 +61,6 @@ _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict
 
 
 MAX_OPEN_CALL_VALUES = 64  # calls' values left open for a backward (several ranks), at most
-WRITTEN = "buffers written"  # (module id, WRITTEN) accepted: its written buffers re-ran finely
 
 
 def _queue_callback(callback) -> None:
@@ -132,7 +133,8 @@ class _Call:
         self.held = None  # under DDP: its forward problem, raised once every rank knows (ranks)
         self.ranks_settled = False  # on a device: its step's reduction was acted on
         self.forward = entry.module.__dict__.get("forward")  # an instance's own (redirected)
-        self.buffers = Before(entry_buffers(entry))  # what its forward writes is checked too
+        # what its forward writes is checked too (copies, to run it again, in training calls)
+        self.buffers = Before(entry, torch.is_grad_enabled() and entry.module.training)
 
     def inputs_now_changed(self) -> bool:
         return _versions((self.args, self.kwargs)) != self.versions
@@ -387,34 +389,22 @@ class Sentinel:
         tensors = list(_tree.tensors(output))
         written = call.buffers.written()  # buffers the forward wrote: checked as outputs
         rerun = False
-        first = tensors[0] if tensors else written[0] if written else None
+        first = tensors[0] if tensors else written[0][1] if written else None
         if first is not None and numerics.deferred(first) and not self.guard.synchronous:
             # an asynchronous device: one value computed there, read when it is ready
-            value = numerics.output_flag(t for t in itertools.chain(tensors, written)
-                                         if numerics.readable(t))
+            value = numerics.output_flag((t for t in tensors if numerics.readable(t)),
+                                         sentinel_buffers.produced(written, deferred=True))
             if value is not None:  # read with the gradients of the backward that follows
                 self.checks.add(value, partial(self._late_forward_problem, call))
                 if self.ranks is not None and torch.is_grad_enabled() and options.backward:
                     self.ranks.note_forward_flag(value)  # every rank learns of it, unread
         else:
-            pass_ = PassRecord()
-            record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD,
-                                call.batch_number, call.call_index, True)
-            nonzero_min = options.limit_dtype is not None
-            for role, leaf in _tree.named_leaves(output, "output"):
-                if isinstance(leaf, torch.Tensor):
-                    summary = pass_.summarise(leaf, (id(entry.module), role), nonzero_min,
-                                              self._sign_hints)
-                    record.slots.append((role, OUTPUT, summary[ENTRY_KIND], leaf.dtype,
-                                         summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
-            pass_.calls.append(record)
-            pass_.read_back()  # the forward's one synchronisation
-            rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
-                     and self._forward_problem(call, pass_, record))
-            if not rerun and written and (id(entry.module), WRITTEN) not in self._accepted \
-                    and nonfinite(written):
-                rerun = self._rerun_forward(call, pass_, record, {})
-                self._accepted.add((id(entry.module), WRITTEN))  # what the full guard accepts
+            pass_, record = _outputs_read(call, output, sentinel_buffers.produced(written, False),
+                                          options.limit_dtype is not None, self._sign_hints)
+            problem = detect.has_problem(pass_, options.stop_rules.limit_max)
+            rerun = problem and self._forward_problem(call, pass_, record)
+            if not problem:
+                call.buffers = None  # nothing of it to set back for a re-run
             self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
         if not rerun:  # (a re-run counted it in the full guard)
@@ -624,9 +614,7 @@ class Sentinel:
         self._known_parameters = self.checks.guarded_ids = None
 
     def new_buffer(self, module, name, value) -> None:
-        if not is_floating_buffer(module, name):  # (a new one: the entries look theirs up again)
-            for entry in self.entries.values():
-                entry.buffers = None
+        sentinel_buffers.forget(self.entries.values(), module, name)
 
     def parameter_names(self) -> dict:
         return {id(p): rerun.original_name(qualified_name(prefix, name))
@@ -646,6 +634,24 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+def _outputs_read(call: _Call, output, written: list, nonzero_min: bool, sign_hints: dict) -> tuple:
+    """(pass, record) of a call's outputs, and of the buffers [(name, tensor)] it wrote that hold
+    nan or +inf, summarised and read (the forward's one synchronisation)."""
+    entry = call.entry
+    pass_ = PassRecord()
+    record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD, call.batch_number,
+                        call.call_index, True)
+    leaves = [(role, leaf) for role, leaf in _tree.named_leaves(output, "output")
+              if isinstance(leaf, torch.Tensor)]
+    for role, leaf in leaves + [(name + WRITTEN_IN_FORWARD, t) for name, t in written]:
+        summary = pass_.summarise(leaf, (id(entry.module), role), nonzero_min, sign_hints)
+        record.slots.append((role, OUTPUT, summary[ENTRY_KIND], leaf.dtype, summary[ENTRY_SHAPE],
+                             summary[ENTRY_INDEX], 0))
+    pass_.calls.append(record)
+    pass_.read_back()
+    return pass_, record
 
 
 def _gradients_read(call: _Call, sign_hints: dict, named_grads: list) -> tuple:
