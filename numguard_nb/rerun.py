@@ -146,19 +146,26 @@ class Kept:
         unique = {id(m): m for root in modules for m in root.modules()}
         self.flags = [(m, m.training) for m in unique.values()]
         self.buffers = []
+        self.names = []  # (module, the names of its buffers)
         if buffers:
             with torch.no_grad():
                 for module in unique.values():
+                    self.names.append((module, set(module._buffers)))
                     for name, buffer in module._buffers.items():
                         if buffer is not None and not isinstance(buffer, UninitializedTensorMixin):
-                            version = -1 if buffer.is_inference() else buffer._version
+                            version = buffer._version if _whole_storage(buffer) else -1
                             self.buffers.append((module, name, buffer, buffer.clone(), version))
 
     def restore(self) -> None:
         """The values back, and the buffers' version counters as they were: the caller's graph
-        may have saved a buffer for its backward, which checks that nothing wrote it since."""
+        may have saved a buffer for its backward, which checks that nothing wrote it since. (Only
+        for a buffer that is all of its storage: a view's other values are not put back, and
+        what saved them must still see the change.) Buffers registered since are taken out."""
         moved = []
         with torch.no_grad():
+            for module, names in self.names:
+                for name in set(module._buffers) - names:
+                    del module._buffers[name]
             for module, name, buffer, saved, version in self.buffers:
                 module._buffers[name] = buffer
                 try:
@@ -178,6 +185,16 @@ class Kept:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    """Whether `t` is all of its storage (no view of a larger tensor), with a version counter."""
+    try:
+        return (t.layout == torch.strided and not t.is_inference() and t._base is None
+                and t.storage_offset() == 0 and t.is_contiguous()
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without plain storage
+        return False
 
 
 def _set_versions(moved: list) -> None:

@@ -401,10 +401,8 @@ class Sentinel:
         else:
             pass_, record = _outputs_read(call, output, sentinel_buffers.produced(written, False),
                                           options.limit_dtype is not None, self._sign_hints)
-            problem = detect.has_problem(pass_, options.stop_rules.limit_max)
-            rerun = problem and self._forward_problem(call, pass_, record)
-            if not problem:
-                call.buffers = None  # nothing of it to set back for a re-run
+            rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
+                     and self._forward_problem(call, pass_, record))
             self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
         if not rerun:  # (a re-run counted it in the full guard)

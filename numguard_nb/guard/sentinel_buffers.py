@@ -5,18 +5,20 @@ A forward that writes inf or nan into a buffer can still return finite outputs: 
 spoils later calls (the next batch, evaluation), far from where it went bad. So as a top-level
 call starts, the buffers of its module are noted (each tensor and its version: nothing is
 copied), and those its forward wrote in place, replaced, or registered are checked with its
-outputs (`Before.written`, `produced`): a problem where one holds nan or +inf now and held none
-when the call began (as full mode, which judges a buffer's values against what it held). A
-re-run starts from what they held when the call began (`Before.set_back`): a replaced buffer's
-old tensor is still there; one written in place is copied as a training call starts (every small
-one in the first training calls, since a first write is not known until seen; then those a
-forward was seen writing, within `rerun.BUFFER_COPY_BYTES`; past it, the re-run starts from what
-the call wrote). As full mode, this tells a write by its version counter: BatchNorm's kernel
-updating its running statistics, or a write through `.data`, moves none.
+outputs (`Before.written`, `produced`): a problem where one holds nan or +inf it did not hold
+when the call began, as told by the buffers' largest values (as full mode, which judges a
+buffer's values against what it held). A re-run starts from what they held then
+(`Before.set_back`): a replaced buffer's old tensor is still there; one written in place is
+copied as a training call starts (every small one in the first training calls, since a first
+write is not known until seen; then those a forward was seen writing, within
+`rerun.BUFFER_COPY_BYTES`; otherwise the re-run starts from what the call wrote, and the check
+from the buffer's largest value, taken as the call starts). As full mode, this tells a write by
+its version counter: BatchNorm's kernel updating its running statistics, or a write through
+`.data`, moves none.
 
     before = Before(entry, learning=True)    # as the call starts
     ...                                      # the forward runs
-    written = before.written()               # [(name, tensor now, tensor at the start or None)]
+    written = before.written()               # [(name, tensor now, its largest value then)]
     before.set_back()                        # in a re-run, inside rerun.Kept
 """
 
@@ -47,39 +49,48 @@ class BufferSlots:
     """Where a module's buffers live, each as (its module's buffer dict, its name) with the name
     reports give it: looked up by name at every call, so a buffer replaced, set to None and back,
     or moved (`.to()`) is found as it is. Stale once a buffer of a new name or a submodule is
-    registered inside the module (`forget`)."""
+    registered inside the module (`forget`); made again then, keeping what it learnt."""
 
-    __slots__ = ("module", "pairs", "names", "ids", "copied", "fresh", "stale")
+    __slots__ = ("module", "pairs", "names", "owners", "ids", "copied", "fresh", "stale")
 
-    def __init__(self, module: nn.Module, prefix: str):
+    def __init__(self, module: nn.Module, prefix: str, earlier: Optional["BufferSlots"] = None):
         self.module = module
         self.pairs: list = []
         self.names: List[str] = []
+        self.owners: List[int] = []  # id of the module holding each
         self.ids = set()
         for path, m in module.named_modules(prefix=prefix):
             self.ids.add(id(m))
             for name in m._buffers:
                 self.pairs.append((m._buffers, name))
-                self.names.append(qualified_name(path, name))
+                self.names.append(rerun.original_name(qualified_name(path, name)))
+                self.owners.append(id(m))
         self.copied: set = set()  # positions of buffers a forward was seen writing in place
-        self.fresh = FRESH_CALLS  # training calls left that copy every small buffer
+        # calls left that note every small buffer: [other calls (their maxima), training calls
+        # (copies)]
+        self.fresh = [FRESH_CALLS, FRESH_CALLS]
         self.stale = False
+        if earlier is not None:  # (a module registering something at each call: not every time)
+            seen = {(id(earlier.pairs[i][0]), earlier.pairs[i][1]) for i in earlier.copied}
+            self.copied = {i for i, (buffers, name) in enumerate(self.pairs)
+                           if (id(buffers), name) in seen}
+            self.fresh = earlier.fresh
 
-    def to_copy(self, tensors: list):
-        """The positions of the buffers a training call copies as it starts: in the first ones
-        every small floating buffer, then those seen written in place."""
-        if not self.fresh:
+    def to_note(self, tensors: list, learning: bool) -> set:
+        """The positions of the buffers a call notes as it starts (a training call copies them,
+        another takes their largest values): in the first calls of each kind every small
+        floating buffer, then those seen written in place."""
+        if not self.fresh[learning]:
             return self.copied
-        self.fresh -= 1
-        return self.copied | {i for i, t in enumerate(tensors) if _checkable(t)
-                              and t.numel() * t.element_size() <= rerun.SMALL_BUFFER_BYTES}
+        self.fresh[learning] -= 1
+        return self.copied | {i for i, t in enumerate(tensors) if _checkable(t) and _small(t)}
 
 
 def entry_buffers(entry) -> BufferSlots:
     """The `BufferSlots` of a sentinel entry's module (kept on it until it goes stale)."""
     slots = entry.buffers
     if slots is None or slots.stale:
-        slots = entry.buffers = BufferSlots(entry.module, entry.name)
+        slots = entry.buffers = BufferSlots(entry.module, entry.name, slots)
     return slots
 
 
@@ -96,7 +107,11 @@ def forget(entries, module: nn.Module, name: str) -> None:
 
 def _checkable(t) -> bool:
     return t is not None and not isinstance(t, UninitializedTensorMixin) \
-        and t.is_floating_point() and bool(t.numel())
+        and t.layout == torch.strided and t.is_floating_point() and bool(t.numel())
+
+
+def _small(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() <= rerun.SMALL_BUFFER_BYTES
 
 
 def _version(t) -> int:
@@ -107,19 +122,31 @@ def _version(t) -> int:
     return t._version
 
 
-class Before:
-    """A call's buffers as it started: the tensors, their versions, and (in training calls)
-    copies of those a forward was seen writing in place."""
+def _maximum(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s largest value as a float32 0-d tensor on its device (nan where it holds one)."""
+    return numerics.output_flag([t])[0]
 
-    __slots__ = ("entry", "slots", "tensors", "versions", "copies")
+
+class Before:
+    """A call's buffers as it started: the tensors, their versions, and for those it notes (every
+    small one in the first calls, then those a forward was seen writing in place) a copy
+    (training calls, within a budget) or else their largest value (outside training, only the
+    small ones')."""
+
+    __slots__ = ("entry", "slots", "tensors", "versions", "copies", "maxima")
 
     def __init__(self, entry, learning: bool):
         self.entry = entry
         slots = self.slots = entry_buffers(entry)
-        self.tensors = [buffers.get(name) for buffers, name in slots.pairs]
-        self.versions = [_version(t) for t in self.tensors]
-        positions = slots.to_copy(self.tensors) if learning and self.tensors else ()
-        self.copies: Optional[dict] = _copies(self.tensors, positions) if positions else None
+        tensors = self.tensors = [buffers.get(name) for buffers, name in slots.pairs]
+        self.versions = [_version(t) for t in tensors]
+        noted = slots.to_note(tensors, learning) if tensors else ()
+        self.copies = _copies(tensors, noted) if learning and noted else {}
+        with torch.no_grad():
+            # (a large one outside training, a key/value cache, say: judged by what it holds)
+            self.maxima = {i: _maximum(tensors[i]) for i in noted if i not in self.copies
+                           and _checkable(tensors[i]) and (learning or _small(tensors[i]))
+                           } if noted else {}
 
     def _changed(self) -> List[int]:
         tensors, versions = self.tensors, self.versions
@@ -127,62 +154,73 @@ class Before:
                 if buffers.get(name) is not tensors[i] or _version(tensors[i]) != versions[i]]
 
     def written(self) -> list:
-        """(name, tensor now, tensor at the call's start or None where unknown) of the floating
-        buffers the call wrote in place, replaced, or registered; learns which to copy."""
+        """(name, tensor now, its largest value at the call's start or None where unknown) of
+        the floating buffers the call wrote in place, replaced, or registered; learns which to
+        copy."""
         written = []
         if self.tensors:
             slots = self.slots
-            for i in self._changed():
-                buffers, name = slots.pairs[i]
-                now, then = buffers.get(name), self.tensors[i]
-                if not _checkable(now):
-                    continue
-                if now is then:
-                    slots.copied.add(i)
-                    then = self.copies.get(i) if self.copies else None
-                written.append((slots.names[i], now, then if _checkable(then) else None))
-        written += [(path, buffers[name], None) for buffers, name, path in self._registered()
+            with torch.no_grad():
+                for i in self._changed():
+                    buffers, name = slots.pairs[i]
+                    now, old = buffers.get(name), self.tensors[i]
+                    if not _checkable(now):
+                        continue
+                    in_place = old is not None and _version(old) != self.versions[i]
+                    if in_place:
+                        slots.copied.add(i)
+                    start = self.copies.get(i) if in_place else old
+                    start = _maximum(start) if _checkable(start) else self.maxima.get(i)
+                    written.append((slots.names[i], now, start))
+        written += [(path, buffers[name], None) for buffers, name, path, _ in self._registered()
                     if _checkable(buffers.get(name))]  # all it holds, the call made
         return written
 
     def _registered(self) -> list:
-        """(buffer dict, name, path) of the buffers registered inside the module since the call
-        began."""
+        """(buffer dict, name, path, id of its module) of the buffers registered inside the
+        module since the call began (those of submodules made since among them)."""
         if not self.slots.stale:
             return []
         known = {(id(buffers), name) for buffers, name in self.slots.pairs}
         current = entry_buffers(self.entry)
-        return [(buffers, name, path) for (buffers, name), path in zip(current.pairs, current.names)
+        return [(buffers, name, path, owner) for (buffers, name), path, owner
+                in zip(current.pairs, current.names, current.owners)
                 if (id(buffers), name) not in known]
 
     def set_back(self) -> None:
-        """Put the buffers back as the call found them (for a re-run, inside `rerun.Kept`, which
-        puts them back as they are now after it). One written in place that was not copied
-        stays as written; one registered since is taken out, to be registered again."""
-        for buffers, name, _ in self._registered():
-            buffers.pop(name, None)
+        """Put the buffers back as the call found them, for a re-run inside `rerun.Kept` (which
+        puts them back as they are now after it): one written in place gets its copy's values
+        (uncopied, it stays as written), one replaced its old tensor (or, written in place
+        before, a copy: the old tensor is left as it is, the caller's graph may hold it), and one
+        registered on a module that was there is taken out, to be registered again."""
+        for buffers, name, _, owner in self._registered():
+            if owner in self.slots.ids:  # (a submodule made since keeps its own)
+                buffers.pop(name, None)
         with torch.no_grad():
             for i in self._changed():
                 buffers, name = self.slots.pairs[i]
-                buffers[name] = self.tensors[i]
-                copy = self.copies.get(i) if self.copies else None
-                if copy is not None:
-                    self.tensors[i].copy_(copy)
+                old, copy = self.tensors[i], self.copies.get(i)
+                if buffers.get(name) is old:
+                    if copy is not None:
+                        old.copy_(copy)
+                elif old is not None and _version(old) != self.versions[i] and copy is not None:
+                    buffers[name] = copy.clone()
+                else:
+                    buffers[name] = old
 
 
-def _copies(tensors: list, positions) -> Optional[dict]:
-    """Copies of the buffers at `positions`, all together within `rerun.BUFFER_COPY_BYTES`;
-    None past it."""
+def _copies(tensors: list, positions) -> dict:
+    """Copies of the buffers at `positions`, all together within `rerun.BUFFER_COPY_BYTES`."""
     copies, size = {}, 0
     with torch.no_grad():
-        for i in positions:
+        for i in sorted(positions):
             t = tensors[i]
             if not _checkable(t) or t.is_inference():
                 continue
-            size += t.numel() * t.element_size()
-            if size > rerun.BUFFER_COPY_BYTES:
-                return None
-            copies[i] = t.clone()
+            nbytes = t.numel() * t.element_size()
+            if size + nbytes <= rerun.BUFFER_COPY_BYTES:
+                size += nbytes
+                copies[i] = t.clone()
     return copies
 
 
@@ -191,26 +229,22 @@ def produced(written: list, deferred: bool):
     as told by their maxima (nan, else +inf, else a number): a buffer that kept +inf (a minimum
     not yet seen) passes, and so does one that held nan already; -inf alone passes, as in
     outputs (a mask the forward caches). `deferred`: one float32 0-d value per buffer on its
-    device, for the call's flag (`numerics.fine` tells); else, read now, [(name, tensor)] of
-    those that do."""
-    values, bad = [], []
+    device, for the call's flag (`numerics.fine` tells); else, read now (all at once),
+    [(name, tensor)] of those that do."""
+    values, named = [], []
     with torch.no_grad():
-        for name, now, then in written:
+        for name, now, start in written:
             if not numerics.readable(now):
                 continue
-            value = numerics.output_flag([now])[0]
-            start = numerics.output_flag([then])[0] if then is not None \
-                and numerics.readable(then) else None
-            if deferred:
-                if start is not None:  # (nan == nan is false: a new nan stays)
-                    value = torch.where(start.isnan() | (value == start), -_INF, value)
-                values.append(value)
-                continue
-            now_max = numerics.read(value)
-            start_max = numerics.read(start) if start is not None else -_INF
-            if not numerics.fine(now_max) and not math.isnan(start_max) and now_max != start_max:
-                bad.append((name, now))
-    return values if deferred else bad
+            value = _maximum(now)
+            if start is not None and start.device == value.device:  # (nan == nan is false)
+                value = torch.where(start.isnan() | (value == start), -_INF, value)
+            values.append(value)
+            named.append((name, now))
+        if deferred or not values:
+            return values if deferred else []
+        read = numerics.read(torch.stack([v.to(values[0].device) for v in values]))
+    return [pair for pair, value in zip(named, read) if not numerics.fine(value)]
 
 
 def set_back(calls) -> None:
