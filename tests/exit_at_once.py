@@ -1,8 +1,7 @@
 """Run a script as `__main__` (`python tests/exit_at_once.py SCRIPT ARGS...`) and leave with its
 exit code at once, without the interpreter's teardown: there the C++ threads of gloo and of DDP's
 reducer sometimes abort a process ("terminate called without an active exception", about one run
-in 50 here) after the script has done and printed everything. `ddp_callbacks_run.py` leaves the
-same way."""
+in 50 here) after the script has done and printed everything."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@
   (outputs, gradients, buffers, RNG state) bit for bit; a test calls it with and without a guard.
 - `memory_growth(step, steps)`: bytes still allocated by Python after `steps` more calls of
   `step` than a warm-up, for loops that must stay flat.
+- `sentinel_steps_without_sync(model, loss_of)`: sentinel training steps on a GPU in which any
+  host synchronisation raises.
 """
 
 from __future__ import annotations
@@ -136,3 +138,20 @@ def memory_growth(step, steps: int, warmup: int = 50) -> int:
         return tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
+
+
+def sentinel_steps_without_sync(model, loss_of) -> None:
+    """Four training steps (fused AdamW) under a sentinel and torch's sync detector in "error"
+    mode from the second on (the first warms up): any host synchronisation raises."""
+    from numguard_nb import Guard
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    with Guard(model, mode="sentinel"):
+        for step in range(4):
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                loss_of(model).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")

@@ -338,8 +338,9 @@ def test_the_callbacks_under_torchrun_stop_every_rank_at_the_same_step(framework
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), str(root / "tests" / "ddp_callbacks_run.py"),
-         framework], capture_output=True, text=True, timeout=240, env=env, cwd=root)
+         "--master_port", str(_free_port()), str(root / "tests" / "exit_at_once.py"),
+         str(root / "tests" / "ddp_callbacks_run.py"), framework],
+        capture_output=True, text=True, timeout=240, env=env, cwd=root)
     found = dict(re.findall(r"^RESULT rank=(\d) (.*)$", done.stdout, re.M))
     if done.returncode != 0 or sorted(found) != ["0", "1"]:
         print(done.stdout, done.stderr, sep="\n")  # in full under "Captured stdout" (pytest)

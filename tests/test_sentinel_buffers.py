@@ -12,6 +12,7 @@ from torch import nn
 
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb.guard import sentinel_buffers
+from promises import sentinel_steps_without_sync
 
 
 class ZeroCountEMA(nn.Module):
@@ -186,18 +187,8 @@ def test_a_healthy_step_that_writes_buffers_waits_for_nothing(deferred_on_host):
 
 @pytest.mark.cuda
 def test_on_cuda_buffer_writes_make_no_host_synchronisation_and_a_bad_one_is_named():
-    model = WithLoss(start=1e9).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     x = torch.randn(4, 4, device="cuda")
-    with Guard(model, mode="sentinel"):
-        for step in range(4):
-            torch.cuda.set_sync_debug_mode("error" if step else "default")
-            try:
-                model(x).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+    sentinel_steps_without_sync(WithLoss(start=1e9).cuda(), lambda model: model(x))
     torch.manual_seed(0)
     bad = nn.Sequential(nn.Linear(4, 4), ZeroCountEMA(), nn.Linear(4, 4)).cuda()
     report = _caught(bad, 5, device="cuda").report

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from models import SqrtWeight
+from promises import sentinel_steps_without_sync
 from numguard_nb import Guard, NonFiniteError, numerics, stats
 from numguard_nb.numerics import DeferredRead
 
@@ -156,21 +157,6 @@ def test_a_call_captured_into_a_cuda_graph_makes_no_read_and_seals_nothing(defer
     assert len(made) == sealed + 2
 
 
-def _steps_without_sync(model, loss_of) -> None:
-    """Four guarded training steps (fused AdamW) under torch's sync detector in "error" mode
-    from the second on (the first warms up): any host synchronisation raises."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    with Guard(model, mode="sentinel"):
-        for step in range(4):
-            torch.cuda.set_sync_debug_mode("error" if step else "default")
-            try:
-                loss_of(model).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-
 @pytest.mark.cuda
 def test_on_cuda_a_healthy_sentinel_step_makes_no_host_synchronisation():
     x = torch.randn(16, 4, device="cuda")
@@ -179,7 +165,7 @@ def test_on_cuda_a_healthy_sentinel_step_makes_no_host_synchronisation():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return model(x)
 
-    _steps_without_sync(Net().cuda(), loss_of)
+    sentinel_steps_without_sync(Net().cuda(), loss_of)
 
 
 @pytest.mark.cuda
@@ -219,7 +205,7 @@ def test_on_cuda_a_loss_computed_outside_the_model_makes_no_host_synchronisation
         safe = torch.where(logits > -100, logits, torch.full_like(logits, float("-inf")))
         return torch.nn.functional.cross_entropy(safe, y)
 
-    _steps_without_sync(Logits().cuda(), loss_of)
+    sentinel_steps_without_sync(Logits().cuda(), loss_of)
 
 
 class AcrossDevices(nn.Module):
