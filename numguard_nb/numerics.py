@@ -155,9 +155,9 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
             if not t.numel() or t.layout != torch.strided:
                 continue
             if t.is_floating_point():
-                maxima.append(t.amax().float())
+                maxima.append(_as_flag(t.amax()))
             elif t.is_complex():
-                maxima.append(t.abs().amax().float())
+                maxima.append(_as_flag(t.abs().amax()))
         maxima += extra or ()
         if not maxima:
             return None
@@ -166,6 +166,14 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
         device = next((m.device for m in maxima if m.device.type == "cuda"), maxima[0].device)
         return torch.stack([m if m.device == device else m.to(device, non_blocking=True)
                             for m in maxima]).max().reshape(1)
+
+
+def _as_flag(maximum: torch.Tensor) -> torch.Tensor:
+    """A maximum as float32: a float64 number beyond float32's range becomes -inf (fine), not
+    +inf; nan and +inf stay."""
+    if maximum.dtype == torch.float64:
+        maximum = maximum.masked_fill(maximum.isfinite(), -_INF)
+    return maximum.float()
 
 
 def stats_flag(vectors: list, sink: Optional["_stats.RowSink"] = None) -> Optional[torch.Tensor]:

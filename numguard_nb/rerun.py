@@ -152,15 +152,18 @@ class Kept:
                 for module in unique.values():
                     self.names.append((module, set(module._buffers)))
                     for name, buffer in module._buffers.items():
-                        if buffer is not None and not isinstance(buffer, UninitializedTensorMixin):
-                            version = buffer._version if _whole_storage(buffer) else -1
-                            self.buffers.append((module, name, buffer, buffer.clone(), version))
+                        if buffer is None or isinstance(buffer, UninitializedTensorMixin):
+                            self.buffers.append((module, name, buffer, None, -1))
+                            continue
+                        version = buffer._version if _whole_storage(buffer) else -1
+                        self.buffers.append((module, name, buffer, buffer.clone(), version))
 
     def restore(self) -> None:
-        """The values back, and the buffers' version counters as they were: the caller's graph
-        may have saved a buffer for its backward, which checks that nothing wrote it since. (Only
-        for a buffer that is all of its storage: a view's other values are not put back, and
-        what saved them must still see the change.) Buffers registered since are taken out."""
+        """The buffers back (None ones too; those registered since taken out), their values
+        written through `.data`, which moves no version counter: the caller's graph may have saved
+        a buffer for its backward, which checks that nothing wrote it since. A buffer the re-run
+        wrote itself gets its version counter back too, where it is all of its storage (a view's
+        other values are not put back, and what saved them must still see the change)."""
         moved = []
         with torch.no_grad():
             for module, names in self.names:
@@ -168,10 +171,14 @@ class Kept:
                     del module._buffers[name]
             for module, name, buffer, saved, version in self.buffers:
                 module._buffers[name] = buffer
+                if saved is None:
+                    continue
                 try:
-                    buffer.copy_(saved)
-                except RuntimeError:  # an inference tensor: written only in inference mode
-                    with torch.inference_mode():
+                    buffer.data.copy_(saved)
+                except RuntimeError:
+                    if not buffer.is_inference():
+                        continue  # (an expanded buffer: nothing can have written it in place)
+                    with torch.inference_mode():  # (written only in inference mode)
                         buffer.copy_(saved)
                 if version >= 0 and buffer._version != version:
                     moved.append((buffer, version))
@@ -191,10 +198,20 @@ def _whole_storage(t: torch.Tensor) -> bool:
     """Whether `t` is all of its storage (no view of a larger tensor), with a version counter."""
     try:
         return (t.layout == torch.strided and not t.is_inference() and t._base is None
-                and t.storage_offset() == 0 and t.is_contiguous()
+                and t.storage_offset() == 0 and _dense(t)
                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
     except (RuntimeError, NotImplementedError, TypeError):  # a subclass without plain storage
         return False
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill a block of memory once each, in any order of dimensions (a
+    channels-last tensor does; an expanded one does not)."""
+    try:
+        from torch._prims_common import is_non_overlapping_and_dense
+    except ImportError:  # (an older torch)
+        return t.is_contiguous()
+    return is_non_overlapping_and_dense(t)
 
 
 def _set_versions(moved: list) -> None:

@@ -594,3 +594,114 @@ def test_a_synchronous_guard_reads_a_calls_written_buffers_at_once(deferred_on_h
         before = numerics.READS.waited
         model(torch.randn(1, 4))
     assert numerics.READS.waited - before <= 2  # the outputs and the 16 buffers: not 17 reads
+
+
+def _train_allowing_inf(model, steps: int = 3):
+    """Steps whose loss leaves out `Cat`'s +inf column, the model's last module, allowed."""
+    last = str(len(model) - 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    with Guard(model, mode="sentinel", allow_inf=[last]) as guard:
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=gen)
+            F.mse_loss(model(x)[:, :4], x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return guard
+
+
+@pytest.mark.parametrize("layout", ["a view", "channels last"])
+def test_a_re_run_leaves_a_buffer_it_did_not_write_as_the_graph_saved_it(path, layout):
+    class Scaled(nn.Module):  # reads its buffer only; the product saves it for the backward
+        def __init__(self):
+            super().__init__()
+            if layout == "a view":  # as rotary caches were registered: emb.cos()[None, :]
+                self.register_buffer("scale", torch.arange(4.0).cos()[None, :])
+            else:
+                self.register_buffer("scale", torch.rand(1, 2, 2, 1).to(
+                    memory_format=torch.channels_last))
+
+        def forward(self, x):
+            return (x.reshape(-1, *self.scale.shape[1:]) * self.scale).reshape(x.shape)
+
+    torch.manual_seed(0)
+    guard = _train_allowing_inf(nn.Sequential(nn.Linear(4, 4), Scaled(), Cat()))
+    assert guard.report.ok
+
+
+def test_a_buffer_registered_behind_a_python_flag_is_not_taken_from_the_re_run(path):
+    class Centre(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ready = False
+
+        def forward(self, x):
+            if not self.ready:  # made on the first call, the flag kept in Python
+                self.register_buffer("mean", x.detach().mean(0))
+                self.ready = True
+            return x - self.mean
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Centre(), Cat())
+    assert _train_allowing_inf(model).report.ok
+    assert [name for name, _ in model.named_buffers()] == ["1.mean"]
+
+
+def test_a_re_run_keeps_the_buffers_set_to_none(path):
+    class Slots(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", None)
+
+        def forward(self, x):
+            self.cache = x.detach().clone()
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Slots(), Cat())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Guard(model, mode="sentinel", allow_inf=["2"]):
+        x = torch.randn(8, 4)
+        loss = F.mse_loss(model(x)[:, :4], x)
+        model[1].cache = None  # the loop empties the cache before the backward
+        loss.backward()
+        optimizer.step()
+    assert model[1].cache is None
+
+
+def test_a_float64_buffer_beyond_float32s_range_is_no_alarm(path):
+    class Growing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(2, dtype=torch.float64))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.scale.mul_(1e20)  # 1e40 by the second call: finite in float64
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Growing())
+    with Guard(model, mode="sentinel") as guard:
+        _train(model, 4)
+    assert guard.report.ok and model[1].scale[0].item() == pytest.approx(1e80)
+
+
+def test_a_large_buffer_that_keeps_inf_is_run_again_once_at_most(path, request):
+    if path == "deferred":  # a GPU that has each call's flag by the next call
+        request.getfixturevalue("deferred_on_host")[0] = False
+    class Best(nn.Module):  # a running minimum per slot, +inf for slots not seen yet
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("best", torch.full((2**19,), float("inf")))  # 2 MiB
+
+        def forward(self, x):
+            self.best.scatter_reduce_(0, torch.arange(x.shape[0]), x[:, 0], "amin")
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Best()).eval()
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with Guard(model, mode="sentinel") as guard, torch.no_grad():
+        for _ in range(6):
+            model(torch.randn(8, 4))
+    assert guard.report.ok and len(calls) <= 7

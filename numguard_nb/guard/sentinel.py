@@ -37,7 +37,7 @@ from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from .._schema import (BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF,
                        WRITTEN_IN_FORWARD)
 from ..errors import NonFiniteError
-from ..report import Frame, Report
+from ..report import Report
 from . import copies, detect, frames
 from .hooks import (
     forward_raised, inert_context, is_dynamo_compiling, own_call_frame_id, still_running,
@@ -52,7 +52,8 @@ from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, s
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
-from .sentinel_rerun import gradient_frame, rerun_backward, rerun_forward, rerun_step_together
+from .sentinel_rerun import (forward_frame, gradient_frame, rerun_backward, rerun_forward,
+                             rerun_step_together)
 
 __all__ = ["Sentinel"]
 
@@ -412,10 +413,10 @@ class Sentinel:
 
     def _late_forward_problem(self, call: _Call, values: list) -> None:
         """A call's outputs held nan or +inf (read after the call): run it again, and raise."""
-        report = self._rerun(rerun_forward, self.guard, call, Frame(
-            call.entry.name, call.entry.cls, FORWARD, call.batch_number, call.call_index, []))
+        report = self._rerun(rerun_forward, self.guard, call, forward_frame(call))
         if report is not None:
             self._raise(report)
+        call.buffers.keep_noting()  # accepted: what its buffers keep is not judged again
 
     def _forward_problem(self, call: _Call, pass_: PassRecord, record: CallRecord) -> bool:
         """Re-run the call if its outputs hold what the full guard's rules may stop on, and raise

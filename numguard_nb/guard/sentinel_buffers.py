@@ -51,21 +51,20 @@ class BufferSlots:
     or moved (`.to()`) is found as it is. Stale once a buffer of a new name or a submodule is
     registered inside the module (`forget`); made again then, keeping what it learnt."""
 
-    __slots__ = ("module", "pairs", "names", "owners", "ids", "copied", "fresh", "stale")
+    __slots__ = ("module", "pairs", "names", "ids", "copied", "kept", "fresh", "stale")
 
     def __init__(self, module: nn.Module, prefix: str, earlier: Optional["BufferSlots"] = None):
         self.module = module
         self.pairs: list = []
         self.names: List[str] = []
-        self.owners: List[int] = []  # id of the module holding each
         self.ids = set()
         for path, m in module.named_modules(prefix=prefix):
             self.ids.add(id(m))
             for name in m._buffers:
                 self.pairs.append((m._buffers, name))
                 self.names.append(rerun.original_name(qualified_name(path, name)))
-                self.owners.append(id(m))
         self.copied: set = set()  # positions of buffers a forward was seen writing in place
+        self.kept: set = set()  # positions of buffers whose inf or nan a re-run accepted
         # calls left that note every small buffer: [other calls (their maxima), training calls
         # (copies)]
         self.fresh = [FRESH_CALLS, FRESH_CALLS]
@@ -74,6 +73,9 @@ class BufferSlots:
             seen = {(id(earlier.pairs[i][0]), earlier.pairs[i][1]) for i in earlier.copied}
             self.copied = {i for i, (buffers, name) in enumerate(self.pairs)
                            if (id(buffers), name) in seen}
+            kept = {(id(earlier.pairs[i][0]), earlier.pairs[i][1]) for i in earlier.kept}
+            self.kept = {i for i, (buffers, name) in enumerate(self.pairs)
+                         if (id(buffers), name) in kept}
             self.fresh = earlier.fresh
 
     def to_note(self, tensors: list, learning: bool) -> set:
@@ -81,9 +83,10 @@ class BufferSlots:
         another takes their largest values): in the first calls of each kind every small
         floating buffer, then those seen written in place."""
         if not self.fresh[learning]:
-            return self.copied
+            return self.copied | self.kept if self.kept else self.copied
         self.fresh[learning] -= 1
-        return self.copied | {i for i, t in enumerate(tensors) if _checkable(t) and _small(t)}
+        return self.copied | self.kept | {i for i, t in enumerate(tensors)
+                                          if _checkable(t) and _small(t)}
 
 
 def entry_buffers(entry) -> BufferSlots:
@@ -145,68 +148,82 @@ class Before:
         with torch.no_grad():
             # (a large one outside training, a key/value cache, say: judged by what it holds)
             self.maxima = {i: _maximum(tensors[i]) for i in noted if i not in self.copies
-                           and _checkable(tensors[i]) and (learning or _small(tensors[i]))
-                           } if noted else {}
+                           and _checkable(tensors[i]) and (learning or _small(tensors[i])
+                                                           or i in slots.kept)} if noted else {}
 
     def _changed(self) -> List[int]:
         tensors, versions = self.tensors, self.versions
         return [i for i, (buffers, name) in enumerate(self.slots.pairs)
                 if buffers.get(name) is not tensors[i] or _version(tensors[i]) != versions[i]]
 
-    def written(self) -> list:
+    def written(self, registered: bool = True) -> list:
         """(name, tensor now, its largest value at the call's start or None where unknown) of
-        the floating buffers the call wrote in place, replaced, or registered; learns which to
-        copy."""
+        the floating buffers the call wrote in place, replaced, or (`registered`) registered;
+        learns which to copy."""
         written = []
         if self.tensors:
             slots = self.slots
             with torch.no_grad():
                 for i in self._changed():
                     buffers, name = slots.pairs[i]
-                    now, old = buffers.get(name), self.tensors[i]
+                    now = buffers.get(name)
                     if not _checkable(now):
                         continue
-                    in_place = old is not None and _version(old) != self.versions[i]
-                    if in_place:
+                    if self._in_place(i):
                         slots.copied.add(i)
-                    start = self.copies.get(i) if in_place else old
-                    start = _maximum(start) if _checkable(start) else self.maxima.get(i)
-                    written.append((slots.names[i], now, start))
-        written += [(path, buffers[name], None) for buffers, name, path, _ in self._registered()
-                    if _checkable(buffers.get(name))]  # all it holds, the call made
+                    written.append((slots.names[i], now, self._start(i)))
+        if registered:  # all it holds, the call made
+            written += [(path, buffers[name], None) for buffers, name, path in self._registered()
+                        if _checkable(buffers.get(name))]
         return written
 
+    def _in_place(self, i: int) -> bool:
+        """Whether the call wrote the tensor the buffer at `i` held as it began."""
+        return self.tensors[i] is not None and _version(self.tensors[i]) != self.versions[i]
+
+    def _start(self, i: int) -> Optional[torch.Tensor]:
+        """The largest value the buffer at `i` held as the call began, or None where unknown."""
+        start = self.copies.get(i) if self._in_place(i) else self.tensors[i]
+        return _maximum(start) if _checkable(start) else self.maxima.get(i)
+
     def _registered(self) -> list:
-        """(buffer dict, name, path, id of its module) of the buffers registered inside the
-        module since the call began (those of submodules made since among them)."""
+        """(buffer dict, name, path) of the buffers registered inside the module since the call
+        began (those of submodules made since among them)."""
         if not self.slots.stale:
             return []
         known = {(id(buffers), name) for buffers, name in self.slots.pairs}
         current = entry_buffers(self.entry)
-        return [(buffers, name, path, owner) for (buffers, name), path, owner
-                in zip(current.pairs, current.names, current.owners)
+        return [(buffers, name, path) for (buffers, name), path in zip(current.pairs, current.names)
                 if (id(buffers), name) not in known]
+
+    def keep_noting(self) -> None:
+        """A re-run found what the call's buffers hold acceptable: those holding nan or inf are
+        noted at every call from now on (their largest value as a call starts, whatever their
+        size), so that what they keep is not judged again."""
+        with torch.no_grad():
+            for i in self._changed():
+                now = self.slots.pairs[i][0].get(self.slots.pairs[i][1])
+                if _checkable(now) and not numerics.read(now.isfinite().all()):
+                    self.slots.kept.add(i)
 
     def set_back(self) -> None:
         """Put the buffers back as the call found them, for a re-run inside `rerun.Kept` (which
         puts them back as they are now after it): one written in place gets its copy's values
-        (uncopied, it stays as written), one replaced its old tensor (or, written in place
-        before, a copy: the old tensor is left as it is, the caller's graph may hold it), and one
-        registered on a module that was there is taken out, to be registered again."""
-        for buffers, name, _, owner in self._registered():
-            if owner in self.slots.ids:  # (a submodule made since keeps its own)
-                buffers.pop(name, None)
+        (uncopied, it stays as written); one the call replaced and left holding nan or +inf it
+        did not hold gets its old tensor (or, written in place before, a copy: the old tensor is
+        left as it is, the caller's graph may hold it). Other replaced buffers, and those
+        registered by the call, stay: Python state beside them (a cache's length, a flag) says
+        they are made."""
         with torch.no_grad():
             for i in self._changed():
                 buffers, name = self.slots.pairs[i]
-                old, copy = self.tensors[i], self.copies.get(i)
-                if buffers.get(name) is old:
+                old, copy, now = self.tensors[i], self.copies.get(i), buffers.get(name)
+                if now is old:
                     if copy is not None:
-                        old.copy_(copy)
-                elif old is not None and _version(old) != self.versions[i] and copy is not None:
-                    buffers[name] = copy.clone()
-                else:
-                    buffers[name] = old
+                        old.data.copy_(copy)  # (.data: no version moved; rerun.Kept's)
+                elif _checkable(now) and produced([(name, now, self._start(i))], False):
+                    buffers[name] = copy.clone() if copy is not None and self._in_place(i) \
+                        else old
 
 
 def _copies(tensors: list, positions) -> dict:
@@ -258,6 +275,8 @@ def set_back(calls) -> None:
 
 def written_again(call) -> list:
     """The buffers a re-run of `call` wrote (after `set_back`) holding nan or +inf they did not
-    hold when it began (`produced`), read now."""
+    hold when it began (`produced`), read now. (Those the call registered stay registered for
+    the re-run, which does not make them again.)"""
     before = getattr(call, "buffers", None)
-    return [now for _, now in produced(before.written(), False)] if before is not None else []
+    return [now for _, now in produced(before.written(registered=False), False)] \
+        if before is not None else []

@@ -27,8 +27,8 @@ from torch import nn
 
 from .. import _tree, numerics, rerun
 from .._schema import (
-    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FOUND_BY_RERUN,
-    GRAD_PARAM, MODE_FULL,
+    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FORWARD,
+    FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL, OUTPUT, WRITTEN_IN_FORWARD,
 )
 from .._util import dtype_name
 from ..errors import NonFiniteError
@@ -38,7 +38,7 @@ from .passes import graph_task_id
 from .sentinel_checks import GradStandIn
 
 __all__ = ["full_guard", "rerun_forward", "rerun_step_together", "rerun_backward",
-           "rerun_compiled_call", "gradient_frame"]
+           "rerun_compiled_call", "forward_frame", "gradient_frame"]
 
 _NOT_COMPILED_AGAIN = ("it was finite eagerly, and was not run compiled again: its "
                        "(Distributed)DataParallel wrapper would start collectives on this rank alone")
@@ -349,6 +349,7 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
     parameters = [p for model in models.values() for p in model.parameters()] if backward else []
     kept_grads, flagging = [p.grad for p in parameters], ranks.active
     with rerun.Kept(models.values()):
+        sentinel_buffers.set_back(calls)
         full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
                           on_trace=None, on_detect=None, history_every=None, scaler=None)
         full.rerun_task = graph_task_id()
@@ -431,16 +432,30 @@ def _compiled(seen: Frame, call, options, captured: bool) -> Report:
 
 def gradient_frame(name: str, cls: str, batch: int, call_index: int, grads) -> Frame:
     """A frame of the non-finite gradients a sentinel found: `grads` is [(parameter name, grad)]."""
+    return _flagged_frame(name, cls, BACKWARD, batch, call_index,
+                          [(f"{role}.grad", GRAD_PARAM, grad) for role, grad in grads])
+
+
+def forward_frame(call) -> Frame:
+    """A frame of a sentinel's call whose one device flag said nan or +inf: the buffers it wrote
+    that hold them (read now) as its rows, none where its outputs did."""
+    written = sentinel_buffers.produced(call.buffers.written(), False) if call.buffers else []
+    return _flagged_frame(call.entry.name, call.entry.cls, FORWARD, call.batch_number,
+                          call.call_index, [(name + WRITTEN_IN_FORWARD, OUTPUT, t)
+                                            for name, t in written])
+
+
+def _flagged_frame(name: str, cls: str, phase: str, batch: int, call_index: int, tensors) -> Frame:
+    """A frame whose rows are the flagged tensors [(role, category, tensor)], read now."""
     rows = []
     with torch.no_grad():
-        for role, grad in grads:
-            values = grad.coalesce().values() if grad.is_sparse else grad
+        for role, category, t in tensors:
+            values = t.coalesce().values() if t.is_sparse else t
             abs_max = float(numerics.read(values.abs().max())) if values.numel() else None
             nan, posinf, neginf = numerics.nonfinite_kinds(values)
             rows.append(TensorRow(
-                role=f"{role}.grad", category=GRAD_PARAM, dtype=dtype_name(grad.dtype),
-                shape=tuple(grad.shape), abs_max=abs_max, nan=nan, posinf=posinf, neginf=neginf,
-                flagged=True))
-    return Frame(module_name=name, module_class=cls, phase=BACKWARD, batch_number=batch,
+                role=role, category=category, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+                abs_max=abs_max, nan=nan, posinf=posinf, neginf=neginf, flagged=True))
+    return Frame(module_name=name, module_class=cls, phase=phase, batch_number=batch,
                  call_index=call_index, rows=rows)
 
