@@ -176,10 +176,11 @@ class Kept:
                 try:
                     buffer.data.copy_(saved)
                 except RuntimeError:
-                    if not buffer.is_inference():
-                        continue  # (an expanded buffer: nothing can have written it in place)
-                    with torch.inference_mode():  # (written only in inference mode)
-                        buffer.copy_(saved)
+                    if buffer.is_inference():
+                        with torch.inference_mode():  # (written only in inference mode)
+                            buffer.copy_(saved)
+                    else:  # another shape now (set through .data), or expanded: as it was
+                        buffer.data = saved
                 if version >= 0 and buffer._version != version:
                     moved.append((buffer, version))
         _set_versions(moved)
@@ -205,13 +206,16 @@ def _whole_storage(t: torch.Tensor) -> bool:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Whether `t`'s elements fill a block of memory once each, in any order of dimensions (a
-    channels-last tensor does; an expanded one does not)."""
-    try:
-        from torch._prims_common import is_non_overlapping_and_dense
-    except ImportError:  # (an older torch)
-        return t.is_contiguous()
-    return is_non_overlapping_and_dense(t)
+    """Whether `t`'s elements fill a block of memory once each, in some order of its dimensions
+    (a channels-last tensor does; an expanded one does not): its strides, smallest first, are
+    those of a contiguous tensor of its sizes in that order."""
+    expected = 1
+    for dim in sorted(range(t.dim()), key=t.stride):
+        if t.size(dim) != 1:
+            if t.stride(dim) != expected:
+                return False
+            expected *= t.size(dim)
+    return True
 
 
 def _set_versions(moved: list) -> None:

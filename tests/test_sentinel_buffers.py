@@ -318,8 +318,8 @@ def test_a_buffer_first_given_a_tensor_by_the_call_that_makes_it_inf_is_named_th
             x = torch.randn(4, 4)
             x[:, 2] = 1.0
             model(x).sum().backward()
-    assert raised.value.report.batch_number == 0
-    assert "inv_std" in raised.value.report.reason
+    report = raised.value.report
+    assert (report.batch_number, report.cause) == (0, "forward") and "inv_std" in report.reason
     assert model[0].inv_std.isinf().any()  # as the call left it
 
 
@@ -610,9 +610,9 @@ def _train_allowing_inf(model, steps: int = 3):
     return guard
 
 
-@pytest.mark.parametrize("layout", ["a view", "channels last"])
-def test_a_re_run_leaves_a_buffer_it_did_not_write_as_the_graph_saved_it(path, layout):
-    class Scaled(nn.Module):  # reads its buffer only; the product saves it for the backward
+@pytest.mark.parametrize("layout", ["a view", "channels last", "channels last, written"])
+def test_a_re_run_leaves_a_buffer_the_graph_saved_as_it_saved_it(path, layout):
+    class Scaled(nn.Module):  # the product saves the buffer for the backward
         def __init__(self):
             super().__init__()
             if layout == "a view":  # as rotary caches were registered: emb.cos()[None, :]
@@ -622,6 +622,9 @@ def test_a_re_run_leaves_a_buffer_it_did_not_write_as_the_graph_saved_it(path, l
                     memory_format=torch.channels_last))
 
         def forward(self, x):
+            if layout.endswith("written"):  # (the re-run writes it again)
+                with torch.no_grad():
+                    self.scale.mul_(1.0)
             return (x.reshape(-1, *self.scale.shape[1:]) * self.scale).reshape(x.shape)
 
     torch.manual_seed(0)
@@ -705,3 +708,69 @@ def test_a_large_buffer_that_keeps_inf_is_run_again_once_at_most(path, request):
         for _ in range(6):
             model(torch.randn(8, 4))
     assert guard.report.ok and len(calls) <= 7
+
+
+def test_a_replaced_buffer_the_output_depends_on_is_set_back_for_the_re_run(path):
+    class Countdown(nn.Module):  # divides by a scale it then replaces, one lower: 0 at batch 2
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x):
+            out = x / self.scale
+            with torch.no_grad():
+                self.scale = self.scale - 1.0
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Countdown())
+    report = _caught(model, 5).report
+    assert (report.cause, report.batch_number, report.first_nonfinite.op) == (
+        "forward", 2, "aten.div.Tensor")
+
+
+def test_a_buffer_a_re_run_resized_through_data_is_put_back(path):
+    class History(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("values", torch.zeros(1))
+
+        def forward(self, x):
+            self.values.data = torch.cat([self.values, x.detach().mean().reshape(1)])
+            return x
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), History(), Cat())
+    guarded = copy.deepcopy(plain)
+    _train_allowing_inf(guarded)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(8, 4, generator=gen)
+        F.mse_loss(plain(x)[:, :4], x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.equal(guarded[1].values, plain[1].values)
+
+
+def test_a_re_run_that_cannot_run_the_call_again_says_so_in_a_report(path):
+    class Once(nn.Module):  # registers its buffer behind a Python flag: a re-run cannot make it
+        def __init__(self):
+            super().__init__()
+            self.ready = False
+
+        def forward(self, x):
+            if not self.ready:
+                self.register_buffer("inverse", 1 / x.detach().std(0))  # inf: a constant column
+                self.ready = True
+            return x - self.inverse.clamp(max=0)
+
+    model = nn.Sequential(Once(), nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    x[:, 1] = 3.0
+    with pytest.raises(NonFiniteError) as raised:
+        with Guard(model, mode="sentinel"):
+            model(x).sum().backward()
+    report = raised.value.report
+    assert report.cause == "unattributed" and "running the call again" in report.reason
+    assert "inverse" in report.reason

@@ -156,10 +156,10 @@ class Before:
         return [i for i, (buffers, name) in enumerate(self.slots.pairs)
                 if buffers.get(name) is not tensors[i] or _version(tensors[i]) != versions[i]]
 
-    def written(self, registered: bool = True) -> list:
+    def written(self) -> list:
         """(name, tensor now, its largest value at the call's start or None where unknown) of
-        the floating buffers the call wrote in place, replaced, or (`registered`) registered;
-        learns which to copy."""
+        the floating buffers the call wrote in place, replaced, or registered; learns which to
+        copy."""
         written = []
         if self.tensors:
             slots = self.slots
@@ -172,9 +172,8 @@ class Before:
                     if self._in_place(i):
                         slots.copied.add(i)
                     written.append((slots.names[i], now, self._start(i)))
-        if registered:  # all it holds, the call made
-            written += [(path, buffers[name], None) for buffers, name, path in self._registered()
-                        if _checkable(buffers.get(name))]
+        written += [(path, buffers[name], None) for buffers, name, path in self._registered()
+                    if _checkable(buffers.get(name))]  # all it holds, the call made
         return written
 
     def _in_place(self, i: int) -> bool:
@@ -209,19 +208,21 @@ class Before:
     def set_back(self) -> None:
         """Put the buffers back as the call found them, for a re-run inside `rerun.Kept` (which
         puts them back as they are now after it): one written in place gets its copy's values
-        (uncopied, it stays as written); one the call replaced and left holding nan or +inf it
-        did not hold gets its old tensor (or, written in place before, a copy: the old tensor is
-        left as it is, the caller's graph may hold it). Other replaced buffers, and those
-        registered by the call, stay: Python state beside them (a cache's length, a flag) says
-        they are made."""
+        (uncopied, it stays as written); one the call replaced gets its old tensor (or, written
+        in place before, a copy: the old tensor is left as it is, the caller's graph may hold
+        it); one the call registered is taken out where it went bad, for the re-run to make it
+        again (a healthy one stays: Python state beside it, a flag, may say it is made)."""
         with torch.no_grad():
+            for buffers, name, path in self._registered():
+                if produced([(path, buffers[name], None)], False):
+                    del buffers[name]
             for i in self._changed():
                 buffers, name = self.slots.pairs[i]
-                old, copy, now = self.tensors[i], self.copies.get(i), buffers.get(name)
-                if now is old:
+                old, copy = self.tensors[i], self.copies.get(i)
+                if buffers.get(name) is old:
                     if copy is not None:
                         old.data.copy_(copy)  # (.data: no version moved; rerun.Kept's)
-                elif _checkable(now) and produced([(name, now, self._start(i))], False):
+                else:
                     buffers[name] = copy.clone() if copy is not None and self._in_place(i) \
                         else old
 
@@ -275,8 +276,6 @@ def set_back(calls) -> None:
 
 def written_again(call) -> list:
     """The buffers a re-run of `call` wrote (after `set_back`) holding nan or +inf they did not
-    hold when it began (`produced`), read now. (Those the call registered stay registered for
-    the re-run, which does not make them again.)"""
+    hold when it began (`produced`), read now."""
     before = getattr(call, "buffers", None)
-    return [now for _, now in produced(before.written(registered=False), False)] \
-        if before is not None else []
+    return [now for _, now in produced(before.written(), False)] if before is not None else []

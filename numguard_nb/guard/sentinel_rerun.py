@@ -30,7 +30,7 @@ from .._schema import (
     BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FORWARD,
     FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL, OUTPUT, WRITTEN_IN_FORWARD,
 )
-from .._util import dtype_name
+from .._util import dtype_name, error_line
 from ..errors import NonFiniteError
 from ..report import Frame, Report, TensorRow
 from . import frames, sentinel_buffers
@@ -256,6 +256,8 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
                                          call.kwargs, call.state.grad_enabled)
             except NonFiniteError as error:
                 return _found(error.report)
+            except Exception as error:  # (Python state the re-run cannot set back)
+                return _failed(seen, call, options, error)
             if _has_problem(_tree.tensors(output) + sentinel_buffers.written_again(call), allow_inf,
                             options.stop_rules.limit_max):
                 return None  # the same values again, and the full guard's rules accept them
@@ -316,6 +318,8 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
                     grads = _backward(calls, outputs, parameters + leaves)
             except NonFiniteError as error:
                 return _found(error.report)
+            except Exception as error:  # (Python state the re-run cannot set back)
+                return _failed(seen, calls[0], options, error)
             if not grads:
                 return _transient(seen, calls[0], options, "nothing of the re-run's outputs took "
                                   "a gradient, so its backward could not be run again")
@@ -407,6 +411,19 @@ def _seen_report(seen: Frame, options, cause: str, reason: str, hint: str) -> Re
     report = frames.make_report([seen], seen, DETECTION, reason, cause, seen.batch_number, options)
     report.hint = hint
     return _found(report)
+
+
+def _failed(seen: Frame, call, options, error: Exception) -> Report:
+    """A detection whose re-run raised: state kept outside the model's tensors (a flag, a
+    cache's length) did not let the call run again as it ran."""
+    report = _seen_report(seen, options, CAUSE_UNATTRIBUTED, (
+        f"inf/nan in {_where(seen, call)}; running the call again to name the module that made it "
+        f"failed ({error_line(error)}): the model keeps state outside its tensors that the re-run "
+        "could not set back"),
+        "Run the step in full mode (Guard(model), every module hooked): it names the module as "
+        "the values are made, without running the call again.")
+    report.found_by = ""  # nothing could be re-run
+    return report
 
 
 def _transient(seen: Frame, call, options, differed: str) -> Report:
