@@ -12,7 +12,7 @@ from torch import nn
 
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb.guard import sentinel_buffers
-from promises import sentinel_steps_without_sync
+from promises import bit_identical, model_state, sentinel_steps_without_sync
 
 
 class ZeroCountEMA(nn.Module):
@@ -150,8 +150,7 @@ def test_healthy_buffer_writes_raise_nothing_and_change_nothing(path):
         _train(guarded, 30)
     _train(plain, 30)
     assert guard.report.ok
-    for (name, mine), (_, theirs) in zip(guarded.state_dict().items(), plain.state_dict().items()):
-        assert torch.equal(mine, theirs), name
+    assert bit_identical(model_state(guarded), model_state(plain))
 
 
 def test_a_buffer_registered_after_the_guard_attached_is_watched(path):
@@ -294,8 +293,7 @@ def test_a_model_with_lazy_modules_is_watched(path):
     torch.manual_seed(1)
     _train(plain, 3)
     assert guard.report.ok
-    for (name, mine), (_, theirs) in zip(guarded.state_dict().items(), plain.state_dict().items()):
-        assert torch.equal(mine, theirs), name
+    assert bit_identical(model_state(guarded), model_state(plain))
 
 
 @pytest.mark.parametrize("made", ["assigned to a None buffer", "registered"])
@@ -477,8 +475,7 @@ def test_a_re_run_that_is_accepted_leaves_a_replaced_buffer_the_graph_saved_usab
             optimizer.zero_grad()
         if guard is not None:
             guard.detach()
-    for (name, mine), (_, theirs) in zip(guarded.state_dict().items(), plain.state_dict().items()):
-        assert torch.equal(mine, theirs), name
+    assert bit_identical(model_state(guarded), model_state(plain))
 
 
 def test_a_buffer_written_in_place_then_replaced_is_checked_from_what_it_held(path):
