@@ -463,18 +463,8 @@ def test_a_re_run_that_is_accepted_leaves_a_replaced_buffer_the_graph_saved_usab
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 4), Rescale(), nn.Linear(4, 4), Cat())
     guarded = copy.deepcopy(plain)
-    for model, guard in ((guarded, Guard(guarded, mode="sentinel", allow_inf=["3"])), (plain, None)):
-        gen = torch.Generator().manual_seed(1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-        if guard is not None:
-            guard.attach()
-        for _ in range(3):
-            x = torch.randn(8, 4, generator=gen)
-            F.mse_loss(model(x)[:, :4], x).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        if guard is not None:
-            guard.detach()
+    _train_allowing_inf(guarded)
+    _train_leaving_out_inf(plain)
     assert bit_identical(model_state(guarded), model_state(plain))
 
 
@@ -593,17 +583,21 @@ def test_a_synchronous_guard_reads_a_calls_written_buffers_at_once(deferred_on_h
     assert numerics.READS.waited - before <= 2  # the outputs and the 16 buffers: not 17 reads
 
 
-def _train_allowing_inf(model, steps: int = 3):
-    """Steps whose loss leaves out `Cat`'s +inf column, the model's last module, allowed."""
-    last = str(len(model) - 1)
+def _train_leaving_out_inf(model, steps: int = 3):
+    """Steps whose loss leaves out `Cat`'s +inf column (the model's last module)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
-    with Guard(model, mode="sentinel", allow_inf=[last]) as guard:
-        for _ in range(steps):
-            x = torch.randn(8, 4, generator=gen)
-            F.mse_loss(model(x)[:, :4], x).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=gen)
+        F.mse_loss(model(x)[:, :4], x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _train_allowing_inf(model, steps: int = 3):
+    """`_train_leaving_out_inf` under a sentinel that allows `Cat`'s +inf."""
+    with Guard(model, mode="sentinel", allow_inf=[str(len(model) - 1)]) as guard:
+        _train_leaving_out_inf(model, steps)
     return guard
 
 
@@ -740,13 +734,7 @@ def test_a_buffer_a_re_run_resized_through_data_is_put_back(path):
     plain = nn.Sequential(nn.Linear(4, 4), History(), Cat())
     guarded = copy.deepcopy(plain)
     _train_allowing_inf(guarded)
-    optimizer = torch.optim.SGD(plain.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randn(8, 4, generator=gen)
-        F.mse_loss(plain(x)[:, :4], x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train_leaving_out_inf(plain)
     assert torch.equal(guarded[1].values, plain[1].values)
 
 

@@ -2,8 +2,9 @@
 cost, and the full diagnosis when a step breaks.
 
 Contract: it checks what a step cannot hide (each top-level call's outputs and the buffers it
-wrote, the code between a call and its backward, the gradients after each backward) and, on the first problem, runs the
-failing call(s) again under the full guard (`sentinel_rerun`) and raises that report
+wrote, the code between a call and its backward, the gradients after each backward) and, on the
+first problem, runs the failing call(s) again under the full guard (`sentinel_rerun`) and raises
+that report
 (`found_by="re-run"`), before an optimizer step writes weights from those gradients. A healthy
 step's outputs and gradients are bit-identical, and on a GPU it waits for nothing
 (`sentinel_checks`). Under DDP and FSDP2 every rank stops at the same point (`ranks`).
@@ -34,11 +35,12 @@ from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics, rerun
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
-from .._schema import (BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF,
-                       WRITTEN_IN_FORWARD)
+from .._schema import (
+    BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF, WRITTEN_IN_FORWARD,
+)
 from ..errors import NonFiniteError
 from ..report import Report
-from . import copies, detect, frames
+from . import copies, detect, frames, sentinel_buffers
 from .hooks import (
     forward_raised, inert_context, is_dynamo_compiling, own_call_frame_id, still_running,
 )
@@ -46,7 +48,6 @@ from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
 from .set_aside import SetAside
-from . import sentinel_buffers
 from .sentinel_buffers import Before, BufferSlots
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from ..distributed.flags import RankFlags
@@ -638,30 +639,30 @@ class Sentinel:
 def _outputs_read(call: _Call, output, written: list, nonzero_min: bool, sign_hints: dict) -> tuple:
     """(pass, record) of a call's outputs, and of the buffers [(name, tensor)] it wrote that hold
     nan or +inf, summarised and read (the forward's one synchronisation)."""
-    entry = call.entry
-    pass_ = PassRecord()
-    record = CallRecord(id(entry.module), entry.name, entry.cls, FORWARD, call.batch_number,
-                        call.call_index, True)
-    leaves = [(role, leaf) for role, leaf in _tree.named_leaves(output, "output")
-              if isinstance(leaf, torch.Tensor)]
-    for role, leaf in leaves + [(name + WRITTEN_IN_FORWARD, t) for name, t in written]:
-        summary = pass_.summarise(leaf, (id(entry.module), role), nonzero_min, sign_hints)
-        record.slots.append((role, OUTPUT, summary[ENTRY_KIND], leaf.dtype, summary[ENTRY_SHAPE],
-                             summary[ENTRY_INDEX], 0))
-    pass_.calls.append(record)
-    pass_.read_back()
-    return pass_, record
+    site = id(call.entry.module)
+    rows = [(role, OUTPUT, leaf, (site, role))
+            for role, leaf in _tree.named_leaves(output, "output") if isinstance(leaf, torch.Tensor)]
+    rows += [(name + WRITTEN_IN_FORWARD, OUTPUT, t, (site, name + WRITTEN_IN_FORWARD))
+             for name, t in written]
+    return _read(call, FORWARD, rows, nonzero_min, sign_hints)
 
 
 def _gradients_read(call: _Call, sign_hints: dict, named_grads: list) -> tuple:
     """(pass, record) of the gradients [(parameter name, grad)], summarised and read."""
-    pass_ = PassRecord()
-    record = CallRecord(id(call.entry.module), call.entry.name, call.entry.cls, BACKWARD,
-                        call.batch_number, call.call_index, True)
-    for name, grad in named_grads:
-        summary = pass_.summarise(grad, None, False, sign_hints)
-        record.slots.append((f"{name}.grad", GRAD_PARAM, summary[ENTRY_KIND], grad.dtype,
-                             summary[ENTRY_SHAPE], summary[ENTRY_INDEX], 0))
+    rows = [(f"{name}.grad", GRAD_PARAM, grad, None) for name, grad in named_grads]
+    return _read(call, BACKWARD, rows, False, sign_hints)
+
+
+def _read(call: _Call, phase: str, rows: list, nonzero_min: bool, sign_hints: dict) -> tuple:
+    """(pass, record) of a call in `phase` whose rows [(role, category, tensor, site)] are
+    summarised and read at once."""
+    entry, pass_ = call.entry, PassRecord()
+    record = CallRecord(id(entry.module), entry.name, entry.cls, phase, call.batch_number,
+                        call.call_index, True)
+    for role, category, t, site in rows:
+        summary = pass_.summarise(t, site, nonzero_min, sign_hints)
+        record.slots.append((role, category, summary[ENTRY_KIND], t.dtype, summary[ENTRY_SHAPE],
+                             summary[ENTRY_INDEX], 0))
     pass_.calls.append(record)
     pass_.read_back()
     return pass_, record

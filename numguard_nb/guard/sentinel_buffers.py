@@ -70,20 +70,21 @@ class BufferSlots:
         self.fresh = [FRESH_CALLS, FRESH_CALLS]
         self.stale = False
         if earlier is not None:  # (a module registering something at each call: not every time)
-            seen = {(id(earlier.pairs[i][0]), earlier.pairs[i][1]) for i in earlier.copied}
-            self.copied = {i for i, (buffers, name) in enumerate(self.pairs)
-                           if (id(buffers), name) in seen}
-            kept = {(id(earlier.pairs[i][0]), earlier.pairs[i][1]) for i in earlier.kept}
-            self.kept = {i for i, (buffers, name) in enumerate(self.pairs)
-                         if (id(buffers), name) in kept}
+            self.copied = self._same(earlier, earlier.copied)
+            self.kept = self._same(earlier, earlier.kept)
             self.fresh = earlier.fresh
+
+    def _same(self, earlier: "BufferSlots", positions: set) -> set:
+        """The positions here of the buffers at `positions` in `earlier`."""
+        wanted = {(id(earlier.pairs[i][0]), earlier.pairs[i][1]) for i in positions}
+        return {i for i, (buffers, name) in enumerate(self.pairs) if (id(buffers), name) in wanted}
 
     def to_note(self, tensors: list, learning: bool) -> set:
         """The positions of the buffers a call notes as it starts (a training call copies them,
         another takes their largest values): in the first calls of each kind every small
         floating buffer, then those seen written in place."""
         if not self.fresh[learning]:
-            return self.copied | self.kept if self.kept else self.copied
+            return self.copied | self.kept
         self.fresh[learning] -= 1
         return self.copied | self.kept | {i for i, t in enumerate(tensors)
                                           if _checkable(t) and _small(t)}
