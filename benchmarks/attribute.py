@@ -3,7 +3,7 @@
     python benchmarks/attribute.py --device cuda --model stack194 \
         --variants sentinel,sentinel-nested-hooked,sentinel-model-only,sentinel-no-flags
     python benchmarks/attribute.py --device cuda --model gpt2-124m \
-        --variants full,full-no-statistics,full-no-weights,full-forward-only
+        --variants full,full-abs-min,full-no-statistics,full-no-weights,full-forward-only
 
 Each variant runs in a process of its own (a variant patches the package for the whole process):
 the unguarded model, an unguarded copy of it (its ratio is the noise floor) and the guarded copy,
@@ -18,6 +18,8 @@ check. The variants:
 - `sentinel-model-only`: only the models hooked, not their first callable submodules.
 - `sentinel-no-gradient-flag`, `sentinel-no-output-flag`, `sentinel-no-flags`: the step's device
   checks left out (with both, nothing is read back at all).
+- `full-abs-min`: every device row also measures abs min (a second reduction a row), as full
+  mode did before it measured abs min only where a report shows it: that choice's gain.
 - `full-no-statistics`: full mode's hooks and bookkeeping, no statistics computed (no reductions,
   nothing to read back): the hooks' own cost.
 - `full-no-weights`: no rows for the weights and buffers.
@@ -41,14 +43,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 VARIANTS = ("sentinel", "sentinel-nested-hooked", "sentinel-model-only", "sentinel-no-gradient-flag",
-            "sentinel-no-output-flag", "sentinel-no-flags", "full", "full-no-statistics",
+            "sentinel-no-output-flag", "sentinel-no-flags", "full", "full-abs-min", "full-no-statistics",
             "full-no-weights", "full-forward-only")
 
 
 def parts_switched_off() -> list:
     """(the variants that switch it off, owner, attribute, its stand-in) for every part."""
     from numguard_nb import numerics, stats
-    from numguard_nb.guard import passes, sentinel, set_aside
+    from numguard_nb.guard import guard, passes, sentinel, set_aside
 
     def no_weight_row(self, t, role, category, site, nonzero_min, sign_hints):
         return (role, category, passes.VALUE_UNSUPPORTED, t.dtype, tuple(t.shape), None, 0)
@@ -61,6 +63,7 @@ def parts_switched_off() -> list:
          lambda owner, calls, parameters: calls),
         (("sentinel-no-output-flag", "sentinel-no-flags"), numerics, "output_flag",
          lambda tensors: None),
+        (("full-abs-min",), guard.Guard, "_measures_abs_min", lambda self, batch: True),
         (("full-no-statistics",), stats, "device_stats", lambda t, *args, **kwargs: None),
         (("full-no-weights",), passes.PassRecord, "weight_slot", no_weight_row),
     ]

@@ -45,6 +45,7 @@ class DebugUnderflowOverflow:
             model, max_frames=max_frames_to_save + 1, trace_batches=self.trace_batch_nums,
             backward=False, sync=True, on_trace=self._print_trace, on_detect=self._dump,
         )
+        self.guard.abs_min_everywhere = True  # transformers prints abs min for every row
         self.guard.attach()
         # transformers aborts at the end of batch N's forward, then at every later call; the
         # refusal goes first, before the guard starts a batch.

@@ -10,12 +10,16 @@ The host row is (abs min, abs max, signs[, smallest non-zero abs]). nan propagat
 and an infinity makes it inf; then `signs` tells which infinities occur: +inf, -inf, or nan for
 both. On CPU they are looked up exactly when abs max is inf, and beside a nan too, where `signs`
 is then a bit mask (1: +inf, 2: -inf, 0: neither); |t| is written once to a reused buffer and
-reduced by one integer aminmax over its bits. On a device the row is two reductions of t itself,
-no temporary: the smallest |t| (`vector_norm(t, -inf)`) and the signed min and max (`aminmax`),
-whose signs tell the infinities exactly (beside a nan both are nan: the infinities stay unknown
-there); `to_host` turns it into the host row. Both run outside autocast, which would first copy
-a float16 or bfloat16 tensor to float32 for a norm. `abs().min()`, `abs().max()`,
-`isnan().any()` and `isinf().any()` take five passes and two syncs.
+reduced by one integer aminmax over its bits. On a device the row is the signed min and max of
+t itself (`aminmax`, one reduction, no temporary), whose signs tell the infinities exactly (beside
+a nan both are nan: the infinities stay unknown there); `to_host` turns it into the host row. A
+pass's rows in a `RowSink` made with `abs_min=True`, and rows made without a sink, add the
+smallest |t| (`vector_norm(t, -inf)`), a second reduction: on a GPU each reduction is a launch of
+~15 us of host time, so full mode measures the smallest |t| only where it is shown (see
+`RowSink`). Without it, abs min is still exact for a tensor of one sign (its min, or -max) and
+`UNMEASURED` for one of both signs. Both run outside autocast, which would first copy a float16
+or bfloat16 tensor to float32 for a norm. `abs().min()`, `abs().max()`, `isnan().any()` and
+`isinf().any()` take five passes and two syncs.
 
 Some tensors hold no numbers: fake tensors (torch.export, FakeTensorMode), meta tensors,
 functional and functorch-wrapped tensors (torch.func.vmap, grad, functionalize), wrapper
@@ -126,6 +130,11 @@ def release_workspace() -> None:
 # CPU values are read at once (there is nothing to wait for). Tests set it False to run a GPU's
 # path on the host: device rows, stacked and read once per pass.
 CPU_READS_AT_ONCE = True
+
+
+# The abs min of a host row whose tensor held both signs and whose smallest |t| was not measured
+# (a `RowSink` without abs_min). No |t| is negative; `decode` gives None for it.
+UNMEASURED = -1.0
 
 
 class DeviceRow(tuple):
@@ -276,20 +285,50 @@ def _device_row(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool) -> Device
     return DeviceRow(row)
 
 
+def smallest_magnitudes(tensors: list) -> list:
+    """The smallest |t| of each tensor as a float (None where it cannot be had), with one read
+    per device: the abs min a `RowSink` without abs_min left unmeasured, for a report."""
+    found: list = [None] * len(tensors)
+    by_device: dict = {}
+    for index, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(index)
+    for device, indices in by_device.items():
+        autocast = _autocast_enabled(device.type)
+        if autocast:  # (as `_device_row`)
+            torch.set_autocast_enabled(device.type, False)
+        try:
+            host_float = _host_float(device)
+            smallest = torch.stack([torch.linalg.vector_norm(tensors[i], -_INF).to(host_float)
+                                    for i in indices])
+            for index, value in zip(indices, smallest.cpu().tolist()):
+                found[index] = value
+        except Exception:  # a tensor the norm refuses: its abs min stays unmeasured
+            pass
+        finally:
+            if autocast:
+                torch.set_autocast_enabled(device.type, True)
+    return found
+
+
 class RowSink:
-    """Where one pass writes its device rows: per device and dtype, blocks of rows that the two
+    """Where one pass writes its device rows: per device and dtype, blocks of rows that the
     reductions write in place (`out=`), so that no tensor is made per row. A row's handle is a
     plain int (the row's dtype block and place), which the garbage collector does not track: a
     pass of 0-d tensors was ~2,000 objects a step for it, and its full collections (0.15 s)
     came every 40 steps. `to_host` reads a pass's rows with one transfer per device; `release`
-    hands the blocks on to the next pass."""
+    hands the blocks on to the next pass.
 
-    __slots__ = ("_keys", "_rows", "_lock")
+    `abs_min`: each row also measures the smallest |t|, a second reduction. Without it a row is
+    one reduction (min and max), and abs min is exact for a tensor of one sign, `UNMEASURED`
+    for the rest."""
 
-    def __init__(self):
+    __slots__ = ("_keys", "_rows", "_lock", "abs_min")
+
+    def __init__(self, abs_min: bool = True):
         self._keys: list = []  # (device, dtype) by number
         self._rows: dict = {}  # (device, dtype) -> [its number, its blocks, rows written]
         self._lock = threading.Lock()  # (several autograd threads may write one pass)
+        self.abs_min = abs_min
 
     def write(self, t: torch.Tensor) -> int:
         """Summarise `t` into the next row of its dtype; its handle."""
@@ -309,7 +348,8 @@ class RowSink:
             torch.set_autocast_enabled(key[0].type, False)
         try:
             torch.aminmax(t, out=(low, high))
-            torch.linalg.vector_norm(t, -_INF, out=lowest)
+            if self.abs_min:
+                torch.linalg.vector_norm(t, -_INF, out=lowest)
         except BaseException:
             for view in (lowest, low, high):  # no handle: a finite row, for a read of the range
                 view.zero_()
@@ -423,6 +463,8 @@ def _autocast_enabled(device_type: str) -> bool:
     try:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # torch < 2.4: no device_type argument, and nothing to turn off per device
+        return False
+    except RuntimeError:  # a device type without autocast (meta)
         return False
 
 
@@ -580,7 +622,7 @@ def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] 
     if type(vectors[0]) is int and all(type(vec) is int for vec in vectors):
         # A sink's rows only (the device path's common case): in order with one comprehension.
         matrices, places = sink.rows_of(vectors)
-        rows = _host_rows(_joined([matrix.to(host_float) for matrix in matrices]))
+        rows = _host_rows(_joined([matrix.to(host_float) for matrix in matrices]), sink.abs_min)
         rows = list(map(tuple, rows.cpu().tolist()))
         return [rows[place] for place in places]
     width = len(vectors[0]) if type(vectors[0]) is not int else 3
@@ -594,7 +636,7 @@ def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] 
     order, device_blocks, other_blocks = [], [], []
     if handles:
         matrices, places = sink.rows_of([vectors[i] for i in handles])
-        device_blocks = [matrix.to(host_float) for matrix in matrices]
+        device_blocks = [_abs_min_column(matrix.to(host_float), sink.abs_min) for matrix in matrices]
         order = [None] * sum(len(matrix) for matrix in matrices)
         for index, place in zip(handles, places):
             order[place] = index  # (rows no handle here asked for stay None: not read out)
@@ -623,9 +665,21 @@ def _joined(blocks: list) -> torch.Tensor:
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _host_rows(rows: torch.Tensor) -> torch.Tensor:
+def _abs_min_column(rows: torch.Tensor, measured: bool) -> torch.Tensor:
+    """`rows` (abs min, min, max, ...) whose abs min column was not written unless `measured`,
+    with one: exact for a tensor of one sign, `UNMEASURED` for one of both."""
+    if measured:
+        return rows
+    low, high = rows[:, 1], rows[:, 2]
+    derived = torch.where(low >= 0, low, torch.where(high <= 0, -high, UNMEASURED)).add_(0.0)
+    return torch.cat([derived[:, None], rows[:, 1:]], dim=1)  # (add_: -0.0 made 0.0)
+
+
+def _host_rows(rows: torch.Tensor, abs_min_measured: bool = True) -> torch.Tensor:
     """A matrix of `DeviceRow` values, (abs min, min, max, ...), as host rows, (abs min, abs max,
-    signs, ...), on its device. Beside a nan, the infinities are unknown (signs nan)."""
+    signs, ...), on its device. Beside a nan, the infinities are unknown (signs nan). Rows whose
+    abs min was not `abs_min_measured` get one (`_abs_min_column`)."""
+    rows = _abs_min_column(rows, abs_min_measured)
     low, high = rows[:, 1], rows[:, 2]
     abs_max = torch.maximum(-low, high).add_(0.0)  # nan where either is; -0.0 made 0.0
     positive, negative = high == _INF, low == -_INF
@@ -692,7 +746,7 @@ def decode(values) -> Tuple[float, float, bool, Optional[bool], Optional[bool], 
     """(abs_min, abs_max, nan, posinf, neginf, nonzero_abs_min) from one host stats vector.
 
     posinf/neginf are None when a nan in the same tensor hides whether infinities occur (a
-    device row, whose `signs` is then nan).
+    device row, whose `signs` is then nan). abs_min is None where it was not measured.
     """
     abs_min, abs_max, signs = values[0], values[1], values[2]
     nonzero = values[3] if len(values) > 3 else None
@@ -705,6 +759,8 @@ def decode(values) -> Tuple[float, float, bool, Optional[bool], Optional[bool], 
         mask = int(signs)
         return (math.nan, math.nan, True, bool(mask & _POSINF_BIT), bool(mask & _NEGINF_BIT),
                 nonzero)
+    if abs_min < 0:  # UNMEASURED
+        abs_min = None
     if abs_max == _INF:
         if math.isnan(signs):
             return abs_min, abs_max, False, True, True, nonzero

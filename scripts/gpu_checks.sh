@@ -71,10 +71,12 @@ timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee -a "$out/check
 section "overhead of a training step (bf16 autocast, fused AdamW), each detector in pairs with the unguarded model"
 timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
 section "where the time goes: variants with a part switched off, in pairs"
-{ timeout 120 python benchmarks/attribute.py --device cuda --model stack194 --steps 40 \
-    --variants sentinel,sentinel-nested-hooked,sentinel-model-only,sentinel-no-gradient-flag,sentinel-no-flags
+{ timeout 90 python benchmarks/attribute.py --device cuda --model stack194 --steps 40 \
+    --variants sentinel,sentinel-nested-hooked,sentinel-no-flags
+  timeout 60 python benchmarks/attribute.py --device cuda --model stack194 --steps 20 \
+    --variants full,full-abs-min
   timeout 150 python benchmarks/attribute.py --device cuda --model gpt2-124m --steps 20 \
-    --variants full,full-no-statistics,full-no-weights,full-forward-only
+    --variants full,full-abs-min,full-no-statistics,full-forward-only
 } 2>&1 | tee "$out/attribution.md"
 
 section "DDP over nccl, one process"

@@ -423,3 +423,10 @@ def test_detect_overflow_finds_both_kinds_in_one_tensor():
     with contextlib.redirect_stdout(buffer):
         assert ng.detect_overflow(TENSORS["nan and inf"], "x") is True
     assert buffer.getvalue() == "x has nans\nx has infs\n"
+
+
+def test_on_a_device_the_drop_in_prints_every_abs_min_as_transformers_does(deferred_on_host):
+    """On a GPU full mode measures abs min only where a report shows it (`stats.RowSink`); the
+    drop-in prints every saved frame, so it measures every row and prints transformers' lines."""
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches(), max_frames_to_save=21)
+    assert error == HF_ERROR and done == 5

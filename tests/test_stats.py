@@ -458,3 +458,47 @@ def test_sink_rows_of_interleaved_dtypes_read_back_in_the_pass_s_order(monkeypat
         assert got == [(float(torch.tensor(lo, dtype=t.dtype)), float(torch.tensor(hi, dtype=t.dtype)))
                        for (lo, hi), t in zip(expected, tensors)], piece
         sink.release()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_lean_sink_writes_one_reduction_a_row_and_reads_as_a_full_one_but_abs_min(
+        monkeypatch, dtype, device):
+    """A sink without abs_min (full mode's passes on a GPU, each reduction a launch) writes only
+    the min and max of each tensor. Its rows read as a full sink's in everything detection
+    uses (abs max, nan, the infinities and their signs); abs min is exact for a tensor of one
+    sign (zeros, -0.0 and masks of zeros and -inf included) and None for one of both."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    cases = special_tensors(dtype, 300)
+    cases["mask"] = torch.tensor([0.0, -INF, 0.0, -INF], dtype=dtype)
+    cases["negative zeros"] = torch.tensor([-0.0, -0.0], dtype=dtype)
+    tensors = [t.to(device) for t in cases.values()]
+    lean, full = stats.RowSink(abs_min=False), stats.RowSink()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lean_rows = _rows_through_sink(tensors, lean)
+    names = collections.Counter(event.name for event in prof.events())
+    assert names["aten::linalg_vector_norm"] == 0 and names["aten::aminmax"] == len(tensors), names
+    got = [stats.decode(values) for values in stats.to_host(lean_rows, lean)]
+    expected = [stats.decode(values) for values in stats.to_host(_rows_through_sink(tensors, full), full)]
+    for name, t, (abs_min, *rest), (full_min, *full_rest) in zip(cases, tensors, got, expected):
+        assert str(rest) == str(full_rest), name  # (nan == nan as text)
+        numbers = t[~t.isnan()]
+        if math.isnan(full_min) or (numbers >= 0).all() or (numbers <= 0).all():
+            assert str(abs_min) == str(full_min), name
+            assert abs_min is None or math.copysign(1.0, abs_min) == 1.0, name  # never -0.0
+        else:
+            assert abs_min is None, name
+
+
+def test_abs_min_left_unmeasured_is_measured_for_the_tensors_given(monkeypatch):
+    """What a report asks for its rows a lean pass left unmeasured: one value per tensor, exact,
+    in order, over several dtypes, under autocast as outside it; None for a tensor without
+    values to read."""
+    tensors = [torch.tensor([-3.0, 0.5, 2.0]), torch.tensor([1.0, -0.25], dtype=torch.bfloat16),
+               torch.tensor([-2.0, 0.0, 4.0], dtype=torch.float16)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert stats.smallest_magnitudes(tensors) == [0.5, 0.25, 0.0]
+    assert torch.is_autocast_enabled("cpu") is False
+    assert stats.smallest_magnitudes([torch.ones(2), torch.empty(2, device="meta")]) == [1.0, None]

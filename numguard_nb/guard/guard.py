@@ -215,6 +215,9 @@ class Guard:
         self.recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
         self.tracing = False  # the latest batch is traced (read in backward, in any thread)
+        # Every device row measures abs min (a second reduction, `stats.RowSink`), not only the
+        # rows of traced and sampled batches: for reports that show every row (a re-run's).
+        self.abs_min_everywhere = False
         self.steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
@@ -450,9 +453,20 @@ class Guard:
             self.steps.forward_began(module_id, state.batch_number)
             if self.watch_backward and torch.is_grad_enabled():
                 self.module_hooks.rehook_swapped()
-        state.forward = PassRecord()
+        state.forward = PassRecord(self._measures_abs_min(state.batch_number))
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
+
+    def _measures_abs_min(self, batch: int) -> bool:
+        """Whether the device rows of a pass of `batch` measure abs min: where every row is
+        shown (traced batches, history's samples). Elsewhere a report measures the values it
+        shows that are still alive (`PassRecord.measure_abs_min`)."""
+        every = self.options.history_every
+        return (self.abs_min_everywhere or batch in self.options.trace_batches
+                or (every is not None and batch % every == 0))
+
+    def _new_backward_pass(self) -> PassRecord:
+        return PassRecord(self._measures_abs_min(self.batch_number))
 
     def _end_forward(self, state: PassState, raising: bool) -> None:
         pass_ = state.forward
@@ -502,7 +516,7 @@ class Guard:
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:
         # Read everything back once, when the engine finishes this backward pass.
-        _, pass_, opened = self._backward_passes.open(PassRecord, self._end_backward)
+        _, pass_, opened = self._backward_passes.open(self._new_backward_pass, self._end_backward)
         if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
             settle_after_reduction(self._ranks, self)
         return pass_
@@ -583,6 +597,7 @@ class Guard:
         options = self.options
         if self._ranks is not None and self._ranks.held is not None:  # the first, held
             raise self._ranks.held
+        pass_.measure_abs_min()
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})
         _locate_op(self, culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number

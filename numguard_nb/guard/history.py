@@ -286,6 +286,7 @@ class History:
         values[:, 1] = maxs
         # A nan makes both abs min and abs max nan, as in the value's report row (stats.decode).
         values[np.isnan(values).any(axis=1)] = np.nan
+        values[values[:, 0] < 0, 0] = np.nan  # abs min not measured (stats.UNMEASURED)
         ids_array = np.asarray(ids, np.int32)
         last = self.samples[-1] if self.samples else None
         if last is not None and last.batch_number == batch_number:

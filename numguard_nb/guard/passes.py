@@ -88,11 +88,12 @@ class PassRecord:
     __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
                  "received_by_module", "thread", "delivered", "backward_calls", "sink")
 
-    def __init__(self):
+    def __init__(self, abs_min: bool = True):
         self.calls: list = []
         self.children: Dict[int, list] = {}  # forward: id(call) -> its direct children, closed
         self.vectors: list = []  # stats vectors still on the device (or their handles in `sink`)
-        self.sink = _stats.RowSink()  # where device rows are written
+        # where device rows are written; without `abs_min`, one reduction a row (`stats.RowSink`)
+        self.sink = _stats.RowSink(abs_min)
         self.values: list = []  # stats read back to the host, same indexing
         self.cache: dict = {}  # id(tensor) -> cache entry: one summary (and hook) per tensor
         self.seq = itertools.count()  # arrival order of calls and gradient slots
@@ -205,6 +206,27 @@ class PassRecord:
         if len(self.values) < len(self.vectors):
             numerics.count_read()
             self.values.extend(_stats.to_host(self.vectors[len(self.values):], self.sink))
+
+    def measure_abs_min(self) -> None:
+        """Measure the abs min a lean pass left unmeasured (`stats.UNMEASURED`), for a report:
+        of the values still alive and unchanged since they were summarised, with one read."""
+        values, found = self.values, []
+        for entry in self.cache.values():
+            index = entry[ENTRY_INDEX]
+            if index is None or index >= len(values) or values[index] is None \
+                    or values[index][0] != _stats.UNMEASURED:
+                continue
+            ref = entry[ENTRY_REF]
+            t = ref if isinstance(ref, torch.Tensor) else ref()
+            if t is not None and t._version == entry[ENTRY_VERSION]:
+                found.append((index, t))
+        if not found:
+            return
+        with torch.no_grad():
+            smallest = _stats.smallest_magnitudes([t for _, t in found])
+        for (index, _), value in zip(found, smallest):
+            if value is not None:
+                values[index] = (value,) + tuple(values[index][1:])
 
     def release(self) -> None:
         """Drop what only the recording needed, once read back: device memory and tensor refs."""

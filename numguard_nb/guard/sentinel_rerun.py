@@ -71,6 +71,7 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
                                     full_every=None,
                                     **changes)
     full = guard.twin(models, options)
+    full.abs_min_everywhere = True  # a report of every row of one step: measure them all
     full.outside.may_hold = False  # the code after the call is the sentinel's to judge
     full.steps = _LentSteps(guard.steps)
     full.batches.started = batch  # numbered as the sentinel numbers its batches

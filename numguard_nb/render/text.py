@@ -29,7 +29,9 @@ _NO_NUMBERS = {VALUE_NONE: "None", VALUE_EMPTY: "empty tensor", VALUE_UNSUPPORTE
 def row_line(row) -> str:
     """One tensor: `abs min abs max role`, or what the value was instead of a tensor."""
     if row.kind == VALUE_TENSOR:
-        return f"{row.abs_min:8.2e} {row.abs_max:8.2e} {row.role}"
+        # (abs min unmeasured: a value of both signs that a GPU's lean row summarised)
+        low = f"{row.abs_min:8.2e}" if row.abs_min is not None else f"{'-':>8}"
+        return f"{low} {row.abs_max:8.2e} {row.role}"
     return f"{_NO_NUMBERS.get(row.kind, 'not a tensor'):>17} {row.role}"
 
 

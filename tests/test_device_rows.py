@@ -1,0 +1,120 @@
+"""Full mode's rows on a GPU: one reduction a row, abs min measured where a report shows it.
+
+On a GPU every reduction is a kernel launch of ~15 us of host time, and full mode summarises
+hundreds of tensors a step. So a pass's rows are its tensors' signed min and max only (one
+`aminmax`), from which abs max, nan and the infinities are exact, and abs min is exact for a
+tensor of one sign. What a report shows is measured: traced batches, history's samples and a
+sentinel's re-run measure every row; a detection measures the values of its pass still alive.
+These run the GPU's path on the host (`deferred_on_host`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import pytest
+
+from numguard_nb import Guard, NonFiniteError
+from numguard_nb._schema import VALUE_TENSOR
+
+
+class Divide(nn.Module):
+    def forward(self, x, y):
+        return x / y
+
+
+class Net(nn.Module):
+    """Linear (both signs out), ReLU (one sign out), a division by its second input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.act, self.div, self.out = nn.Linear(4, 4), nn.ReLU(), Divide(), nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        return self.out(self.div(self.act(self.lin(x)), y))
+
+
+X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+DIVISOR = torch.tensor([[-1.0, 0.5, 2.0, 3.0]] * 3)  # both signs, no zero
+ZERO_DIVISOR = torch.tensor([[-1.0, 0.0, 2.0, 3.0]] * 3)  # both signs and a zero
+
+
+def _reductions(step) -> collections.Counter:
+    """The reductions `step()` ran: {'norm': smallest |t| reductions, 'aminmax': ...}."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    names = collections.Counter(event.name for event in prof.events())
+    return collections.Counter(norm=names["aten::linalg_vector_norm"], aminmax=names["aten::aminmax"])
+
+
+def _train_step(net, divisor=DIVISOR):
+    net(X, divisor).sum().backward()
+
+
+def _rows(report):
+    return [(frame.module_name, frame.phase, row) for frame in report.frames for row in frame.rows
+            if row.kind == VALUE_TENSOR]
+
+
+def test_a_healthy_step_makes_one_reduction_a_row_and_a_traced_batch_two(deferred_on_host):
+    net = Net()
+    with Guard(net, trace_batches=[1]) as guard:
+        _train_step(net)  # (warm: made once)
+        traced = _reductions(lambda: _train_step(net))  # batch 1
+        traced_report = guard.traces[1]
+        healthy = _reductions(lambda: _train_step(net))  # batch 2
+        latest = guard.report
+    assert healthy["norm"] == 0 and healthy["aminmax"] >= 15, healthy
+    assert traced["norm"] == traced["aminmax"] >= 15, traced
+    # the latest report: abs min exact for one sign, unmeasured ("-") for both
+    rows = {(name, row.role): row for name, phase, row in _rows(latest) if phase == "forward"}
+    assert rows[("act", "output")].abs_min is not None
+    assert rows[("div", "input[1]")].abs_min is None
+    assert any(line.lstrip().startswith("- ") for line in latest.to_text().splitlines())
+    # the traced batch: every row measured
+    assert all(row.abs_min is not None for _, _, row in _rows(traced_report))
+    assert [row.abs_min for name, phase, row in _rows(traced_report)
+            if (name, phase, row.role) == ("div", "forward", "input[1]")] == [0.5]
+
+
+def test_a_detection_measures_the_abs_min_of_its_values_still_alive(deferred_on_host):
+    """The division's divisor (both signs) is alive when the report is made: its abs min, 0, is
+    measured, and the hint gives it as evidence. A value freed since shows no abs min."""
+    net = Net()
+    with pytest.raises(NonFiniteError) as caught, Guard(net, ops=True):
+        _train_step(net, ZERO_DIVISOR)
+    report = caught.value.report
+    culprit = {row.role: row for row in report.first_nonfinite.rows}
+    assert culprit["input[1]"].abs_min == 0.0
+    assert "input[1] holds zeros" in report.hint
+    rows = {(name, row.role): row for name, _, row in _rows(report)}
+    assert rows[("lin", "output")].abs_min is None  # freed: ReLU keeps its output, not its input
+    assert rows[("lin", "weight")].abs_min == pytest.approx(float(net.lin.weight.detach().abs().min()))
+
+
+def test_history_samples_measure_every_abs_min(deferred_on_host):
+    net = Net()
+    with Guard(net, history_every=2) as guard:
+        for _ in range(4):
+            _train_step(net)
+    columns = guard.history.columns()
+    assert sorted(set(columns["batch_number"].tolist())) == [0, 2]
+    assert not any(math.isnan(value) for value in columns["abs_min"].tolist())
+
+
+def test_a_sentinel_re_run_reports_every_abs_min(deferred_on_host):
+    net = Net()
+    with pytest.raises(NonFiniteError) as caught, Guard(net, mode="sentinel"):
+        for _ in range(3):
+            _train_step(net, ZERO_DIVISOR)
+            deferred_on_host[0] = False
+    report = caught.value.report
+    assert report.first_nonfinite.module_name == "div"
+    measured = [row.abs_min for _, _, row in _rows(report) if not row.nan]
+    assert measured and None not in measured
