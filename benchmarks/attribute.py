@@ -63,7 +63,7 @@ def parts_switched_off() -> list:
          lambda owner, calls, parameters: calls),
         (("sentinel-no-output-flag", "sentinel-no-flags"), numerics, "output_flag",
          lambda tensors: None),
-        (("full-abs-min",), guard.Guard, "_measures_abs_min", lambda self, batch: True),
+        (("full-abs-min",), guard, "_measures_abs_min", lambda owner, batch: True),
         (("full-no-statistics",), stats, "device_stats", lambda t, *args, **kwargs: None),
         (("full-no-weights",), passes.PassRecord, "weight_slot", no_weight_row),
     ]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from numguard_nb import stats
+from numguard_nb import row_sink, stats
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 INF = math.inf
@@ -311,7 +311,7 @@ def test_rows_written_in_place_read_back_as_the_device_rows_do(monkeypatch, dtyp
     kinds, in the pass's order (on a GPU, under bf16 autocast too)."""
     monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
     tensors = [t.to(device) for t in special_tensors(dtype, 300).values()]
-    tensors = (tensors * (1 + 2 * stats.ROWS_PER_BLOCK // len(tensors)))[:2 * stats.ROWS_PER_BLOCK + 7]
+    tensors = (tensors * (1 + 2 * row_sink.ROWS_PER_BLOCK // len(tensors)))[:2 * row_sink.ROWS_PER_BLOCK + 7]
     tensors[5] = torch.tensor([-7, 2, 5], device=device)  # an integer tensor: a plain row, beside them
     sink = stats.RowSink()
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -400,8 +400,8 @@ def test_a_detached_guard_leaves_no_spare_blocks_of_rows_behind(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
     with Guard(model):
         model(torch.randn(2, 4)).sum().backward()
-        assert stats._spare_blocks  # handed on between passes
-    assert not any(stats._spare_blocks.values())
+        assert row_sink._spare_blocks  # handed on between passes
+    assert not any(row_sink._spare_blocks.values())
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -413,7 +413,7 @@ def test_a_row_written_under_autocast_makes_no_float32_copy_and_needs_no_switch(
 
     for op in ("aten::aminmax.out", "aten::linalg_vector_norm.out"):
         assert "Autocast" not in torch._C._dispatch_dump(op), op
-    assert stats._OUT_OVERLOADS_AUTOCAST is False
+    assert row_sink._OUT_OVERLOADS_AUTOCAST is False
     monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
     tensors = [torch.randn(64, 64, device=device, dtype=torch.bfloat16) for _ in range(4)]
     sink = stats.RowSink()
@@ -445,7 +445,7 @@ def test_sink_rows_of_interleaved_dtypes_read_back_in_the_pass_s_order(monkeypat
     monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     tensors = [torch.tensor([i + 1.0, -2.0 * (i + 1)], dtype=dtypes[i % 3] if i % 7 else torch.float32)
-               for i in range(2 * stats.ROWS_PER_BLOCK + 50)]
+               for i in range(2 * row_sink.ROWS_PER_BLOCK + 50)]
     expected = [(i + 1.0, 2.0 * (i + 1)) for i in range(len(tensors))]
     monkeypatch.setattr(stats, "_one_to_host", lambda *_: pytest.fail("read one by one"))
     for piece in (len(tensors), 5, 97):

@@ -30,8 +30,8 @@ from .. import _tree, rerun
 from .. import stats as _stats
 from .._util import user_stacklevel
 from .._schema import (
-    BACKWARD, BUFFER, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
-    MODE_SENTINEL, OUTPUT, PARAM, VALUE_NONE, VALUE_OTHER,
+    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
+    MODE_SENTINEL, OUTPUT, VALUE_NONE, VALUE_OTHER,
 )
 from ..errors import BatchLimitReached, NonFiniteError  # re-exported
 from ..ops.recorder import OpRecorder
@@ -215,9 +215,7 @@ class Guard:
         self.recent = frames.RecentPasses()  # context for a report of a later pass
         self._first_calls: Dict[int, CallRecord] = {}  # module id -> first call, in any thread
         self.tracing = False  # the latest batch is traced (read in backward, in any thread)
-        # Every device row measures abs min (a second reduction, `stats.RowSink`), not only the
-        # rows of traced and sampled batches: for reports that show every row (a re-run's).
-        self.abs_min_everywhere = False
+        self.abs_min_everywhere = False  # every pass measures abs min (`_measures_abs_min`)
         self.steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
         self._forget_passes()  # each thread's forward pass and the backward passes: none yet
 
@@ -376,13 +374,7 @@ class Guard:
             call.root_id = stack[0].module_id
         pass_, slots, nonzero_min, hints = state.forward, call.slots, self._nonzero_min, self._sign_hints
         watch_grads = self.watch_backward and torch.is_grad_enabled()
-        for pname, param in module._parameters.items():
-            if param is not None:
-                slots.append(pass_.weight_slot(param, pname, PARAM, (module_id, pname), nonzero_min, hints))
-        for bname, buffer in module._buffers.items():
-            # Running statistics go bad like weights; integer/bool buffers cannot.
-            if buffer is not None and buffer.is_floating_point():
-                slots.append(pass_.weight_slot(buffer, bname, BUFFER, (module_id, bname), nonzero_min, hints))
+        pass_.add_weight_slots(module, module_id, slots, nonzero_min, hints)
         for i, value in enumerate(args):
             role = _INPUT_ROLES[i] if i < len(_INPUT_ROLES) else f"input[{i}]"
             self._add(pass_, call, role, INPUT, value, watch_grads)
@@ -453,20 +445,9 @@ class Guard:
             self.steps.forward_began(module_id, state.batch_number)
             if self.watch_backward and torch.is_grad_enabled():
                 self.module_hooks.rehook_swapped()
-        state.forward = PassRecord(self._measures_abs_min(state.batch_number))
+        state.forward = PassRecord(_measures_abs_min(self, state.batch_number))
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
-
-    def _measures_abs_min(self, batch: int) -> bool:
-        """Whether the device rows of a pass of `batch` measure abs min: where every row is
-        shown (traced batches, history's samples). Elsewhere a report measures the values it
-        shows that are still alive (`PassRecord.measure_abs_min`)."""
-        every = self.options.history_every
-        return (self.abs_min_everywhere or batch in self.options.trace_batches
-                or (every is not None and batch % every == 0))
-
-    def _new_backward_pass(self) -> PassRecord:
-        return PassRecord(self._measures_abs_min(self.batch_number))
 
     def _end_forward(self, state: PassState, raising: bool) -> None:
         pass_ = state.forward
@@ -516,7 +497,8 @@ class Guard:
     # ---- backward -------------------------------------------------------------------------
     def _backward_state(self) -> PassRecord:
         # Read everything back once, when the engine finishes this backward pass.
-        _, pass_, opened = self._backward_passes.open(self._new_backward_pass, self._end_backward)
+        _, pass_, opened = self._backward_passes.open(
+            lambda: PassRecord(_measures_abs_min(self, self.batch_number)), self._end_backward)
         if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
             settle_after_reduction(self._ranks, self)
         return pass_
@@ -620,6 +602,16 @@ class Guard:
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
+
+
+def _measures_abs_min(guard: Guard, batch: int) -> bool:
+    """Whether the device rows of a pass of `batch` measure abs min (a second reduction each,
+    `stats.RowSink`): where every row is shown (traced batches, history's samples, and every
+    pass of a guard that says so: a re-run's, the drop-in's). Elsewhere a detection measures
+    the values it shows that are still alive (`PassRecord.measure_abs_min`)."""
+    every = guard.options.history_every
+    return (guard.abs_min_everywhere or batch in guard.options.trace_batches
+            or (every is not None and batch % every == 0))
 
 
 def _never_attached(report: Report) -> Report:

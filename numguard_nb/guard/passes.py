@@ -29,7 +29,7 @@ import torch
 
 from .. import numerics
 from .. import stats as _stats
-from .._schema import BACKWARD, OUTPUT, VALUE_EMPTY, VALUE_TENSOR, VALUE_UNSUPPORTED, WRITTEN_IN_FORWARD
+from .._schema import BACKWARD, BUFFER, OUTPUT, PARAM, VALUE_EMPTY, VALUE_TENSOR, VALUE_UNSUPPORTED, WRITTEN_IN_FORWARD
 from ..errors import BatchLimitReached
 
 __all__ = [
@@ -150,6 +150,17 @@ class PassRecord:
         """The slot of a weight or buffer (`category`), summarised once per pass and held."""
         entry = self.summarise(t, site, nonzero_min, sign_hints, True)
         return (role, category, entry[ENTRY_KIND], t.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0)
+
+    def add_weight_slots(self, module, module_id: int, slots: list, nonzero_min: bool,
+                         sign_hints: dict) -> None:
+        """The slots of a call's parameters and floating buffers, at its start."""
+        for name, param in module._parameters.items():
+            if param is not None:
+                slots.append(self.weight_slot(param, name, PARAM, (module_id, name), nonzero_min, sign_hints))
+        for name, buffer in module._buffers.items():
+            # Running statistics go bad like weights; integer/bool buffers cannot.
+            if buffer is not None and buffer.is_floating_point():
+                slots.append(self.weight_slot(buffer, name, BUFFER, (module_id, name), nonzero_min, sign_hints))
 
     def note_written_buffers(self, call: CallRecord, module, nonzero_min: bool, sign_hints: dict,
                              recorder=None) -> None:
