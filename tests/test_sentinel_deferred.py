@@ -533,3 +533,41 @@ def test_an_optimizer_step_captured_into_a_cuda_graph_asks_no_event_and_gets_no_
         optimizer.step()
         assert asked == [] and not hasattr(optimizer, "found_inf")
         monkeypatch.setattr(hooks, "stream_capturing", lambda: False)
+
+
+class PlusInfColumn(nn.Module):
+    """Appends a +inf column that the loss leaves out: allowed with `allow_inf`."""
+
+    def forward(self, x):
+        return torch.cat([x, torch.full((x.shape[0], 1), float("inf"))], 1)
+
+
+@pytest.mark.parametrize("allowed", ["the model", "its inner module"])
+def test_an_allowed_inf_in_the_outputs_is_not_run_again_at_every_call(deferred_on_host, monkeypatch,
+                                                                       allowed):
+    """On a GPU one flag stands for a call's outputs. An inf the rules allow (`allow_inf` naming
+    the model) is not re-run at all, as on the host; one a re-run found allowed inside the model
+    is re-run once, not at every step. A nan after it is still found and named (re-run once)."""
+    from numguard_nb.guard import sentinel
+
+    reruns = []
+    real_rerun = sentinel.rerun_forward
+    monkeypatch.setattr(sentinel, "rerun_forward", lambda *a: reruns.append(1) or real_rerun(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), PlusInfColumn())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    names = {"the model": "", "its inner module": "1"}
+    x = torch.randn(8, 4)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard({"": model}, mode="sentinel", allow_inf=[names[allowed]]):
+            for step in range(6):
+                if step == 5:
+                    x = x.clone()
+                    x[0, 0] = float("nan")
+                torch.nn.functional.mse_loss(model(x)[:, :4], x.nan_to_num()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                deferred_on_host[0] = False
+    report = caught.value.report
+    assert report.batch_number == 5 and report.reason.startswith("the data fed to"), report.reason
+    assert len(reruns) == {"the model": 1, "its inner module": 2}[allowed], reruns

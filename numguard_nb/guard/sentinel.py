@@ -23,6 +23,7 @@ How it works: docs/architecture.md, "Sentinel mode".
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import warnings
 import weakref
@@ -91,7 +92,7 @@ class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
     __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans",
-                 "inner", "buffers")
+                 "inner", "buffers", "inf_accepted")
 
     def __init__(self, module: nn.Module, name: str, primary: bool):
         self.module = module
@@ -104,6 +105,7 @@ class _Entry:
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
         self.inner: list = []  # a model's: (entry inside it, its two hook ids), set aside in its calls
         self.buffers: Optional[BufferSlots] = None  # where its floating buffers are (None: look up)
+        self.inf_accepted = False  # a re-run of a call whose device flag read +inf found nothing
 
 
 class _Call:
@@ -413,11 +415,17 @@ class Sentinel:
             self._keep_for_backward(call, tensors)
 
     def _late_forward_problem(self, call: _Call, values: list) -> None:
-        """A call's outputs held nan or +inf (read after the call): run it again, and raise."""
+        """A call's outputs held nan or +inf (read after the call): run it again, and raise. The
+        flag stands for all its outputs: +inf the rules allowed in the model, or accepted in a
+        re-run of it, is not run again at every call (nan always is)."""
+        entry, inf = call.entry, values[0] == math.inf
+        if inf and (entry.inf_accepted or self.guard.options.stop_rules.inf_allowed(entry.name)):
+            return
         report = self._rerun(rerun_forward, self.guard, call, forward_frame(call))
         if report is not None:
             self._raise(report)
         call.buffers.keep_noting()  # accepted: what its buffers keep is not judged again
+        entry.inf_accepted = entry.inf_accepted or inf
 
     def _forward_problem(self, call: _Call, pass_: PassRecord, record: CallRecord) -> bool:
         """Re-run the call if its outputs hold what the full guard's rules may stop on, and raise
