@@ -286,8 +286,9 @@ def _device_row(t: torch.Tensor, bits: torch.dtype, nonzero_min: bool) -> Device
 
 
 def smallest_magnitudes(tensors: list) -> list:
-    """The smallest |t| of each tensor as a float (None where it cannot be had), with one read
-    per device: the abs min a `RowSink` without abs_min left unmeasured, for a report."""
+    """(smallest |t|, largest |t|) of each tensor as floats (None where it cannot be had), with
+    one read per device: the abs min a `RowSink` without abs_min left unmeasured, for a report,
+    and the abs max to tell that the tensor still holds the values its row summarised."""
     found: list = [None] * len(tensors)
     by_device: dict = {}
     for index, t in enumerate(tensors):
@@ -298,10 +299,11 @@ def smallest_magnitudes(tensors: list) -> list:
             torch.set_autocast_enabled(device.type, False)
         try:
             host_float = _host_float(device)
-            smallest = torch.stack([torch.linalg.vector_norm(tensors[i], -_INF).to(host_float)
-                                    for i in indices])
-            for index, value in zip(indices, smallest.cpu().tolist()):
-                found[index] = value
+            norms = torch.stack([torch.linalg.vector_norm(tensors[i], ord).to(host_float)
+                                 for i in indices for ord in (-_INF, _INF)])
+            values = norms.cpu().tolist()
+            for position, index in enumerate(indices):
+                found[index] = (values[2 * position], values[2 * position + 1])
         except Exception:  # a tensor the norm refuses: its abs min stays unmeasured
             pass
         finally:
@@ -601,7 +603,7 @@ def decode(values) -> Tuple[float, float, bool, Optional[bool], Optional[bool], 
         mask = int(signs)
         return (math.nan, math.nan, True, bool(mask & _POSINF_BIT), bool(mask & _NEGINF_BIT),
                 nonzero)
-    if abs_min < 0:  # UNMEASURED
+    if abs_min == UNMEASURED:
         abs_min = None
     if abs_max == _INF:
         if math.isnan(signs):

@@ -118,3 +118,67 @@ def test_a_sentinel_re_run_reports_every_abs_min(deferred_on_host):
     assert report.first_nonfinite.module_name == "div"
     measured = [row.abs_min for _, _, row in _rows(report) if not row.nan]
     assert measured and None not in measured
+
+
+class Attention(nn.Module):
+    def forward(self, x, bias):
+        return torch.softmax(x @ x.transpose(-1, -2) + bias, dim=-1) @ x
+
+
+class WithAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+
+    def forward(self, x, bias):
+        return self.attn(x, bias)
+
+
+def test_an_additive_bias_of_both_signs_with_minus_inf_is_judged_a_mask_as_on_the_host(deferred_on_host):
+    """A relative-position bias (both signs, zeros on its diagonal) masked with -inf, passed to
+    the model: the mask rule judges it by its zeros, so its abs min is measured before the
+    culprit is named, and the module that made nan of the fully masked row is named, not the
+    data (as on the host)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    bias = torch.tensor([[0., 1., -1., 2.], [1., 0., -1., 2.], [1., -2., 0., 3.], [1., 2., -3., 0.]])
+    bias[0, :] = -math.inf  # a fully masked row: softmax makes nan of it
+    model = WithAttention()
+    with pytest.raises(NonFiniteError) as caught, Guard(model, backward=False), torch.no_grad():
+        model(x, bias)
+    assert (caught.value.report.cause, caught.value.report.first_nonfinite.module_name) == ("forward", "attn")
+
+
+class ScaledInForward(nn.Module):
+    """Rescales its buffer through `.data` in its forward, which moves no version counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.tensor([-1.0, 2.0, 3.0]))
+
+    def forward(self, x):
+        y = x * self.s
+        self.s.data.mul_(100.0)
+        return y / 0.0 * 0.0  # nan
+
+
+def test_a_value_changed_without_a_version_is_not_measured_after_its_change(deferred_on_host):
+    """A buffer written through `.data`, and BatchNorm's running statistics its kernel updates,
+    keep their version: the report's abs min is not taken from what they hold afterwards (it
+    would pair with the abs max of before). Such rows stay unmeasured."""
+    net = nn.Sequential(nn.BatchNorm1d(3), ScaledInForward())
+    net[0].running_mean.copy_(torch.tensor([-0.5, 0.2, 0.3]))
+    x = torch.tensor([[1.0, 5.0, -2.0], [3.0, -1.0, 4.0], [0.0, 2.0, 1.0]])
+    with pytest.raises(NonFiniteError) as caught, Guard(net, backward=False), torch.no_grad():
+        net(x)
+    rows = {row.role: row for frame in caught.value.report.frames for row in frame.rows}
+    assert rows["running_mean"].abs_min is None and rows["s"].abs_min is None
+    assert rows["running_var"].abs_min == 1.0  # one sign: exact from its minimum
+
+
+def test_the_sentinel_s_sampled_full_passes_make_one_reduction_a_row(deferred_on_host):
+    """`full_every` runs a full pass now and then as a history sample would, not as a re-run:
+    lean, like full mode's passes."""
+    net = Net()
+    with Guard(net, mode="sentinel", full_every=2):
+        counts = [_reductions(lambda: _train_step(net)) for _ in range(4)]
+    assert [c["norm"] for c in counts] == [0, 0, 0, 0] and counts[1]["aminmax"] >= 15, counts

@@ -493,12 +493,12 @@ def test_a_lean_sink_writes_one_reduction_a_row_and_reads_as_a_full_one_but_abs_
 
 
 def test_abs_min_left_unmeasured_is_measured_for_the_tensors_given(monkeypatch):
-    """What a report asks for its rows a lean pass left unmeasured: one value per tensor, exact,
-    in order, over several dtypes, under autocast as outside it; None for a tensor without
-    values to read."""
+    """What a report asks for its rows a lean pass left unmeasured: (abs min, abs max) per
+    tensor, exact, in order, over several dtypes, under autocast as outside it; None for a
+    tensor without values to read."""
     tensors = [torch.tensor([-3.0, 0.5, 2.0]), torch.tensor([1.0, -0.25], dtype=torch.bfloat16),
                torch.tensor([-2.0, 0.0, 4.0], dtype=torch.float16)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert stats.smallest_magnitudes(tensors) == [0.5, 0.25, 0.0]
+        assert stats.smallest_magnitudes(tensors) == [(0.5, 3.0), (0.25, 1.0), (0.0, 4.0)]
     assert torch.is_autocast_enabled("cpu") is False
-    assert stats.smallest_magnitudes([torch.ones(2), torch.empty(2, device="meta")]) == [1.0, None]
+    assert stats.smallest_magnitudes([torch.ones(2), torch.empty(2, device="meta")]) == [(1.0, 1.0), None]

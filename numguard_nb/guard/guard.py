@@ -411,7 +411,7 @@ class Guard:
         pass_.close(call)
         if self.synchronous and not raising and not state.tracing:
             pass_.read_back()
-            culprit = detect.forward_culprit(pass_, [call], self.options.stop_rules)
+            culprit = _culprit(pass_, detect.forward_culprit, [call], self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         if not state.stack:
@@ -459,7 +459,7 @@ class Guard:
             return
         if not raising and self.headroom.collect_and_check(pass_, self.options,
                                                            partial(_locate_op, self)):
-            culprit = detect.find_in_forward(pass_, self.options.stop_rules)
+            culprit = _culprit(pass_, detect.find_in_forward, self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
         self.recent.remember(pass_, self.options.max_frames)
@@ -602,6 +602,16 @@ class Guard:
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
+
+
+def _culprit(pass_: PassRecord, find, *args):
+    """`find(pass_, *args)`; again where a lean pass left the abs min of a value holding -inf
+    unmeasured, which the mask rules judge by its zeros (only on a detection: masks of zeros
+    and -inf alone are of one sign, measured already)."""
+    culprit = find(pass_, *args)
+    if culprit is not None and pass_.measure_abs_min(minus_inf_only=True):
+        culprit = find(pass_, *args)
+    return culprit
 
 
 def _measures_abs_min(guard: Guard, batch: int) -> bool:

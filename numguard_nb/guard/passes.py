@@ -218,26 +218,33 @@ class PassRecord:
             numerics.count_read()
             self.values.extend(_stats.to_host(self.vectors[len(self.values):], self.sink))
 
-    def measure_abs_min(self) -> None:
-        """Measure the abs min a lean pass left unmeasured (`stats.UNMEASURED`), for a report:
-        of the values still alive and unchanged since they were summarised, with one read."""
+    def measure_abs_min(self, minus_inf_only: bool = False) -> bool:
+        """Measure the abs min a lean pass left unmeasured (`stats.UNMEASURED`), for a report
+        (`minus_inf_only`: of values holding -inf, which mask rules judge by their zeros), with
+        one read: of the values still alive and unchanged since they were summarised, by their
+        version and, for writes that move none (`.data`, BatchNorm's kernel), their abs max.
+        Whether any was measured."""
         values, found = self.values, []
-        for entry in self.cache.values():
+        for entry in list(self.cache.values()):  # (another autograd thread may add entries)
             index = entry[ENTRY_INDEX]
-            if index is None or index >= len(values) or values[index] is None \
-                    or values[index][0] != _stats.UNMEASURED:
+            row = values[index] if index is not None and index < len(values) else None
+            if row is None or row[0] != _stats.UNMEASURED or (minus_inf_only and not row[2] < 0):
                 continue
             ref = entry[ENTRY_REF]
             t = ref if isinstance(ref, torch.Tensor) else ref()
             if t is not None and t._version == entry[ENTRY_VERSION]:
                 found.append((index, t))
         if not found:
-            return
+            return False
+        numerics.count_read()
         with torch.no_grad():
-            smallest = _stats.smallest_magnitudes([t for _, t in found])
-        for (index, _), value in zip(found, smallest):
-            if value is not None:
-                values[index] = (value,) + tuple(values[index][1:])
+            measured = _stats.smallest_magnitudes([t for _, t in found])
+        changed = False
+        for (index, _), pair in zip(found, measured):
+            if pair is not None and pair[1] == values[index][1]:
+                values[index] = (pair[0],) + tuple(values[index][1:])
+                changed = True
+        return changed
 
     def release(self) -> None:
         """Drop what only the recording needed, once read back: device memory and tensor refs."""

@@ -71,7 +71,6 @@ def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
                                     full_every=None,
                                     **changes)
     full = guard.twin(models, options)
-    full.abs_min_everywhere = True  # a report of every row of one step: measure them all
     full.outside.may_hold = False  # the code after the call is the sentinel's to judge
     full.steps = _LentSteps(guard.steps)
     full.batches.started = batch  # numbered as the sentinel numbers its batches
@@ -85,6 +84,7 @@ def _rerun_guard(guard, models, batch: int):
                       on_detect=None, history_every=None, scaler=None)
     # Started at a backward's end: its calls there are the step's, not a recomputation.
     full.rerun_task = graph_task_id()
+    full.abs_min_everywhere = True  # a report of every row of one step: measure them all
     return full
 
 

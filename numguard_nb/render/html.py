@@ -268,7 +268,7 @@ def tensor_table_html(rows: list) -> str:
         if row.nonfinite:
             classes.append("ng-nonfinite")
         if row.kind == VALUE_TENSOR:
-            min_text = fmt_value(row.abs_min)
+            min_text = fmt_value(row.abs_min) if row.abs_min is not None else "-"  # not measured
             if row.nonzero_abs_min is not None and row.abs_min == 0:
                 min_text += f" (\u2260 0: {fmt_value(row.nonzero_abs_min)})"
             under = underflow_class(row)
