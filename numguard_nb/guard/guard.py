@@ -584,7 +584,7 @@ class Guard:
         _locate_op(self, culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
-            pass_, phase, call, bad_slots, culprit, cause, self.recent.frames(options), options,
+            pass_, phase, call, bad_slots, culprit, cause, self.recent.frames(options, True), options,
             batch, self.steps)
         self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self.module_hooks.compiled:
@@ -619,9 +619,9 @@ def _measures_abs_min(guard: Guard, batch: int) -> bool:
     `stats.RowSink`): where every row is shown (traced batches, history's samples, and every
     pass of a guard that says so: a re-run's, the drop-in's). Elsewhere a detection measures
     the values it shows that are still alive (`PassRecord.measure_abs_min`)."""
-    every = guard.options.history_every
-    return (guard.abs_min_everywhere or batch in guard.options.trace_batches
-            or (every is not None and batch % every == 0))
+    options = guard.options
+    return (guard.abs_min_everywhere or batch in options.trace_batches
+            or History.samples_batch(batch, options))
 
 
 def _never_attached(report: Report) -> Report:

@@ -32,6 +32,7 @@ from .._schema import (
     GRAD_PARAM, OUTPUT, PARAM,
 )
 from .._util import dtype_name
+from ..stats import UNMEASURED
 from ..report import dtype_max
 from .passes import SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_ROLE, PassRecord
 
@@ -215,13 +216,18 @@ class History:
         return [sample.batch_number for sample in self.samples]
 
     # ---- recording ------------------------------------------------------------------------
+    @staticmethod
+    def samples_batch(batch_number: int, options) -> bool:
+        """Whether batch `batch_number` is sampled (`options.history_every`)."""
+        every = options.history_every
+        return every is not None and batch_number % every == 0
+
     def see(self, pass_: PassRecord, batch_number: int, options) -> None:
         """A pass of the guard has ended (and been read back): keep it if its batch is sampled
         (`options.history_every`)."""
-        every = options.history_every
-        if every is None or batch_number % every:
+        if not self.samples_batch(batch_number, options):
             return
-        self.every = every
+        self.every = options.history_every
         self.add_pass(pass_, batch_number, options.limit_dtype)
 
     def add_pass(self, pass_: PassRecord, batch_number: Optional[int] = None,
@@ -286,7 +292,7 @@ class History:
         values[:, 1] = maxs
         # A nan makes both abs min and abs max nan, as in the value's report row (stats.decode).
         values[np.isnan(values).any(axis=1)] = np.nan
-        values[values[:, 0] < 0, 0] = np.nan  # abs min not measured (stats.UNMEASURED)
+        values[values[:, 0] == UNMEASURED, 0] = np.nan  # abs min not measured
         ids_array = np.asarray(ids, np.int32)
         last = self.samples[-1] if self.samples else None
         if last is not None and last.batch_number == batch_number:
