@@ -402,13 +402,9 @@ class RecentPasses:
             while len(self.passes) > 1 and sum(len(c) for _, c in list(self.passes)[1:]) >= max_frames:
                 self.passes.popleft()
 
-    def frames(self, options, measure: bool = False) -> list:
-        """The last `options.max_frames` frames of the kept passes (`measure`: with the abs min
-        lean passes left unmeasured, of their values still alive, for a detection's report)."""
+    def frames(self, options) -> list:
+        """The last `options.max_frames` frames of the kept passes."""
         with self._lock:
             kept = list(self.passes)
-        if measure:
-            for pass_, _ in kept:
-                pass_.measure_abs_min()
         frames = [build_frame(p, c, options) for p, calls in kept for c in calls]
         return frames[-options.max_frames:]

@@ -584,7 +584,7 @@ class Guard:
         _locate_op(self, culprit, call, cause, options.stop_rules)
         batch = call.batch_number if phase == FORWARD else self.batch_number
         self.detection = frames.detection_report(
-            pass_, phase, call, bad_slots, culprit, cause, self.recent.frames(options, True), options,
+            pass_, phase, call, bad_slots, culprit, cause, self.recent.frames(options), options,
             batch, self.steps)
         self.detection.history_note = self.history.note(call, bad_slots)
         if cause in CODE_CAUSES and call.module_id in self.module_hooks.compiled:

@@ -436,7 +436,7 @@ class OutsideWatch(BackwardWatch):
         culprit.op = call.op
         culprit.source = source_of(call.where)
         report = frames.detection_report(
-            pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard.recent.frames(options, True),
+            pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard.recent.frames(options),
             options, call.batch_number)
         pass_.release()
         error = frames.detection_error(guard, report)

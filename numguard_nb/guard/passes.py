@@ -247,12 +247,9 @@ class PassRecord:
         return changed
 
     def release(self) -> None:
-        """Drop what only the recording needed, once read back: device memory and tensor refs.
-        A lean pass keeps its cache (weak references to values, the weights their modules hold)
-        for a later report to measure the abs min it shows as context (`measure_abs_min`)."""
+        """Drop what only the recording needed, once read back: device memory and tensor refs."""
         self.vectors = []
-        if self.sink.abs_min:
-            self.cache = {}
+        self.cache = {}
         self.sink.release()
 
     def slots_in_arrival_order(self):
