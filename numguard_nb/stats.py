@@ -394,16 +394,28 @@ def _plain_stats(t: torch.Tensor, nonzero_min: bool) -> tuple:
         # bools: min and max as 0/1; they cannot be non-finite.
         lo, hi = t.all().to(_host_float(t.device)), t.any().to(_host_float(t.device))
         return (lo, hi, lo, hi) if nonzero_min else (lo, hi, lo)
+    if not (t.is_floating_point() or t.is_complex()):
+        lo, hi = _integer_magnitudes(t)
+        return (lo, hi, lo, lo) if nonzero_min else (lo, hi, lo)
     magnitude = t.abs()
     lo, hi = torch.aminmax(magnitude)
-    if not (t.is_floating_point() or t.is_complex()):
-        # integers: exact in float64, and never mixed into a float16 stack (65504 max).
-        lo, hi = lo.to(_host_float(t.device)), hi.to(_host_float(t.device))
-        return (lo, hi, lo, lo) if nonzero_min else (lo, hi, lo)
     signs = t.sum() if t.is_floating_point() else hi
     if nonzero_min:
         return (lo, hi, signs, magnitude.masked_fill_(magnitude == 0, _INF).amin())
     return (lo, hi, signs)
+
+
+def _integer_magnitudes(t: torch.Tensor) -> tuple:
+    """(smallest |t|, largest |t|) of an integer tensor as 0-d floats: exact in float64, and
+    never mixed into a float16 stack (65504 max). Not through `t.abs()`, which wraps at the
+    dtype's minimum (int8's -128 stays -128)."""
+    host_float = _host_float(t.device)
+    low, high = (x.to(host_float) for x in torch.aminmax(t))
+    if not t.dtype.is_signed:
+        return low, high
+    # |x| - 1, which cannot wrap: x - 1 above zero, ~x (= -x - 1) below it; zero gives -1.
+    smallest = torch.where(t < 0, ~t, t - 1).amin().to(host_float) + 1
+    return smallest, torch.maximum(-low, high)
 
 
 _FLOAT8 = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))

@@ -141,6 +141,26 @@ def test_other_dtypes(dtype):
     assert not nan and not posinf and not neginf
 
 
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device-path"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8], ids=str)
+def test_integer_magnitudes_do_not_wrap_at_the_dtype_s_minimum(dtype, device_path, monkeypatch):
+    # |int8 -128| is 128, where `abs()` wraps back to -128: a report would print a negative
+    # abs min and an abs max below |-128|
+    if device_path:
+        monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    low = torch.iinfo(dtype).min
+    cases = [[low, 5], [low], [-3, 7], [-100, 0, 5], [4, 9], [-9, -4], [torch.iinfo(dtype).max, 1]]
+    for values in cases:
+        if dtype is torch.uint8 and min(values) < 0:
+            continue
+        t = torch.tensor(values, dtype=dtype)
+        with torch.no_grad():
+            row = stats.device_stats(t, sign_hints={}, site="s")
+        abs_min, abs_max, nan, posinf, neginf, _ = stats.decode(stats.to_host([row])[0])
+        assert (abs_min, abs_max) == (float(min(map(abs, values))), float(max(map(abs, values)))), values
+        assert not nan and not posinf and not neginf
+
+
 def test_smallest_nonzero_magnitude_for_underflow_checks():
     t = torch.tensor([0.0, -1e-6, 3.0, 0.0])
     with torch.no_grad():
