@@ -128,32 +128,55 @@ def test_parent_whose_own_code_makes_a_nan_gradient_is_named_backward_inline(syn
 
 
 class InlineSqrtBesideSkip(nn.Module):
-    """The emb output feeds a skip Linear and the root's own sqrt: its gradient is the sum of
-    both uses, and the skip, a matmul of finite values (which makes no nan), must not be blamed
-    for the sum."""
+    """The emb output feeds a skip module and the root's own sqrt: its gradient is the sum of
+    both uses, and the skip, whose backward makes no nan from finite values (a matmul, a norm,
+    an activation, dropout), must not be blamed for the sum."""
 
-    def __init__(self):
+    def __init__(self, skip=None):
         super().__init__()
         self.emb = nn.Linear(4, 4)
         self.head = nn.Linear(4, 1)
-        self.skip = nn.Linear(4, 1)
+        self.skip = nn.Linear(4, 1) if skip is None else skip
 
     def forward(self, x):
         h = self.emb(x)
         gate = torch.where(h > 100, torch.sqrt(h * 0), torch.zeros_like(h))  # 0 forward, nan back
-        return self.head(gate) + self.skip(h)
+        return self.head(gate) + self.skip(h).sum(-1, keepdim=True)
 
 
+SKIPS = {"Linear": lambda: nn.Linear(4, 1), "BatchNorm1d": lambda: nn.BatchNorm1d(4),
+         "LayerNorm": lambda: nn.LayerNorm(4), "GELU": nn.GELU, "Dropout": lambda: nn.Dropout(0.1)}
+
+
+@pytest.mark.parametrize("skip", list(SKIPS))
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("sync", [False, True])
-def test_a_nan_gradient_made_beside_a_module_that_shares_the_input_is_not_the_modules(sync, mode):
+def test_a_nan_gradient_made_beside_a_module_that_shares_the_input_is_not_the_modules(sync, mode, skip):
+    # pytorch/pytorch#68425: `h` feeds a BatchNorm and `torch.where(h > 0, sqrt(h), 0)`
     torch.manual_seed(0)
-    model = InlineSqrtBesideSkip()
+    model = InlineSqrtBesideSkip(SKIPS[skip]())
     with pytest.raises(NonFiniteError) as caught, Guard(model, sync=sync, mode=mode):
         model(torch.randn(3, 4)).sum().backward()
     report, culprit = culprit_of(caught)
     assert (culprit.module_name, culprit.phase, report.cause) == ("", "backward", "backward-inline")
     assert "grad_output of emb holds nan" in report.reason
+
+
+class GatedSqrt(nn.Module):
+    """A user's module whose own backward makes the nan (sqrt's gradient at 0)."""
+
+    def forward(self, h):
+        return torch.where(h > 100, torch.sqrt(h * 0), torch.zeros_like(h))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_module_whose_own_backward_makes_the_nan_beside_another_use_is_still_named(mode):
+    torch.manual_seed(0)
+    model = InlineSqrtBesideSkip(GatedSqrt())
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        model(torch.randn(3, 4)).sum().backward()
+    report, culprit = culprit_of(caught)
+    assert (culprit.module_name, culprit.phase, report.cause) == ("skip", "backward", "backward")
 
 
 class InfGradient(nn.Module):

@@ -22,7 +22,7 @@ import math
 import sys
 
 from .. import stats as _stats
-from ..explain import MATMUL_MODULES
+from ..explain import FINITE_BACKWARD_MODULES, MATMUL_MODULES
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
     CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM,
@@ -173,6 +173,13 @@ def is_linear_map(module_class: str) -> bool:
     return module_class in MATMUL_MODULES
 
 
+def backward_makes_no_nan(module_class: str) -> bool:
+    """Whether a module of this class makes no nan in backward from finite values: a matmul, a
+    normalisation with an eps, a smooth or piecewise-linear activation, dropout (class names
+    of torch.nn and transformers; any class named ...RMSNorm)."""
+    return module_class in FINITE_BACKWARD_MODULES or module_class.endswith("RMSNorm")
+
+
 def _data_culprit(pass_: PassRecord, call, limit_max, masks_too=False):
     """(top-level call, its non-finite inputs, data) when the data fed to the model holds nan
     or an inf (what `call` received from its parents may have come from there), or None. A
@@ -271,8 +278,8 @@ def backward_culprit(pass_: PassRecord, slots, owner, rules):
             if rules.inf_allowed(call.module_name):
                 new = new - INF_KINDS
             if (new and new <= NAN and category == GRAD_INPUT and not got & INF_KINDS
-                    and is_linear_map(call.module_class)):
-                # A matmul or convolution of finite values makes no nan (an overflow is inf;
+                    and backward_makes_no_nan(call.module_class)):
+                # From finite values this module's backward makes no nan (an overflow is inf;
                 # inf received, allowed, makes inf - inf). An input's gradient sums every use of
                 # the input: another use made it (the parent's own code beside this module, as
                 # `torch.where(h > 0, sqrt(h), 0)`).
