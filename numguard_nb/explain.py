@@ -61,25 +61,6 @@ MATMUL_MODULES = frozenset((
     "LazyConv2d", "LazyConv3d", "Linear8bitLt", "Linear4bit", "ColumnParallelLinear",
     "RowParallelLinear",
 ))
-# Modules whose backward makes no nan from finite values: matmuls, normalisations with an eps,
-# smooth or piecewise-linear activations, dropout and reshapes. (From finite values a backward of
-# these overflows to inf at worst.) A new nan in the input gradient of one, which received only
-# finite gradients, was made by another use of its input: an input's gradient sums them all.
-FINITE_BACKWARD_MODULES = MATMUL_MODULES | frozenset((
-    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
-    "LazyBatchNorm2d", "LazyBatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d",
-    "InstanceNorm2d", "InstanceNorm3d", "RMSNorm",
-    "ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish",
-    "Hardtanh", "Hardsigmoid", "Hardswish", "Softplus", "Softsign", "Tanh", "Sigmoid",
-    "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink", "Threshold", "GLU", "Softmax",
-    "LogSoftmax", "Softmin", "Softmax2d",
-    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
-    "Identity", "Flatten", "Unflatten",
-    # transformers' activations and per-model RMSNorms (x * rsqrt(mean(x^2) + eps))
-    "NewGELUActivation", "GELUActivation", "FastGELUActivation", "QuickGELUActivation",
-    "GELUTanh", "PytorchGELUTanh", "AccurateGELUActivation", "ClippedGELUActivation",
-    "SiLUActivation", "MishActivation", "LinearActivation", "T5LayerNorm",
-))
 # Recurrent modules: their backward multiplies by the recurrent weights once per time step.
 RECURRENT_MODULES = frozenset(("RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"))
 # Autograd nodes (names without "Backward<n>"): a matmul's gradient overflows; a norm's or a
@@ -412,7 +393,7 @@ def _shape(shape) -> str:
 
 def _data_hint(facts: Facts) -> str:
     row = facts.flagged[0] if facts.flagged else TensorRow("x", INPUT)
-    test = "torch.isnan(x)" if facts.nan and not facts.inf else "~torch.isfinite(x)"
+    test = "torch.isnan(x)" if facts.nan and not facts.inf else "(~torch.isfinite(x))"
     if row.shape is None or len(row.shape) > 1:
         search = (f"`{test}.flatten(1).any(1).nonzero()` (x: {row.role}, shape "
                   f"{_shape(row.shape)})")

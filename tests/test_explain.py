@@ -9,9 +9,11 @@ Set NUMGUARD_UPDATE_GOLDEN=1 to rewrite tests/golden/hint_* after an intended ch
 import math
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -369,6 +371,9 @@ def test_an_inf_given_with_the_data_is_traced_back_to_it():
     assert report.cause == "data"
     assert "already holds -inf in input[0]" in hint and "~torch.isfinite(x)" in hint
     assert "log(0)" in hint and "65504" not in hint and "overflow" not in hint
+    # the search it suggests, run as written, finds the sample
+    search = re.search(r"`([^`]*nonzero\(\))`", hint).group(1)
+    assert eval(search, {"torch": torch, "x": x}).flatten().tolist() == [1]
 
 
 def test_an_unknown_cause_gets_a_general_hint_that_names_no_wrong_fix():

@@ -22,7 +22,7 @@ import math
 import sys
 
 from .. import stats as _stats
-from ..explain import FINITE_BACKWARD_MODULES, MATMUL_MODULES
+from ..explain import MATMUL_MODULES
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
     CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM,
@@ -171,6 +171,27 @@ def is_linear_map(module_class: str) -> bool:
     it makes from finite values passed the dtype's largest value (an fp16 overflow), whatever
     its sign; never a mask."""
     return module_class in MATMUL_MODULES
+
+
+# Modules whose backward makes no nan from finite values: matmuls, normalisations with an eps,
+# smooth or piecewise-linear activations, dropout and reshapes. (From finite values a backward of
+# these overflows to inf at worst.) A new nan in the input gradient of one, which received only
+# finite gradients, was made by another use of its input: an input's gradient sums them all.
+FINITE_BACKWARD_MODULES = MATMUL_MODULES | frozenset((
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
+    "LazyBatchNorm2d", "LazyBatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d",
+    "InstanceNorm2d", "InstanceNorm3d", "RMSNorm",
+    "ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish",
+    "Hardtanh", "Hardsigmoid", "Hardswish", "Softplus", "Softsign", "Tanh", "Sigmoid",
+    "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink", "Threshold", "GLU", "Softmax",
+    "LogSoftmax", "Softmin", "Softmax2d",
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
+    "Identity", "Flatten", "Unflatten",
+    # transformers' activations and per-model RMSNorms (x * rsqrt(mean(x^2) + eps))
+    "NewGELUActivation", "GELUActivation", "FastGELUActivation", "QuickGELUActivation",
+    "GELUTanh", "PytorchGELUTanh", "AccurateGELUActivation", "ClippedGELUActivation",
+    "SiLUActivation", "MishActivation", "LinearActivation", "T5LayerNorm",
+))
 
 
 def backward_makes_no_nan(module_class: str) -> bool:
