@@ -6,6 +6,7 @@ Guard's settings (`guard_options`). The magics' help is written from these parse
 from __future__ import annotations
 
 import argparse
+import itertools
 import inspect
 import re
 from typing import List, Optional
@@ -178,7 +179,10 @@ def parse(parser: MagicArgumentParser, line: str, magic: Optional[str] = None):
     magic = magic or _magic(parser)
     help_name = magic.split()[0]
     try:
-        args = parser.parse_intermixed_args(arg_split(line))
+        words = arg_split(line)
+        # A word starting with # starts a comment, as in a shell: `%numguard on  # the loop`
+        words = list(itertools.takewhile(lambda word: not word.startswith("#"), words))
+        args = parser.parse_intermixed_args(words)
     except UsageError as error:
         raise UsageError(f"{magic}: {message_line(error)}; see {help_name}? for the options") from None
     except SystemExit:

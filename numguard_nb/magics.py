@@ -20,6 +20,9 @@ report is displayed above it and kept as `_numguard`.
 from __future__ import annotations
 
 import ast
+import difflib
+import builtins
+import keyword
 import re
 import sys
 from typing import Dict, List, Optional
@@ -36,7 +39,7 @@ from .magic_args import (
 )
 from .report import Report
 from .session import (
-    GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup,
+    GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup, model_of,
 )
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
@@ -200,6 +203,38 @@ def _syntax_errors_as_in_a_plain_cell(shell):
     return transform
 
 
+# ---- names the magics are given ------------------------------------------------------------
+def _names_waited_for(shell, names: List[str], magic: str) -> List[str]:
+    """`%numguard on` waits for names not defined yet: refuse what cannot be a variable; a
+    note for each close to a model of the namespace (a typo would wait forever)."""
+    namespace, notes = shell.user_ns, []
+    for name in names:
+        first = name.partition(".")[0]
+        if first in namespace:
+            continue
+        if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name) is None:
+            raise UsageError(f"{magic}: {name!r} is not a variable name: name the models to guard")
+        models = [key for key, value in namespace.items()
+                  if not key.startswith("_") and model_of(value) is not None]
+        notes += [f"no variable named {first!r} yet; did you mean {close}?"
+                  for close in difflib.get_close_matches(first, models, n=1)]
+    return notes
+
+
+def _refuse_taken_output(shell, args, magic: str) -> None:
+    """-o NAME writes a report into the namespace: never over the user's own data or model,
+    nor IPython's names."""
+    name = args.output
+    if name is None:
+        return
+    if keyword.iskeyword(name) or name in _hidden(shell) or hasattr(builtins, name):
+        raise UsageError(f"{magic}: -o {name}: that name is Python's or IPython's own: pick another")
+    held = shell.user_ns.get(name)
+    if name in shell.user_ns and not isinstance(held, Report):
+        raise UsageError(f"{magic}: -o {name}: {name} holds a {type(held).__name__} of yours: "
+                         "pick a free name (or one holding a report)")
+
+
 # ---- the magics ----------------------------------------------------------------------------
 @magics_class
 class NumguardMagics(Magics):
@@ -285,6 +320,7 @@ class NumguardMagics(Magics):
     def _guard_cell(self, line: str, cell: str):
         __tracebackhide__ = True  # noqa: F841
         args = parse(CELL, line)
+        _refuse_taken_output(self.shell, args, "%%numguard")
         command = args.names[0] if args.names else None
         if command in _COMMANDS and command not in self.shell.user_ns:
             raise UsageError(f"%%numguard guards the cell below it; for '{command}' use the line "
@@ -335,12 +371,16 @@ class NumguardMagics(Magics):
     def _on(self, rest: str) -> None:
         args = parse(ON, rest)
         magic = "%numguard on"
+        _refuse_taken_output(self.shell, args, magic)
         waiting_for = self._not_defined_yet(args.names)
         if waiting_for:
+            notes = _names_waited_for(self.shell, args.names, magic)
             try:  # bad options are refused now, not when a model appears
                 guard_options(args, capture=False)
             except (TypeError, ValueError) as error:
                 raise UsageError(f"{magic}: {message_line(error)}") from None
+            for note in notes:
+                print(f"numguard: {note}")
             self._show(self._session.arm(lambda: self._armed_run(args, magic), waiting_for))
         else:
             run = self._start_run(args, magic, show_first=self._show_session_reports)
@@ -367,7 +407,11 @@ class NumguardMagics(Magics):
     def _off(self, rest: str) -> None:
         parse_bare(OFF, rest)
         self._listen(False)
-        print(self._session.stop())
+        run = self._session.run
+        stopped = self._session.stop()
+        if run is not None:  # what detaching found: the code after the last model call
+            self._show(run.show_collected())
+        print(stopped)
 
     def _status(self, rest: str) -> None:
         parse_bare(STATUS, rest)
@@ -557,9 +601,14 @@ class NumguardMagics(Magics):
                     if run is not None:
                         self._show(run.step())
                     value = eval(statement, shell.user_global_ns, shell.user_ns)  # exec code gives None
-            finally:
+            except BaseException:
                 if run is not None:
                     run.guard.detach()
+                    run.guard.raise_found(False)
+                raise
+            if run is not None:  # what detaching found (the cell's own code after the model's
+                run.guard.detach()  # last call) fails the cell, as a `with` block's exit does
+                run.guard.raise_found()
         except BaseException as error:
             return run, _CellOutcome(error=error)
         return run, _CellOutcome(value=value)

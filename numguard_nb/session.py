@@ -261,6 +261,9 @@ class GuardedRun:
         target = next(iter(models.values())) if len(models) == 1 else dict(models)
         options = options.replace(on_trace=self._on_trace, on_detect=self._on_detect)
         self.guard = Guard(target, **options.as_kwargs())
+        # Without names the models come in the namespace's order (a loss module, a teacher or
+        # an old model before the one trained): batches are counted by the first one called.
+        self.guard.batches.from_first_call = every_model
 
     def _on_detect(self, report: Report) -> BaseException:
         if self.ops_advice:
@@ -522,6 +525,7 @@ class Session:
             armed, self._armed = self._armed, None
             return "numguard: off (no model was guarded)" if armed else "numguard: already off"
         run.guard.detach()
+        run.guard.raise_found(False)  # (reported: `show_collected` has it)
         if run.guard.history_every is not None:  # %numguard history still shows it
             run.namespace[HISTORY_NAME] = run.guard.history
         return f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})"

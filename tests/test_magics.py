@@ -267,6 +267,12 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%%numguard --bogus\n1", "unrecognized arguments: --bogus"),
     ("%%numguard -h\n1", "unrecognized arguments: -h"),
     ("%%numguard -o 1x\n1", "'1x' is not a Python variable name"),
+    # -o never writes over the user's own data or model, nor Python's or IPython's names
+    ("%%numguard -o net\n1", "%%numguard: -o net: net holds a Sequential of yours: pick a free name"),
+    ("%numguard on -o xs", "%numguard on: -o xs: xs holds a list of yours"),
+    ("%%numguard -o get_ipython\n1", "-o get_ipython: that name is Python's or IPython's own"),
+    ("%%numguard -o len\n1", "-o len: that name is Python's or IPython's own"),
+    ("%numguard on a+b", "%numguard on: 'a+b' is not a variable name"),
     ("%%numguard 'net\n1", "No closing quotation"),
     ("%%numguard on\n1", "use the line magic %numguard on (one %)"),
     ("%numguard", "%numguard needs on, off, status or compare"),
@@ -425,7 +431,63 @@ def test_limit_dtype_takes_float8_names_and_rejects_others(ip):
     assert "--stop-at-limit" in ip.find_cell_magic("numguard").__doc__
 
 
+def test_without_names_batches_are_counted_by_the_first_model_called(ip):
+    # a loss module and an old model defined before the model trained (the namespace's order)
+    ip.reset(new_session=False)
+    assert ip.run_cell("import torch\nfrom torch import nn\nold = nn.Linear(3, 3)\n"
+                       "crit = nn.MSELoss()\n" + SETUP).success
+    cell = ("for x in xs[:4]:\n"
+            "    crit(net(x).float(), torch.zeros(3, 2)).backward()")
+    result, captured = run(ip, "%%numguard --trace 2\n" + cell)
+    assert result.success, result.error_in_exec
+    assert list(ip.user_ns["_numguard_traces"]) == [2]
+    assert {frame.batch_number for frame in ip.user_ns["_numguard_traces"][2].frames} == {2}
+    result, _ = run(ip, "%%numguard\n" + cell.replace("xs[:4]", "xs"))
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert result.error_in_exec.report.batch_number == 4  # the glitched batch
+    # named, the first name counts (as with Guard({...}))
+    result, _ = run(ip, "%%numguard net crit\n" + cell)
+    assert result.success and ip.user_ns["_numguard"].batch_number == 3
+
+
+def test_a_nan_the_cell_s_own_code_makes_fails_the_cell_as_a_with_block_does(ip):
+    # no backward follows: the loss watch's culprit is raised when the cell ends
+    cell = "loss = torch.log(net(xs[0]).float() - 100).mean()"
+    result, captured = run(ip, "%%numguard\n" + cell)
+    error = result.error_in_exec
+    assert isinstance(error, NonFiniteError), error
+    assert error.report.cause == "outside" and error.report is ip.user_ns["_numguard"]
+    assert len(reports_displayed(captured)) == 1
+    assert hook_count(ip.user_ns["net"]) == 0
+    # the same cell under %numguard on: reported when it goes off at the latest
+    run(ip, "%numguard on net")
+    result, captured = run(ip, cell)
+    assert result.success
+    _, captured = run(ip, "%numguard off")
+    assert len(reports_displayed(captured)) == 1
+    assert ip.user_ns["_numguard"].cause == "outside"
+    assert captured.stdout.strip().endswith("numguard: off (guarded net (Sequential) up to batch 0)")
+
+
+def test_a_sentinel_cell_whose_batches_all_ran_with_the_full_hooks_says_what_it_saw(ip):
+    result, captured = run(ip, "%%numguard --sentinel --history-every 1\nfor x in xs[:3]:\n    step(net, x)")
+    assert result.success
+    assert "was not called" not in captured.stdout
+    assert "numguard: no inf/nan in the last" in captured.stdout
+    assert "3 batches watched with the full hooks" in captured.stdout
+
+
 # ---- %numguard on / off / status -----------------------------------------------------------
+def test_on_takes_a_comment_and_names_a_near_miss_it_waits_for(ip):
+    result, captured = run(ip, "%numguard on net  # the training loop")
+    assert result.success
+    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential) in every cell until %numguard off"
+    run(ip, "%numguard off")
+    result, captured = run(ip, "%numguard on nett")
+    assert result.success
+    assert captured.stdout.splitlines()[0] == "numguard: no variable named 'nett' yet; did you mean net?"
+    run(ip, "%numguard off")
+
 def test_on_guards_a_loop_split_across_cells_until_off(ip):
     net = ip.user_ns["net"]
     result, captured = run(ip, "%numguard on net")

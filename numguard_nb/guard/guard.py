@@ -203,7 +203,6 @@ class Guard:
         self._entered = 0  # `with` blocks this guard is in (nested, or in several threads)
         self.paused = False  # True while the guard re-runs a step itself (op localisation)
         self.rerun_task = -1  # a sentinel's re-run: the backward whose end started it
-        self.batches_counted_by_caller = False  # begin_batch() was called
         self.module_hooks = ModuleHooks()
         self._names = self.module_hooks.names  # read in every pre-hook: no lookup through
         self._grad_hooks = GradHooks(self, self.module_hooks.param_hooks)
@@ -234,6 +233,7 @@ class Guard:
             if self._attached:
                 return self
             self._forget_passes()
+            self.batches.attached(self.models)
             if self.options.mode == MODE_SENTINEL:  # no hooks on modules: checks per step
                 self._attached = self._sentinel.attach()
                 self._ever_attached = self._ever_attached or self._attached
@@ -294,8 +294,16 @@ class Guard:
             self._entered -= 1
             if self._entered <= 0:
                 self.detach()
-                self._sentinel.checks.raise_found(exc_type is None)
-                self.outside.raise_found(exc_type is None)
+                self.raise_found(exc_type is None)
+
+    def raise_found(self, when: bool = True) -> None:
+        """Raise what the last detach found (the loss code's culprit, a check read then), as a
+        `with` block's exit does; `when` False: drop it."""
+        first = self._sentinel.checks.unraised  # (raised first: the other is dropped)
+        try:
+            self._sentinel.checks.raise_found(when)
+        finally:
+            self.outside.raise_found(when and first is None)
 
     def reset(self) -> None:
         """Forget unfinished passes (Ctrl-C) in every thread, and an unconfirmed overflow."""
@@ -309,12 +317,6 @@ class Guard:
         self._backward_passes = BackwardPasses()
         self._first_calls.clear()
         self.tracing = False
-
-    def _forget_pass(self, state: PassState) -> None:
-        """Forget this thread's forward pass (and the backward pass running here, if any)."""
-        state.reset()
-        self._first_calls.clear()
-        self._backward_passes.pop(graph_task_id(), None)
 
     @property
     def capture(self):
@@ -345,7 +347,7 @@ class Guard:
         if stack and caller != stack[-1].module_id:
             # Called from outside the innermost open call: do the open calls still run?
             if not state.keep_running_calls(running_calls()):
-                self._forget_pass(state)
+                _forget_pass(self, state)
         if not stack:
             if inert_context():
                 return  # compiled, traced or exported: not run on values the guard can read
@@ -424,7 +426,7 @@ class Guard:
         """Start the next batch now. For loops that never call the guarded model itself (a
         LightningModule's training_step calls its submodules): once called, only these calls
         count batches."""
-        self.batches_counted_by_caller = True
+        self.batches.by_caller = True
         self._start_batch(self.threads.state)
 
     def _start_batch(self, state: PassState) -> None:
@@ -440,7 +442,7 @@ class Guard:
         if not recomputing:
             if self._backward_passes:
                 self._backward_passes.forget_open()
-            if module_id == self.module_hooks.primary_root_id and not self.batches_counted_by_caller:
+            if self._names.get(module_id, _UNNAMED)[2] is None and self.batches.starts(module_id):
                 self._start_batch(state)
             self.steps.forward_began(module_id, state.batch_number)
             if self.watch_backward and torch.is_grad_enabled():
@@ -593,7 +595,7 @@ class Guard:
         if self._ranks is not None:  # DDP: this rank's own hooks saw the value made
             self.detection.source_rank = self._ranks.rank
         pass_.release()
-        self._forget_pass(self.threads.state)
+        _forget_pass(self, self.threads.state)
         error = frames.detection_error(self, self.detection)
         if phase == FORWARD and self._ranks is not None and self._ranks.hold(error):
             return  # DDP: raised at the backward's end, when every rank knows (`ranks`)
@@ -602,6 +604,13 @@ class Guard:
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.models.values())
         return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
+
+
+def _forget_pass(guard: Guard, state: PassState) -> None:
+    """Forget this thread's forward pass (and the backward pass running here, if any)."""
+    state.reset()
+    guard._first_calls.clear()
+    guard._backward_passes.pop(graph_task_id(), None)
 
 
 def _culprit(pass_: PassRecord, find, *args):

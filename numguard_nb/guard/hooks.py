@@ -327,13 +327,10 @@ class ModuleHooks:
         self.param_hooks: Dict[int, ParamHook] = {}  # id(parameter) -> its hook
         self.unwatched: List[str] = []  # parameters whose gradient could not be hooked
         self.subclass_params = False  # some parameter is a tensor subclass (torch swaps those)
-        self.primary_root_id: Optional[int] = None  # the first model: its calls start batches
 
     def add(self, guard, models: Dict[str, nn.Module], watch_backward: bool) -> None:
         """Hook every module of `models` (once each, under its name with the model's prefix)."""
         for prefix, root in models.items():
-            if self.primary_root_id is None:
-                self.primary_root_id = id(root)
             self._add_tree(guard, root, prefix, None, watch_backward)
         for module_id, module in self.modules.items():
             copies.install(module, self.hook_ids[module_id])
@@ -449,7 +446,6 @@ class ModuleHooks:
         self.param_hooks.clear()
         self.unwatched.clear()
         self.subclass_params = False
-        self.primary_root_id = None
 
 
 class GradHooks:

@@ -400,11 +400,33 @@ class ThreadPasses(threading.local):
 
 
 class BatchCounter:
-    """Numbers batches, in whichever thread they start; stops at `abort_after_batch`."""
+    """Numbers batches, in whichever thread they start; stops at `abort_after_batch`. Says
+    which model's top-level calls start them: the first of the guard's models or, with
+    `from_first_call` (the magics given no names: the namespace's order puts a loss module, a
+    teacher or an old model first), the first one called."""
 
     def __init__(self):
         self.started = 0
         self._lock = threading.Lock()
+        self.model_id: Optional[int] = None  # the model whose calls start batches
+        self.from_first_call = False
+        self.by_caller = False  # the guard's begin_batch() starts them: no call does
+
+    def attached(self, models: dict) -> None:
+        """The guard attaches to `models` (name -> module)."""
+        model_ids = [id(model) for model in models.values()]
+        if not self.from_first_call:
+            self.model_id = next(iter(model_ids), None)
+        elif self.model_id not in model_ids:
+            self.model_id = None  # the next model called
+
+    def starts(self, model_id: int) -> bool:
+        """Whether a top-level call of this model (its id) starts a batch."""
+        if self.by_caller:
+            return False
+        if self.model_id is None:
+            self.model_id = model_id
+        return model_id == self.model_id
 
     def next(self, limit: Optional[int]) -> int:
         """The number of the batch starting now; BatchLimitReached past batch `limit`."""

@@ -91,14 +91,14 @@ def _entry_modules(prefix: str, root: nn.Module):
 class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
-    __slots__ = ("module", "name", "cls", "primary", "run_id", "hook_ids", "copy_inputs", "plans",
+    __slots__ = ("module", "name", "cls", "root", "run_id", "hook_ids", "copy_inputs", "plans",
                  "inner", "buffers", "inf_accepted")
 
-    def __init__(self, module: nn.Module, name: str, primary: bool):
+    def __init__(self, module: nn.Module, name: str, root: bool):
         self.module = module
         self.name = name
         self.cls = type(compiled_original(module) or module).__name__
-        self.primary = primary  # the first model: its calls start batches
+        self.root = root  # a model's own module: its calls may start batches
         self.run_id = id(rerun.run_alone(module))  # the module a re-run calls, as a full guard sees it
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
@@ -238,7 +238,7 @@ class Sentinel:
             for position, (prefix, root) in enumerate(self.guard.models.items()):
                 for name, module in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
-                        self._hook(module, name, position == 0 and module is root)
+                        self._hook(module, name, module is root)
                     if module is not root:
                         self.entries[id(root)].inner.append(
                             (module, tuple(self.entries[id(module)].hook_ids)))
@@ -262,12 +262,12 @@ class Sentinel:
         self.attached = True
         return True
 
-    def _hook(self, module: nn.Module, name: str, primary: bool) -> None:
+    def _hook(self, module: nn.Module, name: str, root: bool) -> None:
         if getattr(module, "_compiled_call_impl", None) is not None:
             warnings.warn(f"numguard: {name or 'the model'} was compiled in place (module.compile()):"
                           " the sentinel's checks would run inside its compiled code, where they do "
                           "nothing; guard torch.compile(model) instead", stacklevel=5)
-        entry = self.entries[id(module)] = _Entry(module, name, primary)
+        entry = self.entries[id(module)] = _Entry(module, name, root)
         for handle in (module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                        module.register_forward_hook(self._post_hook, with_kwargs=True,
                                                     always_call=True)):
@@ -315,7 +315,12 @@ class Sentinel:
         options = self.guard.options
         note = (f'mode="sentinel": {self.passes_checked} passes checked (the outputs of the '
                 "model's calls, and the gradients after each backward)")
+        if self._sampled.batches_in_full:
+            note += f"; {self._sampled.batches_in_full} batches watched with the full hooks"
         seen = self._recent.frames(options)
+        full = self._sampled.latest_frames(options)
+        if full and (not seen or full[-1].batch_number >= seen[-1].batch_number):
+            seen = full  # the latest batch was a sampled one: its frames
         unwatched = frames.unwatched_note(seen)
         if unwatched:
             note = f"{note}; {unwatched}"
@@ -352,7 +357,7 @@ class Sentinel:
             return
         guard = self.guard
         guard.outside.enter_model()  # the code before this call (a loss) is over: checked
-        if entry.primary and not guard.batches_counted_by_caller:
+        if entry.root and guard.batches.starts(id(module)):
             guard.batch_number = guard.batches.next(guard.options.abort_after_batch)
         guard.threads.state.batch_number = guard.batch_number  # what the outside watch reports
         if guard.batch_number != self._batch:

@@ -25,6 +25,8 @@ class SampledBatches:
         self.tracer = None  # a full guard watching a traced batch with all its hooks
         self._spare = None  # the last one, detached, with the options it was made for
         self._options = None  # the options the tracer was made for
+        self.batches_in_full = 0  # traced and sampled batches run so far
+        self._last_recent = None  # the frames of the last one, once its guard is detached
 
     def start(self, batch: int, module, args, kwargs) -> None:
         """A batch starts (in the pre-hook of the call that starts it)."""
@@ -35,6 +37,7 @@ class SampledBatches:
             if tracer is not None:
                 tracer.paused = True
             return
+        self.batches_in_full += 1
         joining = tracer is None
         if joining:
             tracer = self.tracer = self._made_for(guard.options) or self._new(batch)
@@ -62,6 +65,11 @@ class SampledBatches:
         tracer.scaling, tracer.skipped_steps = guard.scaling, guard.skipped_steps
         return tracer
 
+    def latest_frames(self, options) -> list:
+        """The last frames the full guard saw (of the last traced or sampled batch)."""
+        recent = self.tracer.recent if self.tracer is not None else self._last_recent
+        return recent.frames(options) if recent is not None else []
+
     def running(self) -> bool:
         return self.tracer is not None and not self.tracer.paused
 
@@ -71,6 +79,7 @@ class SampledBatches:
         tracer = self.tracer
         if tracer is not None and (tracer.paused or not paused_only):
             self.tracer = None
+            self._last_recent = tracer.recent
             tracer.paused = True  # a hook of a call running now may still be called
             tracer.detach()
             if paused_only and tracer.detection is None:
