@@ -39,7 +39,7 @@ from ._util import compiled_original
 __all__ = ["CallState", "take", "autocast_dtype", "enter_autocast", "entered", "Kept",
            "finite_running_statistics", "buffers_at_start", "CallerRandomState", "run_alone", "eager", "original_name",
            "compiled_parts", "swapped", "eager_stance", "aot_eager", "involves_compiled",
-           "without_parallel_wrapper", "collective_in"]
+           "without_parallel_wrapper", "collective_in", "redirected_forward", "forward_as"]
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -312,6 +312,30 @@ def without_parallel_wrapper(module):
     while isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         module = module.module
     return module
+
+
+def redirected_forward(module: torch.nn.Module) -> Optional[Callable]:
+    """The forward an instance runs under now, where it is its own: Lightning's strategies
+    (DDP, FSDP) point a LightningModule's forward at training_step while its wrapper calls it.
+    A re-run of the module alone needs it back (`forward_as`)."""
+    return module.__dict__.get("forward")
+
+
+@contextlib.contextmanager
+def forward_as(module: torch.nn.Module, forward: Optional[Callable]):
+    """Calls of `module` inside run `forward` (None: the module as it is); put back after."""
+    if forward is None:
+        yield
+        return
+    before = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if before is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = before
 
 
 def eager(module: torch.nn.Module) -> torch.nn.Module:

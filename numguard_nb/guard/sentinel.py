@@ -136,7 +136,7 @@ class _Call:
         self.order = next(self._made)
         self.held = None  # under DDP: its forward problem, raised once every rank knows (ranks)
         self.ranks_settled = False  # on a device: its step's reduction was acted on
-        self.forward = entry.module.__dict__.get("forward")  # an instance's own (redirected)
+        self.forward = rerun.redirected_forward(entry.module)
         # what its forward writes is checked too (copies, to run it again, in training calls)
         self.buffers = Before(entry, torch.is_grad_enabled() and entry.module.training)
 

@@ -94,19 +94,10 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
     `grad` (inference mode where the call ran in it)."""
     with contextlib.ExitStack() as stack:
         rerun.entered(call.state, stack, grad)
-        forward = getattr(call, "forward", None)
-        if forward is not None and module is call.entry.module:  # (not a compiled one's)
+        if module is call.entry.module:  # (not a compiled one's)
             # the forward the call ran under (Lightning redirects it to training_step)
-            stack.callback(_put_back, module, module.__dict__.get("forward"))
-            module.forward = forward
+            stack.enter_context(rerun.forward_as(module, getattr(call, "forward", None)))
         return module(*args, **kwargs)
-
-
-def _put_back(module: nn.Module, forward) -> None:
-    if forward is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = forward
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ from typing import Dict
 
 from .. import _tree
 from .._schema import CAUSE_FORWARD
-from ..rerun import CallState, buffers_at_start, collective_in, without_parallel_wrapper
+from ..rerun import (CallState, buffers_at_start, collective_in, forward_as, redirected_forward,
+                     without_parallel_wrapper)
 from .localise import OpLocation, localise_backward, localise_forward
 
 __all__ = ["OpRecorder"]
@@ -37,7 +38,8 @@ class OpRecorder:
         """Keep a top-level call for a re-run. `call_counts` (module id -> calls so far in the
         batch): the culprit's call index within this call is its batch-wide index minus these."""
         self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts),
-                                buffers_at_start(root, self.written))
+                                buffers_at_start(root, self.written),
+                                redirected_forward(without_parallel_wrapper(root)))
         self.root_grads.pop(id(root), None)
 
     def note_written(self, module, names: list) -> None:
@@ -73,17 +75,18 @@ class OpRecorder:
         recorded = self.calls.get(root_id)
         if recorded is None or culprit is None:
             return OpLocation(note="op localisation needs the top-level call, which was not recorded")
-        root, args, kwargs, state, counts_before, buffers = recorded
+        root, args, kwargs, state, counts_before, buffers, forward = recorded
         root = without_parallel_wrapper(root)  # its own forward would start collectives
         refused = collective_in(root)
         if refused:
             return OpLocation(note=f"the step was not re-run to name the op: {refused}")
         index = call_index - counts_before.get(module_id, 0)
-        if cause == CAUSE_FORWARD:
-            return localise_forward(root, args, kwargs, state, culprit, index, limit,
-                                    allow_inf=allow_inf, buffers=buffers)
         grads = self.root_grads.get(root_id)
-        if grads is None:
+        if cause != CAUSE_FORWARD and grads is None:
             return OpLocation(note="op localisation needs the gradients of the model's outputs")
-        return localise_backward(root, args, kwargs, state, grads, culprit, index, limit,
-                                 allow_inf=allow_inf, buffers=buffers)
+        with forward_as(root, forward):  # the forward it ran under (Lightning's redirection)
+            if cause == CAUSE_FORWARD:
+                return localise_forward(root, args, kwargs, state, culprit, index, limit,
+                                        allow_inf=allow_inf, buffers=buffers)
+            return localise_backward(root, args, kwargs, state, grads, culprit, index, limit,
+                                     allow_inf=allow_inf, buffers=buffers)
