@@ -46,6 +46,7 @@ class _GuardedRun:
         # Fail at construction on a misspelt option or a bad value, not when training starts.
         self.options = GuardOptions(mode=mode, **guard_options)
         self.guard: Guard | None = None
+        self._modules_hooked: set = set()  # ids of the model's modules when the guard attached
         self._figures_taken = 0  # history samples whose figures were logged
 
     @property
@@ -80,6 +81,16 @@ class _GuardedRun:
                                        scaler=given if given is not None else scaler)
         self.guard = Guard(model, **options.as_kwargs()).attach()
         self._figures_taken = 0
+        self._modules_hooked = {id(module) for module in model.modules()}
+
+    def follow_new_modules(self, model: nn.Module) -> None:
+        """Hook the submodules made since the guard attached (a teacher or an EMA copy a
+        LightningModule makes in its own on_fit_start, which runs after the callbacks')."""
+        now = {id(module) for module in model.modules()}
+        if self.guard is not None and self.guard.attached and now != self._modules_hooked:
+            self.guard.detach()
+            self.guard.attach()
+            self._modules_hooked = now
 
     def detach(self) -> None:
         """Remove the guard's hooks (idempotent); the report stays available."""
@@ -137,6 +148,9 @@ def _build_lightning_callback() -> type:
 
         def on_fit_start(self, trainer, pl_module):
             self.start(pl_module, loss_scaler_of(trainer))
+
+        def on_train_start(self, trainer, pl_module):
+            self.follow_new_modules(pl_module)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             # training_step usually calls submodules, not the LightningModule itself: the guard

@@ -30,6 +30,15 @@ class BlowUp(nn.Module):
         return hidden * float("inf") if self.calls == self.on_call + 1 else hidden
 
 
+class NanWhenArmed(nn.Module):
+    """nan out while `armed` (set for one training step: a re-run of that step repeats it)."""
+
+    armed = False
+
+    def forward(self, hidden):
+        return hidden * float("nan") if NanWhenArmed.armed else hidden
+
+
 class Classifier(nn.Module):
     """Hugging Face style: keyword inputs in, a dict with the loss out."""
 
@@ -195,6 +204,52 @@ def test_lightning_batches_are_counted_per_training_step_for_abort_after_batch()
     with pytest.raises(BatchLimitReached, match="before batch 2"):
         trainer.fit(module, torch.utils.data.DataLoader(samples(), batch_size=4))
     assert callback.guard.batch_number == 1
+    assert_no_hooks(module)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_lightning_a_submodule_made_in_the_module_s_own_on_fit_start_is_guarded(mode):
+    # Lightning runs the callbacks' on_fit_start (where the guard attaches) before the
+    # module's, where a teacher or an EMA copy is often made
+    import copy
+
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class Distill(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Classifier(blow_up_batch=None)
+
+        def on_fit_start(self):
+            self.teacher = copy.deepcopy(self.net).requires_grad_(False)
+            self.teacher.scale = NanWhenArmed()  # (tanh would clamp an inf)
+
+        def training_step(self, batch, batch_index):
+            NanWhenArmed.armed = batch_index == BLOW_UP_BATCH
+            with torch.no_grad():
+                target = self.teacher(**batch)["logits"]
+            return nn.functional.mse_loss(self.net(**batch)["logits"], target)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    module = Distill()
+    trainer = lightning.Trainer(
+        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[NumguardLightningCallback(mode=mode)],
+    )
+    try:
+        with pytest.raises(NonFiniteError) as raised:
+            trainer.fit(module, torch.utils.data.DataLoader(samples(), batch_size=4))
+    finally:
+        NanWhenArmed.armed = False
+    report = raised.value.report
+    assert (report.first_nonfinite.module_name, report.phase, report.cause) == (
+        "teacher.scale", "forward", "forward")
+    assert report.batch_number == BLOW_UP_BATCH
     assert_no_hooks(module)
 
 
