@@ -374,6 +374,10 @@ def _weights_hint(facts: Facts) -> str:
                 "outside the model's forward (an in-place update under `torch.no_grad()`, a "
                 "checkpoint load) wrote them. Attach the guard before the first step to have the "
                 "step named.")
+    if step.eps == 0:
+        return (f"{subject}: the optimizer step that wrote them, {step.words}, has eps=0, so a "
+                "weight whose gradients were all exactly 0 (an embedding row no batch used) gets "
+                "0/0. Give it an eps above 0 (1e-8, the default; `adam_epsilon` of a Trainer).")
     if any(row.dtype == "float16" for row in rows) and "Adam" in step.optimizer:
         return (f"{_subject(rows, where, 'float16 ')} {facts.found} in batch {batch}: the "
                 f"optimizer step that wrote them was {step.words}. Adam's default eps=1e-8 rounds "

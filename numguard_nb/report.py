@@ -155,6 +155,7 @@ class OptimizerStep:
     optimizers: int = 1  # how many optimizers the guard saw step
     param_group: Optional[int] = None  # the index of the group holding the weights, if known
     lr: Optional[float] = None  # that group's learning rate at the step
+    eps: Optional[float] = None  # that group's eps (Adam's and others'), where it has one
 
     @property
     def words(self) -> str:

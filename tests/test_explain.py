@@ -299,6 +299,24 @@ def test_weights_broken_by_adam_in_float16_name_its_eps():
     assert "eps=1e-8 rounds to 0" in hint and "5.96e-08" in hint and "`eps=1e-4`" in hint
 
 
+def test_weights_broken_by_an_optimizer_with_eps_0_name_it_not_the_learning_rate():
+    # AdamW(eps=0) (`adam_epsilon=0.0` of a Trainer): 0/0 where a row's gradients were all 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Flatten(), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, eps=0.0)
+
+    def train():
+        for _ in range(2):  # rows 4-7 are never used: their gradients stay exactly 0
+            F.cross_entropy(model(torch.randint(0, 4, (2, 2))), torch.tensor([0, 1])).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    report = detect(model, train)
+    assert report.cause == "weights" and report.optimizer_step.eps == 0.0
+    hint = hint_for(report)
+    assert "has eps=0" in hint and "0/0" in hint and "Lower the learning rate" not in hint
+
+
 def test_float32_weights_broken_by_a_step_lower_the_learning_rate():
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e37)

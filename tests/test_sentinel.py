@@ -321,6 +321,20 @@ def test_a_fault_that_does_not_repeat_is_called_transient(phase):
     assert rows[0].role == ("output" if phase == "forward" else "0.weight.grad")
 
 
+def test_a_transient_fault_in_many_gradients_names_a_few_in_the_error_and_keeps_them_all():
+    # a 12-layer model's backward: its error's first line was 7,000 characters of names
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)], FirstBackwardOnly())
+    NanGradientOnce.backwards = 0
+    with Guard(model, mode="sentinel"):
+        error = caught(lambda: model(x4()).sum().backward())
+    report = error.report
+    first_line = str(error).splitlines()[0]
+    assert report.cause == "transient" and len(first_line) < 600, first_line
+    assert "; and 21 more (the report's rows)" in first_line
+    assert len(report.first_nonfinite.flagged_rows) == 24
+
+
 # ---- the gradients a backward re-run starts from -------------------------------------------------
 def test_only_outputs_nothing_else_was_computed_from_keep_the_gradient_they_get():
     weight = torch.ones(3, requires_grad=True)

@@ -385,9 +385,15 @@ def _found(report: Report) -> Report:
     return report
 
 
+_LISTED = 3  # the values an error's first line names; the report's rows hold them all
+
+
 def _holds(frame: Frame) -> str:
-    return "; ".join(f"{row.role} holds {row.nonfinite_words or 'values beyond the limit'}"
-                     for row in frame.flagged_rows) or (
+    rows = frame.flagged_rows
+    listed = "; ".join(f"{row.role} holds {row.nonfinite_words or 'values beyond the limit'}"
+                       for row in rows[:_LISTED])
+    more = f"; and {len(rows) - _LISTED} more (the report's rows)" if len(rows) > _LISTED else ""
+    return listed + more or (
         "inf or nan, found by one check on the device that does not say which tensor")
 
 

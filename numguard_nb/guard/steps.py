@@ -198,10 +198,13 @@ def _described(step: tuple, group: Optional[int], optimizers: int) -> OptimizerS
     lrs = step[STEP_LRS]
     lr = lrs[group] if group is not None and group < len(lrs) else (
         lrs[0] if len(set(lrs)) == 1 else None)
+    optimizer = step[STEP_OPTIMIZER]()
+    groups = optimizer.param_groups if optimizer is not None else []
+    eps = _number(groups[group].get("eps")) if group is not None and group < len(groups) else None
     return OptimizerStep(
         optimizer=step[STEP_CLASS], number=step[STEP_NUMBER], counted=step[STEP_COUNTED],
         after_batch=step[STEP_BATCH], position=step[STEP_POSITION], optimizers=optimizers,
-        param_group=group if group is not None and len(lrs) > 1 else None, lr=lr,
+        param_group=group if group is not None and len(lrs) > 1 else None, lr=lr, eps=eps,
     )
 
 
