@@ -22,11 +22,15 @@ More: docs/callbacks.md.
 
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import Callable
 
+import torch
 from torch import nn
 
 from ._schema import MODE_SENTINEL
+from ._util import compiled_original
 from .guard import Guard, GuardOptions
 from .guard.scaler import SkippedStep, loss_scaler_of
 from .report import Report
@@ -110,6 +114,37 @@ class _GuardedRun:
         self.detach()
 
 
+def _compiled_wrapper_of(model: nn.Module) -> nn.Module:
+    """What a Trainer run with `torch_compile=True` calls in place of `model`: the torch.compile
+    wrapper accelerate made of it (of its DDP wrapper under torchrun), which callbacks are not
+    given; `model` itself where there is none. (Hooks on the model alone would run inside the
+    compiled code, where they see nothing.) Looked for once a run, among the live objects."""
+    found = []
+    for wrapper in gc.get_objects():
+        # (type(), not isinstance: some objects warn when asked their __class__)
+        if issubclass(type(wrapper), _WRAPPERS) and compiled_original(wrapper) is not None \
+                and _unwrapped(wrapper) is model:
+            found.append(wrapper)
+    outermost = [w for w in found if not any(o is not w and _holds(o, w) for o in found)]
+    return outermost[0] if len(outermost) == 1 else model
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    while isinstance(module, _WRAPPERS):
+        module = compiled_original(module) or module.module
+    return module
+
+
+def _holds(outer: nn.Module, inner: nn.Module) -> bool:
+    while isinstance(outer, _WRAPPERS) and outer is not inner:
+        outer = compiled_original(outer) or outer.module
+    return outer is inner
+
+
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel,
+             torch._dynamo.eval_frame.OptimizedModule)
+
+
 def _build_trainer_callback() -> type:
     try:
         from transformers import TrainerCallback
@@ -120,8 +155,17 @@ def _build_trainer_callback() -> type:
         """Guard the Trainer's model through training, forward and backward; see the module docstring."""
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self._compiled_later = getattr(args, "torch_compile", False)
+            if self._compiled_later:  # compiled after this event: guarded at the epoch's start
+                self.detach()
+                return
             # accelerate's optimizer carries the Accelerator's GradScaler (fp16 runs)
             self.start(model, loss_scaler_of(optimizer))
+
+        def on_epoch_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            if getattr(self, "_compiled_later", False):
+                self._compiled_later = False
+                self.start(_compiled_wrapper_of(model), loss_scaler_of(optimizer))
 
         def on_step_end(self, args, state, control, **kwargs):
             figures = self.new_figures()
@@ -147,6 +191,16 @@ def _build_lightning_callback() -> type:
         """Guard the LightningModule through ``fit``, forward and backward; see the module docstring."""
 
         def on_fit_start(self, trainer, pl_module):
+            if getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module))
+                warnings.warn(
+                    "numguard: not guarding this fit: the LightningModule was compiled "
+                    "(trainer.fit(torch.compile(module))), so its training_step runs as compiled "
+                    "code, where hooks see nothing and a report would name the wrong module. Fit "
+                    "it uncompiled to find the fault, or compile a part of it "
+                    "(self.net = torch.compile(self.net)): the guard watches such a part's calls",
+                    stacklevel=2)
+                self.detach()
+                return
             self.start(pl_module, loss_scaler_of(trainer))
 
         def on_train_start(self, trainer, pl_module):

@@ -123,6 +123,34 @@ def test_trainer_hooks_go_with_the_callback_as_context_when_training_raises_othe
     assert_no_hooks(model)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_trainer_that_compiles_the_model_itself_is_guarded_where_it_runs(tmp_path, mode):
+    # TrainingArguments(torch_compile=True): the Trainer calls a torch.compile wrapper the
+    # callbacks are not given; hooks on the model alone would run inside compiled code
+    class ArmAtStep(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            NanWhenArmed.armed = state.global_step == BLOW_UP_BATCH
+
+    model = Classifier()
+    model.scale = NanWhenArmed()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), report_to="none", use_cpu=True,
+        per_device_train_batch_size=4, max_steps=4, save_strategy="no", disable_tqdm=True,
+        torch_compile=True, torch_compile_backend="eager")
+    callback = NumguardCallback(mode=mode)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=samples(),
+                                   callbacks=[ArmAtStep(), callback])
+    try:
+        with pytest.raises(NonFiniteError) as raised, callback:
+            trainer.train()
+    finally:
+        NanWhenArmed.armed = False
+    report = raised.value.report
+    assert (report.first_nonfinite.module_name, report.phase, report.batch_number) == (
+        "scale", "forward", BLOW_UP_BATCH)
+    assert_no_hooks(model) and assert_no_hooks(trainer.model_wrapped)
+
+
 def test_callback_rejects_an_unknown_guard_option():
     with pytest.raises(TypeError):
         NumguardCallback(max_frame=3)
@@ -250,6 +278,36 @@ def test_lightning_a_submodule_made_in_the_module_s_own_on_fit_start_is_guarded(
     assert (report.first_nonfinite.module_name, report.phase, report.cause) == (
         "teacher.scale", "forward", "forward")
     assert report.batch_number == BLOW_UP_BATCH
+    assert_no_hooks(module)
+
+
+def test_lightning_fit_of_a_compiled_module_says_it_is_not_guarded_and_names_no_module():
+    # trainer.fit(torch.compile(module)) compiles training_step: hooks inside see nothing, and
+    # the backward alone would have named the wrong module
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class LitClassifier(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Classifier(blow_up_batch=None)
+
+        def training_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = LitClassifier()
+    callback = NumguardLightningCallback()
+    trainer = lightning.Trainer(
+        max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    with pytest.warns(UserWarning, match=r"numguard: not guarding this fit: .* Fit it uncompiled"):
+        trainer.fit(torch.compile(module, backend="eager"),
+                    torch.utils.data.DataLoader(samples(), batch_size=4))
+    assert callback.guard is None
     assert_no_hooks(module)
 
 
