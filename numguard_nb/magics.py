@@ -523,7 +523,7 @@ class NumguardMagics(Magics):
     def _look_up(self, name: str, magic: str):
         """A variable of the namespace, or an attribute path such as trainer.model."""
         try:
-            return lookup(self.shell.user_ns, name)
+            return lookup(self.shell.user_ns, name, _hidden(self.shell))
         except LookupError as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
 

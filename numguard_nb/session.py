@@ -54,15 +54,17 @@ class ToShow:
 
 
 # ---- the models the names of a namespace stand for -----------------------------------------
-def lookup(namespace: Mapping, name: str):
+def lookup(namespace: Mapping, name: str, hidden: Optional[Mapping] = None):
     """The object `name` (a variable, or an attribute path such as trainer.model) is bound to.
-    Raises LookupError, whose message tells the user what to write instead."""
+    Raises LookupError, whose message tells the user what to write instead (a near name of
+    the user's, never one of `hidden`: the shell's own, such as its `open`)."""
     first, _, rest = name.partition(".")
     parts = rest.split(".") if rest else []
     if not first.isidentifier() or not all(part.isidentifier() for part in parts):
         raise LookupError(f"{name!r} is not a variable name: name an object of the notebook")
     if first not in namespace:
-        close = difflib.get_close_matches(first, [k for k in namespace if not k.startswith("_")], n=1)
+        close = difflib.get_close_matches(first, [k for k in namespace if not k.startswith("_")
+                                                  and k not in (hidden or {})], n=1)
         hint = f"; did you mean {close[0]}?" if close else "; define it first (run its cell)"
         raise LookupError(f"no variable named {first!r} in the namespace{hint}")
     obj, path = namespace[first], first
@@ -85,7 +87,7 @@ def find_models(namespace: Mapping, names: Sequence[str] = (), hidden: Optional[
     or inside another found one, is kept once, under its first name. Raises LookupError."""
     found: Dict[str, nn.Module] = {}
     for name in names:
-        obj = lookup(namespace, name)
+        obj = lookup(namespace, name, hidden)
         found[name] = model_of(obj)
         if found[name] is None:
             raise LookupError(f"{name} is a {type(obj).__name__}, not a torch.nn.Module or a "
@@ -130,7 +132,7 @@ def find_scaler(namespace: Mapping, name: Optional[str] = None, hidden: Optional
     note then says which, and how to name one (else ''). Raises LookupError for a `name` that
     stands for no scaler."""
     if name is not None:
-        obj = lookup(namespace, name)
+        obj = lookup(namespace, name, hidden)
         scaler = loss_scaler_of(obj)
         if scaler is None:
             what = "a disabled scaler" if is_loss_scaler(obj) else f"a {type(obj).__name__}"

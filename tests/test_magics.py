@@ -273,6 +273,8 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%%numguard -o get_ipython\n1", "-o get_ipython: that name is Python's or IPython's own"),
     ("%%numguard -o len\n1", "-o len: that name is Python's or IPython's own"),
     ("%numguard on a+b", "%numguard on: 'a+b' is not a variable name"),
+    # a near name is the user's, never the shell's own (its `open`)
+    ("%numguard_check net xs --loss opn", "no variable named 'opn' in the namespace; define it first"),
     ("%%numguard 'net\n1", "No closing quotation"),
     ("%%numguard on\n1", "use the line magic %numguard on (one %)"),
     ("%numguard", "%numguard needs on, off, status or compare"),
