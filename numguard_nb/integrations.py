@@ -51,6 +51,7 @@ class _GuardedRun:
         self.options = GuardOptions(mode=mode, **guard_options)
         self.guard: Guard | None = None
         self._modules_hooked: set = set()  # ids of the model's modules when the guard attached
+        self._compiled_later = False  # the Trainer compiles the model after on_train_begin
         self._figures_taken = 0  # history samples whose figures were logged
 
     @property
@@ -163,7 +164,7 @@ def _build_trainer_callback() -> type:
             self.start(model, loss_scaler_of(optimizer))
 
         def on_epoch_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            if getattr(self, "_compiled_later", False):
+            if self._compiled_later:
                 self._compiled_later = False
                 self.start(_compiled_wrapper_of(model), loss_scaler_of(optimizer))
 
