@@ -88,6 +88,18 @@ class _GuardedRun:
         self._figures_taken = 0
         self._modules_hooked = {id(module) for module in model.modules()}
 
+    def start_when_compiled(self) -> None:
+        """The model will be compiled before it runs (a Trainer's `torch_compile=True`): guard
+        what runs at `start_compiled`."""
+        self.detach()
+        self._compiled_later = True
+
+    def start_compiled(self, model: nn.Module, scaler=None) -> None:
+        """Guard the torch.compile wrapper made of `model` since `start_when_compiled`."""
+        if self._compiled_later:
+            self._compiled_later = False
+            self.start(_compiled_wrapper_of(model), scaler)
+
     def follow_new_modules(self, model: nn.Module) -> None:
         """Hook the submodules made since the guard attached (a teacher or an EMA copy a
         LightningModule makes in its own on_fit_start, which runs after the callbacks')."""
@@ -156,17 +168,14 @@ def _build_trainer_callback() -> type:
         """Guard the Trainer's model through training, forward and backward; see the module docstring."""
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self._compiled_later = getattr(args, "torch_compile", False)
-            if self._compiled_later:  # compiled after this event: guarded at the epoch's start
-                self.detach()
+            if getattr(args, "torch_compile", False):  # compiled after this event
+                self.start_when_compiled()
                 return
             # accelerate's optimizer carries the Accelerator's GradScaler (fp16 runs)
             self.start(model, loss_scaler_of(optimizer))
 
         def on_epoch_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            if self._compiled_later:
-                self._compiled_later = False
-                self.start(_compiled_wrapper_of(model), loss_scaler_of(optimizer))
+            self.start_compiled(model, loss_scaler_of(optimizer))
 
         def on_step_end(self, args, state, control, **kwargs):
             figures = self.new_figures()
