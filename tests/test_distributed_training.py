@@ -97,19 +97,62 @@ class BufferNet(nn.Module):
         return self.last(self.first(self.mean(x)))
 
 
+class RootParameterNet(ForwardNet):
+    """A parameter of the root's own (FSDP2: the root's group, reduced at FSDP2's own end of
+    backward, after the guard's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class RootParameterBackwardNet(BackwardNet):
+    """Its head (`last`) is the root's own under FSDP2, as a transformer's embedding and head
+    are: the root's group is reduced at FSDP2's end of backward, after the guard's."""
+
+    root_owns = ("last",)
+
+
+class MaskOutNet(nn.Module):
+    """Logits with a -inf column (an action never legal); the loss reads the legal ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 2)
+
+    def forward(self, x):
+        logits = self.first(x)
+        return torch.cat([logits, torch.full_like(logits[:, :1], float("-inf"))], dim=1)
+
+
+def _loss(out, setup: str, rank: int, step: int) -> torch.Tensor:
+    if setup == "minus-inf mask":
+        return torch.log_softmax(out, dim=1)[:, :2].pow(2).mean()
+    if setup == "loss" and rank == 1 and step == BAD_STEP:
+        out = torch.log(out - 1e6)  # nan made in the loss code, rank 1 only
+    return (out[0] if setup.startswith("masked") else out).pow(2).mean()
+
+
 def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
     x = torch.rand(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
     if rank == 1 and step == BAD_STEP and setup in ("forward", "masked", "masked, called twice",
-                                                    "buffer"):
+                                                    "buffer", "forward, root parameter",
+                                                    "two models"):
         x[:, 0] = -1e4  # log of a negative value in rank 1's forward
-    if rank == 1 and step == BAD_STEP and setup == "backward":
+    if rank == 1 and step == BAD_STEP and setup in ("backward", "backward, root parameter"):
         x[0, 0] = 1000.0  # rank 1's backward makes nan
     return x
 
 
 MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
 NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet,
-        "masked, called twice": MaskedNet, "buffer": BufferNet}
+        "masked, called twice": MaskedNet, "buffer": BufferNet, "loss": ForwardNet,
+        "forward, root parameter": RootParameterNet, "minus-inf mask": MaskOutNet,
+        "backward, root parameter": RootParameterBackwardNet,
+        "two models": ForwardNet}
 
 
 def _as_on_a_gpu(rank: int) -> None:
@@ -125,16 +168,18 @@ def _as_on_a_gpu(rank: int) -> None:
 def _wrapped(net: nn.Module, wrap: str) -> nn.Module:
     if wrap == "ddp":
         return nn.parallel.DistributedDataParallel(net)
+    if wrap == "compiled ddp":
+        return torch.compile(nn.parallel.DistributedDataParallel(net), backend="eager")
     from torch.distributed.fsdp import fully_shard
 
-    for child in net.children():
-        if any(True for _ in child.parameters()):
+    for name, child in net.named_children():
+        if any(True for _ in child.parameters()) and name not in getattr(net, "root_owns", ()):
             fully_shard(child)
     return fully_shard(net)
 
 
 def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str = "sentinel",
-               wrap: str = "ddp"):
+               wrap: str = "ddp", options: dict = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -153,15 +198,20 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
             results.put((rank, _healthy(rank, setup, wrap)))
             return
         model = _wrapped(NETS[setup](), wrap)
+        guarded = model
+        if setup == "two models":  # a generator feeding a critic, one guard over both
+            critic = _wrapped(nn.Linear(1, 1), wrap)
+            guarded = {"generator": model, "critic": critic}
+            model = nn.Sequential(model, critic)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused or None)
         outcome = ("clean",)
         try:
-            with Guard(model, **MODES[mode]):
+            with Guard(guarded, **MODES[mode], **(options or {})):
                 for step in range(4):
                     out = model(_batch(rank, step, setup))
                     if setup == "masked, called twice":  # two calls before one backward
                         out = (out[0] + model(_batch(rank, step + 10, setup))[0],)
-                    (out[0] if setup.startswith("masked") else out).pow(2).mean().backward()
+                    _loss(out, setup, rank, step).backward()
                     optimizer.step()
                     optimizer.zero_grad()
         except NonFiniteError as error:
@@ -214,12 +264,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(setup: str, mode: str = "sentinel", wrap: str = "ddp") -> dict:
+def _run(setup: str, mode: str = "sentinel", wrap: str = "ddp", options: dict = None) -> dict:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     port = _free_port()
     processes = [context.Process(target=_rank_main,
-                                 args=(rank, 2, port, setup, results, mode, wrap))
+                                 args=(rank, 2, port, setup, results, mode, wrap, options))
                  for rank in range(2)]
     for process in processes:
         process.start()
@@ -325,6 +375,41 @@ def test_fsdp2_a_nan_made_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(set
     # re-ran together (the sentinel: forward, and backward where the gradients held it).
     assert got[1][2] == ("log" if setup == "forward" else "back"), got
 
+
+
+@pytest.mark.parametrize("setup, mode, wrap", [
+    ("loss", "sentinel", "ddp"), ("loss", "full", "ddp"), ("loss", "full", "fsdp2"),
+    ("forward, root parameter", "full", "fsdp2"), ("forward, root parameter", "ops", "fsdp2"),
+    ("backward, root parameter", "full", "fsdp2"),
+    ("two models", "full", "ddp"), ("forward", "sentinel", "compiled ddp")])
+def test_every_rank_stops_at_the_step_rank_1_made_a_nan_in(setup, mode, wrap):
+    # a nan made in the loss code; FSDP2 with parameters of the root's own (reduced after the
+    # guard's end of backward); two models under one guard; a compiled DDP model
+    got = _run(setup, mode, wrap=wrap)
+    assert sorted(got) == [0, 1], got
+    for rank in (0, 1):
+        assert got[rank][0] == "detected", got
+        assert got[rank][1] == BAD_STEP and got[rank][4] == 1, got  # made on rank 1
+        assert got[rank][-1] < TIMEOUT_S, got  # no rank waited for a collective's timeout
+    assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+    assert got[1][3] == {"loss": "outside", "backward, root parameter": "backward"}.get(
+        setup, "forward"), got
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_minus_inf_mask_in_the_output_is_no_error_on_several_ranks_either(wrap):
+    got = _run("minus-inf mask", "sentinel", wrap=wrap)
+    assert got[0][0] == got[1][0] == "clean", got
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "full"])
+def test_a_traced_batch_runs_on_on_every_rank(mode):
+    # rank 1 traces its nan without stopping: rank 0 must not stop alone at what it received
+    got = _run("forward", mode, options={"trace_batches": [BAD_STEP]})
+    for rank in (0, 1):
+        assert got[rank][0] == "detected" and got[rank][1] == BAD_STEP + 1, got
+        assert got[rank][3] in ("weights", "other-rank"), got
+        assert got[rank][-1] < TIMEOUT_S, got
 
 
 @pytest.mark.parametrize("framework", ["hf", "lightning"])

@@ -93,21 +93,28 @@ class RankFlags:
     def attach_any(cls, models: dict) -> Optional["RankFlags"]:
         """The flags of the first DDP or FSDP2 model among a guard's models (see `attach`), or of
         the DDP wrapper around one (a Trainer's callbacks are handed the model it wraps)."""
-        found = next(filter(None, map(cls.attach, models.values())), None)
+        from ..rerun import eager
+
+        # (a torch.compile wrapper of a DDP model: the DDP model inside it)
+        found = next(filter(None, (cls.attach(eager(model)) for model in models.values())), None)
         if found is None and several_processes():
             wrappers = filter(None, map(_ddp_around, models.values()))
             found = next(filter(None, map(cls.attach, wrappers)), None)
         return found
 
-    def hold(self, error: BaseException) -> bool:
-        """Full mode: hold a forward detection until this step's backward has been reduced, so
-        that this rank still joins the all-reduce and every rank learns of it there (`settle`).
-        False where no backward will come (no grad)."""
-        if not torch.is_grad_enabled():
+    def hold(self, error: BaseException, in_forward: bool = True) -> bool:
+        """Hold a detection until this step's backward has been reduced and the callbacks after
+        it have run (FSDP2's own end of backward reduces the root's gradients there), so that
+        this rank still joins every collective of the step (`settle`). One made before the
+        backward (a forward's, the loss code's) rides on the reduction as this rank's forward
+        problem: every rank learns of it there; False where no backward will come (no grad).
+        A backward's own: its gradients carry it already. The first held stays held."""
+        if in_forward and not torch.is_grad_enabled():
             return False
         if self.held is None:
             self.held = error
-        self.forward_problem = True
+        if in_forward:
+            self.forward_problem = True
         return True
 
     def producers(self) -> Tuple[List[int], List[int]]:
@@ -215,8 +222,8 @@ def _ddp_around(model):
 
     from torch.nn.parallel import DistributedDataParallel
 
-    for candidate in gc.get_objects():
-        if isinstance(candidate, DistributedDataParallel) and any(
+    for candidate in gc.get_objects():  # (type(), not isinstance: some objects warn when asked)
+        if issubclass(type(candidate), DistributedDataParallel) and any(
                 m is model for m in candidate.module.modules()):
             return candidate
     return None

@@ -579,8 +579,8 @@ class Guard:
                                                                         bad_slots, cause, True))):
             return
         options = self.options
-        if self._ranks is not None and self._ranks.held is not None:  # the first, held
-            raise self._ranks.held
+        if self._ranks is not None and self._ranks.held is not None:
+            return  # the first detection is held: raised once every rank knows (rank_reports)
         pass_.measure_abs_min()
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad_slots})
         _locate_op(self, culprit, call, cause, options.stop_rules)
@@ -597,7 +597,7 @@ class Guard:
         pass_.release()
         _forget_pass(self, self.threads.state)
         error = frames.detection_error(self, self.detection)
-        if phase == FORWARD and self._ranks is not None and self._ranks.hold(error):
+        if self._ranks is not None and self._ranks.hold(error, phase == FORWARD):
             return  # DDP: raised at the backward's end, when every rank knows (`ranks`)
         raise error
 

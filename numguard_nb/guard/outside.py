@@ -42,6 +42,7 @@ from .outside_ops import (
 )
 from .outside_checks import BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id
+from .rank_reports import hold_until_every_rank_knows
 
 __all__ = ["OutsideWatch", "OutsideCall", "outside_mode_active", "outside_checking"]
 
@@ -440,6 +441,8 @@ class OutsideWatch(BackwardWatch):
             options, call.batch_number)
         pass_.release()
         error = frames.detection_error(guard, report)
+        if raising and hold_until_every_rank_knows(guard, error):
+            return None  # several ranks: this one still joins the step's reduction
         if raising:
             raise error
         return error

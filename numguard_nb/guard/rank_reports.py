@@ -28,7 +28,20 @@ from ..report import Frame, Report
 from . import frames
 from .sentinel_rerun import gradient_frame
 
-__all__ = ["settle_after_reduction", "received_report"]
+__all__ = ["settle_after_reduction", "received_report", "hold_until_every_rank_knows"]
+
+
+def hold_until_every_rank_knows(guard, error: BaseException) -> bool:
+    """Several ranks, a detection made before the backward (the loss code's): hold it, so that
+    this rank still joins the reduction, which tells every rank; raised at the backward's end
+    (`_settle`, the sentinel's own). False: one process, or no backward will come (no grad)."""
+    flags = guard._ranks if guard._ranks is not None else guard._sentinel.ranks
+    if flags is None or not flags.hold(error):
+        return False
+    report = getattr(error, "report", None)
+    if report is not None and report.source_rank is None:
+        report.source_rank = flags.rank  # this rank's own code made it
+    return True
 
 
 def settle_after_reduction(flags, guard) -> None:
@@ -41,9 +54,11 @@ def settle_after_reduction(flags, guard) -> None:
 def _settle(flags, guard) -> None:
     """Raise the forward detection held, or a report of what another rank made."""
     held, flags.held = flags.held, None
+    ranks = flags.take_fresh()  # (this step's flags consumed either way)
     if held is not None:
         raise held
-    ranks = flags.take_fresh()
+    if guard.tracing:
+        return  # a traced batch runs on without stopping on every rank: none stops alone
     source = min(set(ranks[0]) | set(ranks[1]), default=None) if ranks else None
     if source is None or flags.rank in ranks[0]:
         return  # nothing, or this rank's own gradients: its guard names them

@@ -445,13 +445,13 @@ class Sentinel:
                 bad[id(slot)] = (slot[SLOT_ROLE], kinds)
         if not bad:
             return False
+        if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard.outside.hold(
+                pass_, record, self, ("_rerun_forward", (call, pass_, record, bad))):
+            return False  # a -inf mask in the model's output (illegal actions): the loss judges it
         if self.ranks is not None and torch.is_grad_enabled() and options.backward:
             call.held = (pass_, record, bad)  # raised at the backward's end, on every rank
             self.ranks.forward_problem, self._held = True, call
             return False
-        if all(kinds == {PROBLEM_NEGINF} for _, kinds in bad.values()) and self.guard.outside.hold(
-                pass_, record, self, ("_rerun_forward", (call, pass_, record, bad))):
-            return False  # a -inf mask in the model's output (illegal actions): the loss judges it
         return self._rerun_forward(call, pass_, record, bad)
 
     def _rerun_forward(self, call: _Call, pass_: PassRecord, record: CallRecord, bad: dict) -> bool:
@@ -518,6 +518,11 @@ class Sentinel:
                 done = check_gradients_later(self, done, parameters)
                 return
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
+            if self.ranks is not None and self.ranks.held is not None:
+                held, self.ranks.held = self.ranks.held, None
+                raise held  # the loss code's, held until every rank knew (rank_reports)
+            if ranks is not None and self.guard.batch_number in self.guard.options.trace_batches:
+                return  # a traced batch runs on without stopping on every rank: none stops alone
             if ranks is not None and len(self.guard.models) == 1:
                 # DDP's reduction carried every rank's own check: no second read of the grads
                 if self.ranks.rank in ranks[0]:
