@@ -297,8 +297,7 @@ class Guard:
                 self.raise_found(exc_type is None)
 
     def raise_found(self, when: bool = True) -> None:
-        """Raise what the last detach found (the loss code's culprit, a check read then), as a
-        `with` block's exit does; `when` False: drop it."""
+        """Raise (`when`; else drop) what the last detach found, as a `with` block's exit does."""
         first = self._sentinel.checks.unraised  # (raised first: the other is dropped)
         try:
             self._sentinel.checks.raise_found(when)
@@ -318,10 +317,11 @@ class Guard:
         self._first_calls.clear()
         self.tracing = False
 
-    @property
-    def capture(self):
-        """The latest captured call (replayable on CPU), or None without capture=True."""
-        return self._capture.latest if self._capture is not None else None
+    rank_flags = property(lambda self: self._ranks if self._ranks is not None else self._sentinel.ranks,
+                          doc="Several ranks: its DDP or FSDP2 model's `distributed.flags`, or None.")
+
+    capture = property(lambda self: self._capture.latest if self._capture is not None else None,
+                       doc="The latest captured call (replayable on CPU), or None without capture=True.")
 
     @property
     def report(self) -> Report:
@@ -602,8 +602,8 @@ class Guard:
         raise error
 
     def __repr__(self) -> str:
-        names = ", ".join(type(m).__name__ for m in self.models.values())
-        return f"<numguard Guard on {names}: {'at' if self._attached else 'de'}tached, batch {self.batch_number}>"
+        return (f"<numguard Guard on {', '.join(type(m).__name__ for m in self.models.values())}: "
+                f"{'at' if self._attached else 'de'}tached, batch {self.batch_number}>")
 
 
 def _forget_pass(guard: Guard, state: PassState) -> None:

@@ -35,7 +35,7 @@ def hold_until_every_rank_knows(guard, error: BaseException) -> bool:
     """Several ranks, a detection made before the backward (the loss code's): hold it, so that
     this rank still joins the reduction, which tells every rank; raised at the backward's end
     (`_settle`, the sentinel's own). False: one process, or no backward will come (no grad)."""
-    flags = guard._ranks if guard._ranks is not None else guard._sentinel.ranks
+    flags = guard.rank_flags
     if flags is None or not flags.hold(error):
         return False
     report = getattr(error, "report", None)
