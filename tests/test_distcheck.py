@@ -191,8 +191,9 @@ def test_launcher_timeout_kills_the_process_group_and_reports_it(monkeypatch, tm
 
 @pytest.mark.parametrize("arguments, message", [
     ({"nproc": 0}, "nproc must be a positive integer (got 0)"),
-    ({"timeout": 0}, "timeout must be > 0 seconds (got 0)"),
-    ({"size_mb": -1}, "size_mb must be > 0 MiB (got -1)"),
+    ({"timeout": 0}, "timeout must be a finite number of seconds > 0 (got 0)"),
+    ({"timeout": float("inf")}, "timeout must be a finite number of seconds > 0 (got inf)"),
+    ({"size_mb": -1}, "size_mb must be a finite number of MiB > 0 (got -1)"),
     ({"backend": "mpi"}, "unknown backend 'mpi': use 'nccl' (GPUs) or 'gloo' (CPU)"),
 ])
 def test_bad_arguments_raise_a_one_line_value_error(arguments, message):
@@ -209,7 +210,10 @@ def test_nccl_without_cuda_says_to_use_gloo(monkeypatch):
 
 
 @pytest.mark.parametrize("arguments, env, message", [
-    (["--timeout", "0"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be > 0 seconds"),
+    (["--timeout", "0"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a finite number"),
+    (["--timeout", "inf"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a finite number"),
+    (["--results-dir", "/proc/numguard"], {"RANK": "0", "WORLD_SIZE": "1"},
+     "--results-dir /proc/numguard: cannot write there"),
     ([], {}, "RANK/WORLD_SIZE are not set: launch with torchrun"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_error_line(arguments, env, message):

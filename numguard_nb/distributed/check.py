@@ -23,6 +23,7 @@ import argparse
 import datetime
 import faulthandler
 import json
+import math
 import os
 import signal
 import socket
@@ -71,10 +72,12 @@ def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: f
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer (got {nproc!r}): pass nproc=1 or more")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds (got {timeout!r}): pass e.g. timeout=60")
-    if not size_mb > 0:
-        raise ValueError(f"size_mb must be > 0 MiB (got {size_mb!r}): pass e.g. size_mb=64")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r}): pass "
+                         "e.g. timeout=60")
+    if not 0 < size_mb < math.inf:
+        raise ValueError(f"size_mb must be a finite number of MiB > 0 (got {size_mb!r}): pass e.g. "
+                         "size_mb=64")
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in BACKENDS:
@@ -321,6 +324,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                         args.timeout, args.size)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.results_dir is not None:  # refused now, not after the check said OK
+        try:
+            Path(args.results_dir).mkdir(parents=True, exist_ok=True)
+            writable = os.access(args.results_dir, os.W_OK)
+        except OSError:
+            writable = False
+        if not writable:
+            parser.error(f"--results-dir {args.results_dir}: cannot write there: pass a folder "
+                         "this user can write to")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error("RANK/WORLD_SIZE are not set: launch with torchrun --nproc_per_node N "
                      "-m numguard_nb.distcheck, or call numguard_nb.distcheck.run()")
