@@ -179,6 +179,48 @@ def test_a_module_whose_own_backward_makes_the_nan_beside_another_use_is_still_n
     assert (culprit.module_name, culprit.phase, report.cause) == ("skip", "backward", "backward")
 
 
+class RMSNorm(nn.Module):
+    """A user's RMSNorm, named as torch's, with its eps outside the sqrt: on an all-zero row
+    its own backward makes nan (sqrt's gradient at 0)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)
+
+
+class HugeGradientsIntoANorm(nn.Module):
+    """torch's LayerNorm given finite gradients of 1e35: its backward's sum over 4096 features
+    overflows, and inf - inf is nan."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4096, 4096)
+        self.norm = nn.LayerNorm(4096)
+
+    def forward(self, x):
+        return self.norm(self.emb(x)) * 1e35
+
+
+@pytest.mark.parametrize("case", ["a user's class named as torch's", "gradients near overflow"])
+def test_a_module_whose_own_backward_makes_the_nan_is_named_though_its_class_usually_makes_none(case):
+    torch.manual_seed(0)
+    if case == "gradients near overflow":
+        model, x = HugeGradientsIntoANorm(), torch.randn(2, 4096)
+    else:
+        model, x = nn.Sequential(nn.Linear(4, 4), RMSNorm(4), nn.Linear(4, 1)), torch.randn(3, 4)
+        with torch.no_grad():
+            model[0].weight.zero_()
+            model[0].bias.zero_()  # all-zero rows into the norm
+    with pytest.raises(NonFiniteError) as caught, Guard(model):
+        model(x).sum().backward()
+    report, culprit = culprit_of(caught)
+    assert (culprit.module_class, culprit.phase, report.cause) == (
+        "LayerNorm" if case == "gradients near overflow" else "RMSNorm", "backward", "backward")
+
+
 class InfGradient(nn.Module):
     def forward(self, y):
         return torch.sqrt(y - y.detach())  # 0 forward, +inf gradient back

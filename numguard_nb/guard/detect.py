@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 import sys
 
+import torch
+
 from .. import stats as _stats
 from ..explain import MATMUL_MODULES
 from .._schema import (
@@ -173,32 +175,58 @@ def is_linear_map(module_class: str) -> bool:
     return module_class in MATMUL_MODULES
 
 
-# Modules whose backward makes no nan from finite values: matmuls, normalisations with an eps,
-# smooth or piecewise-linear activations, dropout and reshapes. (From finite values a backward of
-# these overflows to inf at worst.) A new nan in the input gradient of one, which received only
-# finite gradients, was made by another use of its input: an input's gradient sums them all.
+# torch.nn's and transformers' modules whose backward makes no nan from finite values of a
+# moderate size: matmuls, normalisations with an eps, smooth or piecewise-linear activations,
+# dropout and reshapes (large gradients can overflow inside them: inf - inf is nan). A new nan in
+# the input gradient of one, which received only such gradients, was made by another use of its
+# input: an input's gradient sums them all. (Not softmax: -inf in, nan back.)
 FINITE_BACKWARD_MODULES = MATMUL_MODULES | frozenset((
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
     "LazyBatchNorm2d", "LazyBatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d",
     "InstanceNorm2d", "InstanceNorm3d", "RMSNorm",
     "ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "CELU", "SELU", "GELU", "SiLU", "Mish",
     "Hardtanh", "Hardsigmoid", "Hardswish", "Softplus", "Softsign", "Tanh", "Sigmoid",
-    "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink", "Threshold", "GLU", "Softmax",
-    "LogSoftmax", "Softmin", "Softmax2d",
+    "Tanhshrink", "Softshrink", "Hardshrink", "GLU",
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
     "Identity", "Flatten", "Unflatten",
-    # transformers' activations and per-model RMSNorms (x * rsqrt(mean(x^2) + eps))
     "NewGELUActivation", "GELUActivation", "FastGELUActivation", "QuickGELUActivation",
-    "GELUTanh", "PytorchGELUTanh", "AccurateGELUActivation", "ClippedGELUActivation",
-    "SiLUActivation", "MishActivation", "LinearActivation", "T5LayerNorm",
+    "GELUTanh", "PytorchGELUTanh", "AccurateGELUActivation", "SiLUActivation", "MishActivation",
+    "LinearActivation", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "T5LayerNorm",
 ))
+_HOMES = ("torch.nn.", "transformers.")
+_finite_backward_of: dict = {}  # module class -> backward_makes_no_nan
 
 
-def backward_makes_no_nan(module_class: str) -> bool:
-    """Whether a module of this class makes no nan in backward from finite values: a matmul, a
-    normalisation with an eps, a smooth or piecewise-linear activation, dropout (class names
-    of torch.nn and transformers; any class named ...RMSNorm)."""
-    return module_class in FINITE_BACKWARD_MODULES or module_class.endswith("RMSNorm")
+def backward_makes_no_nan(module_type: type) -> bool:
+    """Whether a module of this class makes no nan in backward from finite values of a moderate
+    size: a linear map (by its name, as before: transformers' Conv1D, bitsandbytes' layers), or
+    one of torch.nn's or transformers' own classes above (a user's class of the same name may
+    do anything)."""
+    known = _finite_backward_of.get(module_type)
+    if known is None:
+        name = module_type.__name__
+        known = _finite_backward_of[module_type] = name in MATMUL_MODULES or (
+            name in FINITE_BACKWARD_MODULES
+            and (getattr(module_type, "__module__", "") or "").startswith(_HOMES))
+    return known
+
+
+def _received_moderately(pass_: PassRecord, call, dtype) -> bool:
+    """Whether the gradients a backward call received are all far below its dtype's largest
+    value (below its square root): no sum or product of them inside its backward overflows."""
+    try:
+        bound = math.sqrt(torch.finfo(dtype).max)
+    except (TypeError, ValueError):
+        return False
+    largest = 0.0
+    for slot in call.slots:
+        if slot[SLOT_CATEGORY] == GRAD_OUTPUT:
+            index = slot[SLOT_INDEX]
+            row = pass_.values[index] if index is not None else None
+            if row is None:
+                return False
+            largest = max(largest, row[1])
+    return largest < bound
 
 
 def _data_culprit(pass_: PassRecord, call, limit_max, masks_too=False):
@@ -299,7 +327,8 @@ def backward_culprit(pass_: PassRecord, slots, owner, rules):
             if rules.inf_allowed(call.module_name):
                 new = new - INF_KINDS
             if (new and new <= NAN and category == GRAD_INPUT and not got & INF_KINDS
-                    and backward_makes_no_nan(call.module_class)):
+                    and forward is not None and forward.finite_backward
+                    and _received_moderately(pass_, call, slot[SLOT_DTYPE])):
                 # From finite values this module's backward makes no nan (an overflow is inf;
                 # inf received, allowed, makes inf - inf). An input's gradient sums every use of
                 # the input: another use made it (the parent's own code beside this module, as

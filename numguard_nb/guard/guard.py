@@ -369,6 +369,7 @@ class Guard:
         # A call with nothing around it is top-level, whether or not it is a guarded root (a
         # LightningModule's training_step calls its submodules directly).
         call = CallRecord(module_id, name, cls, FORWARD, state.batch_number, index, not stack)
+        call.finite_backward = detect.backward_makes_no_nan(type(module))
         if index == 0:
             self._first_calls[module_id] = state.first_calls[module_id] = call
         if stack:
