@@ -114,6 +114,13 @@ class _GuardedRun:
         if self.guard is not None:
             self.guard.detach()
 
+    def finish(self, raising: bool = True) -> None:
+        """The run ended: detach, and raise what detaching found (the loss code's culprit of
+        the last step, a check read then), as a `with Guard(...)` block's exit does."""
+        self.detach()
+        if self.guard is not None:
+            self.guard.raise_found(raising)
+
     def _on_detect(self, report: Report):
         # The NonFiniteError about to be raised ends the run: leave no hooks behind.
         self.detach()
@@ -124,7 +131,7 @@ class _GuardedRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.detach()
+        self.finish(exc_type is None)
 
 
 def _compiled_wrapper_of(model: nn.Module) -> nn.Module:
@@ -183,7 +190,7 @@ def _build_trainer_callback() -> type:
                 state.log_history.append({**figures, "step": state.global_step})
 
         def on_train_end(self, args, state, control, **kwargs):
-            self.detach()
+            self.finish()
 
     return NumguardCallback
 
@@ -206,7 +213,9 @@ def _build_lightning_callback() -> type:
                     "numguard: not guarding this fit: the LightningModule was compiled "
                     "(trainer.fit(torch.compile(module))), so its training_step runs as compiled "
                     "code, where hooks see nothing and a report would name the wrong module. Fit "
-                    "it uncompiled to find the fault, or compile a part of it "
+                    "it uncompiled to find the fault (a new instance, or "
+                    "lightning.pytorch.utilities.compile.to_uncompiled(module): Lightning keeps "
+                    "it compiled after such a fit), or compile a part of it "
                     "(self.net = torch.compile(self.net)): the guard watches such a part's calls",
                     stacklevel=2)
                 self.detach()
@@ -228,7 +237,7 @@ def _build_lightning_callback() -> type:
                 logger.log_metrics(figures, step=trainer.global_step)
 
         def on_fit_end(self, trainer, pl_module):
-            self.detach()
+            self.finish()
 
         def on_exception(self, trainer, pl_module, exception):
             self.detach()

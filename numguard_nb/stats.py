@@ -415,7 +415,7 @@ def _integer_magnitudes(t: torch.Tensor) -> tuple:
         return low, high
     # |x| - 1, which cannot wrap: x - 1 above zero, ~x (= -x - 1) below it; zero gives -1.
     smallest = torch.where(t < 0, ~t, t - 1).amin().to(host_float) + 1
-    return smallest, torch.maximum(-low, high)
+    return smallest, torch.maximum(low.abs(), high.abs())
 
 
 _FLOAT8 = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))

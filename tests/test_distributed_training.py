@@ -6,6 +6,7 @@ all-reduce). A healthy run is bit-identical with and without the guard.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -129,7 +130,9 @@ class MaskOutNet(nn.Module):
 
 
 def _loss(out, setup: str, rank: int, step: int) -> torch.Tensor:
-    if setup == "minus-inf mask":
+    if setup.endswith("read") and rank == 1 and step == BAD_STEP:
+        return out.mean()  # -inf: the mask read, no new value made by the loss code
+    if setup.startswith("minus-inf mask"):
         return torch.log_softmax(out, dim=1)[:, :2].pow(2).mean()
     if setup == "loss" and rank == 1 and step == BAD_STEP:
         out = torch.log(out - 1e6)  # nan made in the loss code, rank 1 only
@@ -147,10 +150,11 @@ def _batch(rank: int, step: int, setup: str) -> torch.Tensor:
     return x
 
 
-MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}}
+MODES = {"sentinel": {"mode": "sentinel"}, "full": {}, "ops": {"ops": True}, "sync": {"sync": True}}
 NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet,
         "masked, called twice": MaskedNet, "buffer": BufferNet, "loss": ForwardNet,
         "forward, root parameter": RootParameterNet, "minus-inf mask": MaskOutNet,
+        "minus-inf mask, read": MaskOutNet,
         "backward, root parameter": RootParameterBackwardNet,
         "two models": ForwardNet}
 
@@ -197,6 +201,9 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
         if setup == "healthy":
             results.put((rank, _healthy(rank, setup, wrap)))
             return
+        if setup == "no_sync, then clean":
+            results.put((rank, _no_sync_then_clean(rank, mode)))
+            return
         model = _wrapped(NETS[setup](), wrap)
         guarded = model
         if setup == "two models":  # a generator feeding a critic, one guard over both
@@ -225,6 +232,33 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
         results.put((rank, ("crashed", traceback.format_exc())))
     finally:
         dist.destroy_process_group()
+
+
+def _no_sync_then_clean(rank: int, mode: str) -> tuple:
+    """Rank 0's forward makes nan in a micro-step under `no_sync`, caught as in a notebook;
+    training goes on with clean batches: what each step raised."""
+    from numguard_nb import Guard, NonFiniteError
+
+    net = ForwardNet()
+    net.norm = nn.Identity()  # (no running statistics to keep the bad batch's nan)
+    model = _wrapped(net, "ddp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    outcomes = []
+    with Guard(model, **MODES[mode]):
+        for step in range(4):
+            x = _batch(rank, step, "clean")
+            if rank == 0 and step == 1:
+                x[:, 0] = -1e4
+            try:
+                with model.no_sync() if step == 1 else contextlib.nullcontext():
+                    model(x).pow(2).mean().backward()
+                optimizer.step()
+                outcomes.append("clean")
+            except NonFiniteError as error:
+                outcomes.append(error.report.cause)
+            finally:
+                optimizer.zero_grad()
+    return tuple(outcomes)
 
 
 def _first_source_rank(report):
@@ -381,7 +415,8 @@ def test_fsdp2_a_nan_made_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(set
     ("loss", "sentinel", "ddp"), ("loss", "full", "ddp"), ("loss", "full", "fsdp2"),
     ("forward, root parameter", "full", "fsdp2"), ("forward, root parameter", "ops", "fsdp2"),
     ("backward, root parameter", "full", "fsdp2"),
-    ("two models", "full", "ddp"), ("forward", "sentinel", "compiled ddp")])
+    ("two models", "full", "ddp"), ("forward", "sentinel", "compiled ddp"),
+    ("minus-inf mask, read", "sentinel", "ddp"), ("minus-inf mask, read", "full", "ddp")])
 def test_every_rank_stops_at_the_step_rank_1_made_a_nan_in(setup, mode, wrap):
     # a nan made in the loss code; FSDP2 with parameters of the root's own (reduced after the
     # guard's end of backward); two models under one guard; a compiled DDP model
@@ -392,8 +427,17 @@ def test_every_rank_stops_at_the_step_rank_1_made_a_nan_in(setup, mode, wrap):
         assert got[rank][1] == BAD_STEP and got[rank][4] == 1, got  # made on rank 1
         assert got[rank][-1] < TIMEOUT_S, got  # no rank waited for a collective's timeout
     assert got[0][3] == "other-rank" and "received from rank 1" in got[0][6], got
+    # (the -inf mask read by the loss: its maker is named)
     assert got[1][3] == {"loss": "outside", "backward, root parameter": "backward"}.get(
         setup, "forward"), got
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_detection_under_no_sync_leaves_no_flag_for_the_next_steps(mode):
+    # rank 0 stops alone (no reduction told the others); after it, clean steps stay clean
+    got = _run("no_sync, then clean", mode)
+    assert got[0] == ("clean", "forward", "clean", "clean"), got
+    assert got[1] == ("clean", "clean", "clean", "clean"), got
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])

@@ -151,6 +151,19 @@ def test_trainer_that_compiles_the_model_itself_is_guarded_where_it_runs(tmp_pat
     assert_no_hooks(model) and assert_no_hooks(trainer.model_wrapped)
 
 
+def test_a_culprit_found_when_the_run_ends_is_raised_not_dropped():
+    # the loss code's nan after the last model call, with no backward to judge it: found at
+    # detach, and raised at the run's end as a `with Guard(...)` block's exit raises it
+    model = Classifier()
+    callback = NumguardCallback(mode="full")
+    callback.start(model)
+    torch.log(model(torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))["logits"] - 100).mean()
+    with pytest.raises(NonFiniteError) as raised:
+        callback.on_train_end(None, None, None)
+    assert raised.value.report.cause == "outside"
+    assert_no_hooks(model)
+
+
 def test_callback_rejects_an_unknown_guard_option():
     with pytest.raises(TypeError):
         NumguardCallback(max_frame=3)

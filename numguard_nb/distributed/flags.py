@@ -117,6 +117,18 @@ class RankFlags:
             self.forward_problem = True
         return True
 
+    def take_held(self) -> Optional[BaseException]:
+        """The detection held, taken to be raised now, with this rank's flags of its step."""
+        held, self.held = self.held, None
+        if held is not None:
+            self.forget_step()
+        return held
+
+    def forget_step(self) -> None:
+        """This rank's flags of the step a held problem is raised in (under `no_sync` no
+        reduction carried them: they must not ride on the next one)."""
+        self.local, self.forward_problem = None, False
+
     def producers(self) -> Tuple[List[int], List[int]]:
         """(ranks whose own gradients held inf/nan before the reduction, ranks whose sentinel
         held a forward problem), from the last step reduced (a host read of device flags: on a

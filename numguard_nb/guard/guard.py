@@ -417,6 +417,8 @@ class Guard:
             culprit = _culprit(pass_, detect.forward_culprit, [call], self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
+                if state.forward is not pass_:
+                    return  # held for the other ranks (`rank_reports`): its pass is forgotten
         if not state.stack:
             self._end_forward(state, raising)
             if not raising:  # (a forward that raised: no code of the user's follows to watch)

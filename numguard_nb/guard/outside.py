@@ -29,6 +29,7 @@ import torch
 from .. import _tree
 from .._schema import CAUSE_OUTSIDE, FORWARD, INPUT, OUTPUT, OUTSIDE_MODULE
 from .._util import function_name
+from ..errors import NonFiniteError
 from . import detect, frames
 from .function_mode import push as _push, stack_len as _stack_len
 from .hooks import inert_context
@@ -381,6 +382,12 @@ class OutsideWatch(BackwardWatch):
             if mask in owners:
                 name, args = mask.detect
                 getattr(mask.alive(), name)(*args)
+        except NonFiniteError as error:  # (a sentinel's re-run of the mask's maker raises)
+            if raising and hold_until_every_rank_knows(self.guard, error):
+                return None  # several ranks: this one still joins the step's reduction
+            if raising:
+                raise
+            return error
         except BaseException as error:
             if raising:
                 raise
@@ -441,7 +448,7 @@ class OutsideWatch(BackwardWatch):
             options, call.batch_number)
         pass_.release()
         error = frames.detection_error(guard, report)
-        if raising and hold_until_every_rank_knows(guard, error):
+        if raising and hold_until_every_rank_knows(guard, error, call.phase == FORWARD):
             return None  # several ranks: this one still joins the step's reduction
         if raising:
             raise error

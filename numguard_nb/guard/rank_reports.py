@@ -31,12 +31,13 @@ from .sentinel_rerun import gradient_frame
 __all__ = ["settle_after_reduction", "received_report", "hold_until_every_rank_knows"]
 
 
-def hold_until_every_rank_knows(guard, error: BaseException) -> bool:
-    """Several ranks, a detection made before the backward (the loss code's): hold it, so that
-    this rank still joins the reduction, which tells every rank; raised at the backward's end
-    (`_settle`, the sentinel's own). False: one process, or no backward will come (no grad)."""
+def hold_until_every_rank_knows(guard, error: BaseException, in_forward: bool = True) -> bool:
+    """Several ranks, a detection of the loss code's (made before the backward, or by its nodes
+    in it): hold it, so that this rank still joins the reduction, which tells every rank; raised
+    at the backward's end (`_settle`, the sentinel's own). False: one process, or no backward
+    will come (no grad)."""
     flags = guard.rank_flags
-    if flags is None or not flags.hold(error):
+    if flags is None or not flags.hold(error, in_forward):
         return False
     report = getattr(error, "report", None)
     if report is not None and report.source_rank is None:
@@ -53,8 +54,8 @@ def settle_after_reduction(flags, guard) -> None:
 
 def _settle(flags, guard) -> None:
     """Raise the forward detection held, or a report of what another rank made."""
-    held, flags.held = flags.held, None
     ranks = flags.take_fresh()  # (this step's flags consumed either way)
+    held = flags.take_held()
     if held is not None:
         raise held
     if guard.tracing:

@@ -518,9 +518,12 @@ class Sentinel:
                 done = check_gradients_later(self, done, parameters)
                 return
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
-            if self.ranks is not None and self.ranks.held is not None:
-                held, self.ranks.held = self.ranks.held, None
-                raise held  # the loss code's, held until every rank knew (rank_reports)
+            held = self.ranks.take_held() if self.ranks is not None else None
+            if held is not None:  # the loss code's, held until every rank knew (rank_reports)
+                self._held = None
+                for call in done:
+                    call.held = None
+                raise held
             if ranks is not None and self.guard.batch_number in self.guard.options.trace_batches:
                 return  # a traced batch runs on without stopping on every rank: none stops alone
             if ranks is not None and len(self.guard.models) == 1:
@@ -604,6 +607,7 @@ class Sentinel:
         held = next((call for call in calls if call.held is not None), None)
         if held is not None:
             self._held = None
+            self.ranks.forget_step()
             self._rerun_forward(held, *held.held)
             return True
         source = min(set(made) | set(forward), default=None)
