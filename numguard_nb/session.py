@@ -457,9 +457,8 @@ class GuardedRun:
             return ToShow()
         if latest.frames:
             return ToShow(lines=[f"numguard: {latest.summary()}"])
-        if not self.models:
-            missing = "; ".join(self.missing.values())
-            return ToShow(lines=[f"numguard: no model was guarded at the end of this cell ({missing})"])
+        if not self.models:  # (why each name stands for none was said as it happened)
+            return ToShow(lines=["numguard: no model was guarded at the end of this cell"])
         if set(self.models) <= self.joined_late:  # made in the statement that used them, say
             return ToShow(lines=[
                 f"numguard: {self.describe()} was not called after guarding began (from the "
@@ -496,7 +495,8 @@ class Session:
         following one. `waiting_for` says what is awaited ('a model', 'model')."""
         self.stop()
         self._armed = (make_run, waiting_for)
-        return ToShow(lines=[f"numguard: on; no {waiting_for} yet: guarding starts with the first cell "
+        missing = "model" if waiting_for == "a model" else waiting_for  # ("no a model yet")
+        return ToShow(lines=[f"numguard: on; no {missing} yet: guarding starts with the first cell "
                              f"run after {waiting_for} exists (the cell that creates it is not guarded)"])
 
     def _start_armed(self) -> List[str]:

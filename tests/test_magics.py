@@ -154,6 +154,13 @@ def test_output_name_and_quiet_on_detection(ip):
     assert "_numguard and bad" in result.error_in_exec._render_traceback_()[1]
 
 
+def test_a_name_rebound_to_no_model_in_the_cell_is_said_once(ip):
+    result, captured = run(ip, "%%numguard net\nnet = 5\nx = 1")
+    assert result.success
+    assert captured.stdout.count("net is a int, not a torch.nn.Module") == 1, captured.stdout
+    assert captured.stdout.splitlines()[-1] == "numguard: no model was guarded at the end of this cell"
+
+
 def test_a_model_not_called_says_so(ip):
     result, captured = run(ip, "%%numguard net\nx = 1")
     assert result.success
@@ -805,7 +812,7 @@ def test_numguard_on_before_the_model_exists_guards_it_once_it_does(ip, names):
     result, armed = run(ip, f"%numguard on{names}")
     assert result.success
     waiting = "model" if names else "a model"
-    assert armed.stdout.strip() == (f"numguard: on; no {waiting} yet: guarding starts with the first cell run "
+    assert armed.stdout.strip() == ("numguard: on; no model yet: guarding starts with the first cell run "
                                     f"after {waiting} exists (the cell that creates it is not guarded)")
     assert run(ip, "%numguard status")[1].stdout.startswith(f"numguard: on, waiting for {waiting}")
     assert run(ip, "y = 1")[1].stdout == ""  # nothing said again while it waits
