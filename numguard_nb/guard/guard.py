@@ -216,7 +216,7 @@ class Guard:
         self.tracing = False  # the latest batch is traced (read in backward, in any thread)
         self.abs_min_everywhere = False  # every pass measures abs min (`_measures_abs_min`)
         self.steps = StepWatch()  # optimizer steps while attached: what wrote non-finite weights
-        self._forget_passes()  # each thread's forward pass and the backward passes: none yet
+        _forget_passes(self)  # each thread's forward pass and the backward passes: none yet
 
     def _use_options(self, options: GuardOptions) -> None:
         self.options = options
@@ -232,7 +232,7 @@ class Guard:
         with self._lifecycle_lock:
             if self._attached:
                 return self
-            self._forget_passes()
+            _forget_passes(self)
             self.batches.attached(self.models)
             if self.options.mode == MODE_SENTINEL:  # no hooks on modules: checks per step
                 self._attached = self._sentinel.attach()
@@ -273,7 +273,7 @@ class Guard:
             self.scaling.detach()  # the scaler's own update() back
             if self._op_recorder is not None:
                 self._op_recorder.clear()
-            self._forget_passes()
+            _forget_passes(self)
             _stats.release_workspace()
 
     def retarget(self, model_or_models) -> None:
@@ -306,16 +306,9 @@ class Guard:
 
     def reset(self) -> None:
         """Forget unfinished passes (Ctrl-C) in every thread, and an unconfirmed overflow."""
-        self._forget_passes()
+        _forget_passes(self)
         self.scaling.forget_step()
         self._sentinel.aside.put_back(any_thread=True)  # (after an interrupt)
-
-    def _forget_passes(self) -> None:
-        self.threads = ThreadPasses(lambda: self.batch_number)
-        self._grad_hooks.forget_targets()  # the threads' calls given to leaves go with them
-        self._backward_passes = BackwardPasses()
-        self._first_calls.clear()
-        self.tracing = False
 
     rank_flags = property(lambda self: self._ranks if self._ranks is not None else self._sentinel.ranks,
                           doc="Several ranks: its DDP or FSDP2 model's `distributed.flags`, or None.")
@@ -607,6 +600,15 @@ class Guard:
     def __repr__(self) -> str:
         return (f"<numguard Guard on {', '.join(type(m).__name__ for m in self.models.values())}: "
                 f"{'at' if self._attached else 'de'}tached, batch {self.batch_number}>")
+
+
+def _forget_passes(guard: Guard) -> None:
+    """Forget every thread's passes and the backward passes in progress."""
+    guard.threads = ThreadPasses(lambda: guard.batch_number)
+    guard._grad_hooks.forget_targets()  # the threads' calls given to leaves go with them
+    guard._backward_passes = BackwardPasses()
+    guard._first_calls.clear()
+    guard.tracing = False
 
 
 def _forget_pass(guard: Guard, state: PassState) -> None:

@@ -520,12 +520,8 @@ class Sentinel:
             ranks = self.ranks.take_fresh() if self.ranks is not None else None
             held = self.ranks.take_held() if self.ranks is not None else None
             if held is not None:  # the loss code's, held until every rank knew (rank_reports)
-                self._held = None
-                for call in done:
-                    call.held = None
+                self._held = None  # (its own forward problem, if any, is a later one)
                 raise held
-            if ranks is not None and self.guard.batch_number in self.guard.options.trace_batches:
-                return  # a traced batch runs on without stopping on every rank: none stops alone
             if ranks is not None and len(self.guard.models) == 1:
                 # DDP's reduction carried every rank's own check: no second read of the grads
                 if self.ranks.rank in ranks[0]:
