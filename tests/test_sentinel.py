@@ -1168,3 +1168,21 @@ def test_a_detach_while_another_thread_puts_the_hooks_back_leaves_no_hook_behind
     caller.join(5)
     detacher.join(5)
     assert hooks_left(model) == []
+
+
+# ---- the latest report of a run with sampled batches ------------------------------------------
+@pytest.mark.parametrize("every, batches", [(1, 4), (3, 5)])
+def test_the_latest_report_shows_a_sampled_batch_only_when_it_is_the_latest(
+        deferred_on_host, every, batches):
+    # on a GPU the sentinel keeps no frames of its own: every batch sampled (history_every=1)
+    # must show the last one's, and an older sampled batch must not pass for the latest
+    deferred_on_host[0] = False
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with Guard(model, mode="sentinel", history_every=every) as guard:
+        for _ in range(batches):
+            model(x4()).sum().backward()
+    report = guard.latest_report()
+    assert [frame.batch_number for frame in report.frames[-1:]] == (
+        [batches - 1] if every == 1 else [])
+    assert f"{-(-batches // every)} batches watched with the full hooks" in report.reason
