@@ -319,8 +319,7 @@ class Sentinel:
             note += f"; {self._sampled.batches_in_full} batches watched with the full hooks"
         seen = self._recent.frames(options)
         full = self._sampled.latest_frames(options)
-        if full and full[-1].batch_number >= max(self.guard.batch_number,
-                                                 seen[-1].batch_number if seen else 0):
+        if full and full[-1].batch_number >= self.guard.batch_number:
             seen = full  # the latest batch was a sampled one: its frames
         unwatched = frames.unwatched_note(seen)
         if unwatched:
