@@ -31,6 +31,7 @@ from torch import nn
 
 from ._schema import MODE_SENTINEL
 from ._util import compiled_original
+from .rerun import run_alone
 from .guard import Guard, GuardOptions
 from .guard.scaler import SkippedStep, loss_scaler_of
 from .report import Report
@@ -143,16 +144,10 @@ def _compiled_wrapper_of(model: nn.Module) -> nn.Module:
     for wrapper in gc.get_objects():
         # (type(), not isinstance: some objects warn when asked their __class__)
         if issubclass(type(wrapper), _WRAPPERS) and compiled_original(wrapper) is not None \
-                and _unwrapped(wrapper) is model:
+                and run_alone(wrapper) is model:  # (every wrapper inside it unwrapped)
             found.append(wrapper)
     outermost = [w for w in found if not any(o is not w and _holds(o, w) for o in found)]
     return outermost[0] if len(outermost) == 1 else model
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    while isinstance(module, _WRAPPERS):
-        module = compiled_original(module) or module.module
-    return module
 
 
 def _holds(outer: nn.Module, inner: nn.Module) -> bool:
