@@ -380,6 +380,7 @@ class GuardedRun:
 
     def _changes(self, models, missing, layouts) -> List[str]:
         lines = []
+        name_was = {id(model): name for name, model in self.models.items()}
         for name in self.names:
             if name in missing:
                 if name not in self.missing:
@@ -388,7 +389,11 @@ class GuardedRun:
             kind = type(models[name]).__name__
             if name in self._made_since:
                 self._made_since.discard(name)
-                lines.append(f"numguard: {name} is a new {kind}: guarding it")
+                earlier = name_was.get(id(models[name]))
+                if earlier is not None and earlier != name:  # `old = model; model = build()`
+                    lines.append(f"numguard: {name} is the {kind} {earlier} was: still guarding it")
+                else:
+                    lines.append(f"numguard: {name} is a new {kind}: guarding it")
             elif name not in self.models:
                 lines.append(f"numguard: {name} is a {kind} again: guarding it")
             elif models[name] is not self.models[name]:

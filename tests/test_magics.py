@@ -732,6 +732,7 @@ def test_check_magic_runs_the_pipeline_check(ip):
     assert type(report).__name__ == "PipelineReport" and report.failed_step.name == "data"
     assert [out.data["text/plain"] for out in captured.outputs] == [report.to_text()]
     assert "no loss_fn" in captured.outputs[0].data["text/html"]
+    assert "--loss criterion" in captured.outputs[0].data["text/plain"]  # the fix in the magic's words too
     result, captured = run(ip, "%numguard_check model32 data --loss nn.functional.mse_loss")
     assert result.success and ip.user_ns["_numguard_check"].ok
     assert "all 7 steps passed" in captured.outputs[0].data["text/plain"]

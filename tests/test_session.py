@@ -296,6 +296,19 @@ def test_a_model_rebuilt_in_a_later_cell_is_guarded_and_the_status_says_so(ns):
     assert hook_count(ns["net"]) == 0
 
 
+def test_a_new_name_for_the_model_a_name_held_is_said_to_be_that_model(ns):
+    old = ns["net"]
+    session = Session()
+    session.start(GuardedRun(ns, find_models(ns, ()), GuardOptions(), every_model=True))
+    run_cell(session, lambda: step(old, ns["xs"][0]))
+    ns["before"], ns["net"] = old, build()  # `before = net; net = build()`
+    lines = session.before_cell("").lines
+    assert lines == ["numguard: net is a new Sequential: guarding it",
+                     "numguard: before is the Sequential net was: still guarding it"]
+    assert hook_count(old) > 0 and hook_count(ns["net"]) > 0
+    session.stop()
+
+
 def test_a_submodule_replaced_in_a_later_cell_is_named_in_the_detection(ns):
     net = ns["net"]
     session = start_session(ns)

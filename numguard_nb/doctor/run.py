@@ -35,6 +35,13 @@ SAMPLES_TO_SCAN = 256
 OVERFIT_STEPS = 10
 
 
+# Both spellings: the doctor's fixes are read in Python and under %numguard_check alike.
+GIVE_LOSS_FN = (
+    "check_pipeline(model, data, loss_fn=torch.nn.CrossEntropyLoss()), "
+    "or `criterion = torch.nn.CrossEntropyLoss()` then `%numguard_check model data --loss criterion`"
+)
+
+
 def check_pipeline(
     model: Any,
     data: Any = None,
@@ -174,7 +181,7 @@ class _PipelineRun:
         if self.settings.loss_fn is None:
             raise StepFailed(
                 "the samples are (inputs, target) pairs, but there is no loss_fn to score outputs against targets",
-                "pass loss_fn=..., e.g. check_pipeline(model, data, loss_fn=torch.nn.CrossEntropyLoss())",
+                f"give the loss function: {GIVE_LOSS_FN}",
             )
         if self.settings.collator_only_stacks and any(holds_text(inputs) for inputs, _ in self.samples):
             raise StepFailed(
@@ -413,7 +420,7 @@ class _PipelineRun:
                 f"the model returned no loss; the batch has {listed(keys)}",
                 f"rename {aliases[0]!r} to 'labels' (transformers' collators do it)"
                 if aliases
-                else "include the labels in the samples (a 'labels' key), or pass loss_fn=...",
+                else f"include the labels in the samples (a 'labels' key), or give a loss function: {GIVE_LOSS_FN}",
             )
         return loss
 
