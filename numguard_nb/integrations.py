@@ -54,6 +54,9 @@ class _GuardedRun:
         self._modules_hooked: set = set()  # ids of the model's modules when the guard attached
         self._compiled_later = False  # the Trainer compiles the model after on_train_begin
         self._figures_taken = 0  # history samples whose figures were logged
+        # What the loop runs besides training ("validation batch 1, after training batch 2"),
+        # said by a detection: its batch number is the last training batch's.
+        self.stage = ""
 
     @property
     def history(self):
@@ -125,6 +128,11 @@ class _GuardedRun:
     def _on_detect(self, report: Report):
         # The NonFiniteError about to be raised ends the run: leave no hooks behind.
         self.detach()
+        stage = self.stage
+        if not stage and not all(model.training for model in self.guard.models.values()):
+            stage = "an evaluation (the model was in eval mode)"  # a Trainer's evaluate()
+        if stage:
+            report.reason = f"during {stage}: {report.reason}"
         user_on_detect = self.options.on_detect
         return user_on_detect(report) if user_on_detect is not None else None
 
@@ -225,6 +233,17 @@ def _build_lightning_callback() -> type:
             # cannot see batches begin, so say when they do.
             if self.guard is not None:
                 self.guard.begin_batch()
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            loader = f" of validation loader {dataloader_idx}" if dataloader_idx else ""
+            if trainer.sanity_checking:
+                self.stage = f"the sanity check before training, validation batch {batch_idx}{loader}"
+            elif self.guard is not None:
+                self.stage = (f"validation batch {batch_idx}{loader}, after training batch "
+                              f"{self.guard.batch_number}")
+
+        def on_validation_end(self, trainer, pl_module):
+            self.stage = ""
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             figures = self.new_figures()

@@ -294,6 +294,66 @@ def test_lightning_a_submodule_made_in_the_module_s_own_on_fit_start_is_guarded(
     assert_no_hooks(module)
 
 
+class NanInEval(nn.Module):
+    """nan out in eval mode: a validation or evaluation batch breaks, training does not."""
+
+    def forward(self, hidden):
+        return hidden if self.training else hidden * float("nan")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("sanity_check", [True, False])
+def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
+    # Validation batches are not training batches: the report's batch is the last training one
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class Lit(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Classifier(blow_up_batch=None)
+            self.net.scale = NanInEval()
+
+        def training_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]
+
+        def validation_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Lit()
+    trainer = lightning.Trainer(
+        max_steps=6, val_check_interval=3, num_sanity_val_steps=2 if sanity_check else 0,
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[NumguardLightningCallback(mode=mode)],
+    )
+    loader = torch.utils.data.DataLoader(samples(), batch_size=4)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.fit(module, loader, loader)
+    report = raised.value.report
+    assert report.first_nonfinite.module_name == "net.scale"
+    stage = ("the sanity check before training, validation batch 0" if sanity_check
+             else "validation batch 0, after training batch 2")
+    assert str(raised.value).startswith(f"during {stage}: net.scale (NanInEval) produced")
+    assert_no_hooks(module)
+
+
+def test_trainer_a_detection_in_evaluation_says_so(tmp_path):
+    model = Classifier()
+    model.scale = NanInEval()
+    callback = NumguardCallback()
+    trainer = make_trainer(tmp_path, model, callback)
+    trainer.args.eval_strategy, trainer.args.eval_steps = "steps", 2
+    trainer.eval_dataset = samples(8)
+    with pytest.raises(NonFiniteError, match=r"^during an evaluation \(the model was in eval mode\): scale "):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert_no_hooks(model)
+
+
 def test_lightning_fit_of_a_compiled_module_says_it_is_not_guarded_and_names_no_module():
     # trainer.fit(torch.compile(module)) compiles training_step: hooks inside see nothing, and
     # the backward alone would have named the wrong module
