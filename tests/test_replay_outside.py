@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -256,3 +257,35 @@ def test_a_numguard_cell_with_the_loss_inline_replays_to_the_cells_line(shell, t
     text = "".join(out.data.get("text/plain", "") for out in shown.outputs)
     assert f"in the call made at Cell In[{cell_number}], line 4" in text
     assert "loss = F.cross_entropy(logits, labels)" in text
+
+
+def loss_with_plain_values(logits, labels):
+    # What loss code passes besides tensors: a numpy scalar (a temperature from a config), a
+    # memory format, a device
+    logits = logits.contiguous(memory_format=torch.contiguous_format).to(torch.device("cpu"))
+    return F.cross_entropy(logits / np.float32(2.0), labels)
+
+
+def test_a_bundle_keeps_loss_code_that_passes_numpy_scalars_formats_and_devices(tmp_path):
+    model = classifier()
+    guard = Guard(model, capture=True)
+    error = train(model, guard, (GOOD, BAD), loss_with_plain_values)
+    path = replay_after_error(guard, error, save_dir=tmp_path).path
+    result = load_capture(path, classifier()).replay()
+    assert isinstance(result.exception, IndexError)
+    assert result.location.line == "return F.cross_entropy(logits / np.float32(2.0), labels)"
+
+
+def loss_with_seeded_noise(logits, labels):
+    noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))  # a Generator
+    return F.cross_entropy(logits + 0 * noise, labels)
+
+
+def test_a_bundle_that_cannot_hold_the_loss_code_says_so_when_it_replays_clean(tmp_path):
+    model = classifier()
+    guard = Guard(model, capture=True)
+    error = train(model, guard, (GOOD, BAD), loss_with_seeded_noise)
+    path = replay_after_error(guard, error, save_dir=tmp_path).path
+    text = repr(load_capture(path, classifier()).replay())
+    assert "recorded in part: the bundle holds the functions before torch.randn at" in text
+    assert "is a Generator, which a bundle cannot hold" in text

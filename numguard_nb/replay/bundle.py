@@ -87,6 +87,7 @@ def _call_entry(call) -> dict:
             "pass tensors (or replay in this kernel with .replay())"
         )
     site = call.call_site
+    recorded, cut_short = outside.encode(call.outside)
     return {
         "root": call.root_name, "module_class": call.module_class, "index": call.index,
         "args": args, "kwargs": kwargs,
@@ -95,7 +96,7 @@ def _call_entry(call) -> dict:
         "training": call.training,
         "autocast": {device: [True, dtype_name(dtype)] for device, dtype in call.state.autocast},
         "weights_changed": call.weights_changed,
-        "outside": outside.encode(call.outside), "outside_full": call.outside_full,
+        "outside": recorded, "outside_full": call.outside_full or cut_short,
         "input_devices": list(call.input_devices),
         "input_dtypes": sorted({dtype_name(t.dtype) for t in _tree.tensors((args, kwargs))}),
         "call_site": None if site is None else

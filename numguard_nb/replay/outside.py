@@ -25,7 +25,7 @@ from __future__ import annotations
 import linecache
 import types
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -304,8 +304,9 @@ def _at(value, path: tuple):
 _TAG = "__numguard__"
 
 
-def encode(records: List[OutsideRecord]) -> list:
-    """The records as plain values (a bundle); a value a bundle cannot hold stops the list there."""
+def encode(records: List[OutsideRecord]) -> Tuple[list, str]:
+    """The records as plain values (a bundle), and "" or why the list stops early: a value a
+    bundle cannot hold stops it there (a replay of the rest would run without it)."""
     out = []
     for record in records:
         try:
@@ -313,10 +314,11 @@ def encode(records: List[OutsideRecord]) -> list:
                      "args": _encode(tuple(record.args)), "kwargs": _encode(dict(record.kwargs)),
                      "filename": record.filename, "lineno": record.lineno,
                      "line": record.source_line, "where": record.where}
-        except TypeError:
-            break
+        except TypeError as error:
+            return out, (f"the bundle holds the functions before {record.name} at {record.where}, "
+                         f"one of whose arguments is a {error}, which a bundle cannot hold")
         out.append(entry)
-    return out
+    return out, ""
 
 
 def _encode(value):
@@ -326,14 +328,21 @@ def _encode(value):
                 "path": path, "tensor": value.tensor}
     if isinstance(value, torch.Tensor):
         return value
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or type(value) in (bool, int, float, str):
         return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return _encode(value.item())  # a numpy scalar (a temperature from a config): as torch reads it
+    for plain in (bool, int, float, str):  # a subclass (an IntEnum) as torch reads it
+        if isinstance(value, plain):
+            return plain(value)
     if isinstance(value, slice):
         return {_TAG: "slice", "args": [_encode(value.start), _encode(value.stop), _encode(value.step)]}
     if value is Ellipsis:
         return {_TAG: "ellipsis"}
-    if isinstance(value, torch.dtype):
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
         return {_TAG: "dtype", "name": str(value).replace("torch.", "")}
+    if isinstance(value, torch.device):
+        return {_TAG: "device", "name": str(value)}
     if isinstance(value, (tuple, list)) and not hasattr(type(value), "_fields"):
         items = [_encode(v) for v in value]
         return {_TAG: "tuple", "items": items} if isinstance(value, tuple) else items
@@ -360,8 +369,10 @@ def _decode(value):
             return slice(*(_decode(v) for v in value["args"]))
         if tag == "ellipsis":
             return Ellipsis
-        if tag == "dtype":
+        if tag == "dtype":  # torch's dtypes, memory formats and layouts
             return getattr(torch, value["name"])
+        if tag == "device":
+            return torch.device(value["name"])
         if tag == "tuple":
             return tuple(_decode(v) for v in value["items"])
         return {k: _decode(v) for k, v in value.items()}
