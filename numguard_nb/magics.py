@@ -513,9 +513,11 @@ class NumguardMagics(Magics):
 
         try:
             call = replay.load_capture(args.path, target)
+            result = call.replay()  # (a model that cannot be rebuilt raises ReplayError)
         except (OSError, TypeError, ValueError) as error:  # replay.ReplayError is a ValueError
-            raise UsageError(f"{magic}: {message_line(error)}") from None
-        result = call.replay()
+            named = "" if args.names or len(models) < 2 else (
+                f" (or name the model to replay on: {magic} PATH MODEL)")
+            raise UsageError(f"{magic}: {message_line(error)}{named}") from None
         self.shell.user_ns["_numguard_replay"] = result
         self._display(result)
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from numguard_nb import BatchLimitReached, Frame, NonFiniteError, Report
+from numguard_nb import BatchLimitReached, Frame, Guard, NonFiniteError, Report
 from numguard_nb import magics as ng_magics
 from numguard_nb.compare import Comparison
 from numguard_nb.render import widget as ng_widget
@@ -20,6 +21,7 @@ from numguard_nb.render import widget as ng_widget
 # A float16 MLP; batch 4 is a glitched batch whose first Linear overflows 65504.
 SETUP = """
 import torch
+from torch import nn
 from torch import nn
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -768,6 +770,23 @@ def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, 
     assert [out.data["text/plain"] for out in captured.outputs] == [repr(replayed)]
     result, captured = run(ip, "%numguard_replay missing.pt fresh")
     assert "%numguard_replay: no replay bundle at missing.pt" in usage_error_line(captured)
+
+
+def test_replay_magic_without_names_finds_the_model_by_its_class_and_errs_in_one_line(ip, tmp_path):
+    emb = nn.Embedding(10, 4)
+    with pytest.raises(IndexError), Guard(emb, capture=True) as guard:
+        emb(torch.tensor([[1, 12]]))  # 12 is past the vocabulary
+    path = guard.capture.save(tmp_path / "bundle.pt")
+    # a fresh notebook: the model and, as usual, a loss (and the fixture's own models)
+    ip.run_cell("fresh = nn.Embedding(10, 4)\nloss_fn = nn.CrossEntropyLoss()")
+    result, captured = run(ip, f"%numguard_replay {path}")
+    assert result.success and isinstance(ip.user_ns["_numguard_replay"].exception, IndexError)
+    ip.run_cell("other = nn.Embedding(10, 4)")  # two of the class: which one is not guessed
+    result, captured = run(ip, f"%numguard_replay {path}")
+    assert usage_error_line(captured).endswith("(or name the model to replay on: %numguard_replay PATH MODEL)")
+    ip.run_cell("import threading\nother.lock = threading.Lock()")  # cannot be copied to replay
+    result, captured = run(ip, f"%numguard_replay {path} other")
+    assert "could not rebuild" in usage_error_line(captured)
 
 
 def test_without_capture_a_device_error_just_propagates(ip):

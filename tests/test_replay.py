@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -392,8 +393,45 @@ def test_bad_inputs_raise_one_line_errors_that_say_what_to_do(tmp_path):
     assert "'model'" in str(info.value) and "'custom'" in str(info.value)
     assert load_capture(path, {"model": M.Classifier(), "custom": loss_fn}).replay().ok
 
+    good = torch.load(path, weights_only=True)
+    for damage in ("roots", "calls"):  # the header right, the body not
+        damaged = dict(good)
+        if damage == "roots":
+            del damaged["roots"]
+        else:
+            damaged["calls"] = []
+        torch.save(damaged, tmp_path / "damaged.pt")
+        with pytest.raises(ReplayError, match="is a damaged numguard bundle") as info:
+            load_capture(tmp_path / "damaged.pt", {"model": M.Classifier(), "custom": loss_fn})
+        errors.append(info.value)
+    raw = Path(path).read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])  # a copy cut short
+    with pytest.raises(ReplayError, match="cut short or damaged") as info:
+        load_capture(tmp_path / "cut.pt", M.Classifier())
+    errors.append(info.value)
+
     for error in errors:
         assert "\n" not in str(error) and len(str(error)) < 400, str(error)
+
+
+class HoldsALock(M.Classifier):
+    """A model holding what cannot be copied (a writer's or a logger's lock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_a_model_that_cannot_be_copied_still_gets_its_bundle(tmp_path):
+    model = HoldsALock()
+    x, labels = bad_batch()
+    with pytest.raises(IndexError) as raised, Guard(model, capture=True) as guard:
+        nn.functional.cross_entropy(model(x), labels)
+    outcome = replay_after_error(guard, raised.value, save_dir=tmp_path)
+    assert outcome.result is None and "cannot pickle" in outcome.replay_error  # not here, but:
+    assert outcome.path is not None and "%numguard_replay" in repr(outcome)
+    replayed = load_capture(outcome.path, M.Classifier()).replay()  # the fresh kernel's model
+    assert isinstance(replayed.exception, IndexError)
 
 
 # ---- after a device error -------------------------------------------------------------------

@@ -93,7 +93,8 @@ def _outcome_lines(outcome) -> Lines:
         lines.extend(_result_body(result))
     for text in outcome.searched:
         lines.append(("note", f"note: {text}"))
-    lines.append(("section", "The original error (reported late, so its traceback points at the wrong line):"))
+    lines.append(("section", "The original error (reported late, so its traceback points at the wrong line):"
+                  if outcome.device_error else "The original error:"))
     lines.append(("code", error_line(outcome.error)))
     if outcome.device_error:
         lines.append(("section", "The CUDA context is unusable after a device error: restart the "

@@ -117,8 +117,9 @@ def replay_after_error(guard, exc: BaseException, save_dir=None) -> ReplayOutcom
         )
     outcome = ReplayOutcome(error=exc, device_error=is_device_error(exc))
     chosen = _replay_newest_first(latest, outcome)
-    if chosen is not None:
-        _save_bundle(chosen, save_dir, outcome)
+    # Saved even when the replay here failed (a model that cannot be copied): a fresh kernel
+    # builds the model itself and replays the bundle.
+    _save_bundle(chosen if chosen is not None else latest, save_dir, outcome)
     return outcome
 
 

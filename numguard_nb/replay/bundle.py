@@ -12,6 +12,7 @@ import datetime
 import linecache
 import os
 import pickle
+import re
 from typing import Dict, List, Optional
 
 import torch
@@ -29,7 +30,7 @@ from .snapshot import TORCH_LOSSES, _Snapshot, named_tensors, qualified_name
 BUNDLE_FORMAT = "numguard_nb.replay"
 BUNDLE_VERSION = 1
 
-_NOT_A_BUNDLE = "pass a file written by replay_after_error or CapturedCall.save"
+NOT_A_BUNDLE = "pass a file written by replay_after_error or CapturedCall.save"
 
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -151,13 +152,13 @@ def read(path: str) -> dict:
             "plain values, so this file was not written by numguard; do not load it"
         ) from None
     except Exception as error:
-        raise ReplayError(f"{path} is not a numguard replay bundle ({error_line(error)}): "
-                          f"{_NOT_A_BUNDLE}") from None
+        raise ReplayError(f"{path} cannot be read as a replay bundle ({error_line(error)}): it is "
+                          f"another kind of file, or one cut short or damaged; {NOT_A_BUNDLE}") from None
     if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
         what = f"a dict with keys {', '.join(map(str, list(data)[:5]))}" if isinstance(data, dict) \
             else f"a {type(data).__name__}"
         raise ReplayError(f"{path} is not a numguard replay bundle (it holds {what}): "
-                          f"{_NOT_A_BUNDLE}")
+                          f"{NOT_A_BUNDLE}")
     if data.get("format_version") != BUNDLE_VERSION:
         raise ReplayError(f"{path} is a numguard bundle of format {data.get('format_version')}, this "
                           f"numguard reads format {BUNDLE_VERSION}: replay it with the numguard_nb "
@@ -166,7 +167,7 @@ def read(path: str) -> dict:
 
 
 def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(text)).split())  # (torch colours its messages)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -224,11 +225,16 @@ def modules_for(path: str, model, roots: List[str], snapshots: Dict[str, _Snapsh
         models[needed[0]] = model
     elif isinstance(model, dict) and all(isinstance(m, nn.Module) for m in model.values()):
         models.update({k: v for k, v in model.items() if k in roots})
-        if len(model) == 1 and not models:
-            only = next(iter(model.values()))
+        spare = [m for k, m in model.items() if k not in roots]
+        for root in (r for r in roots if r not in models):
+            # A namespace's models by other names (`model`, `loss_fn`): the one of the root's
+            # class, else the only one given for the only root that needs one.
+            same = [m for m in spare if qualified_name(type(m)) == snapshots[root].class_name]
             needed = [r for r in roots if r not in rebuildable]
-            if len(needed) == 1:
-                models[needed[0]] = only
+            if len(same) == 1:
+                models[root] = same[0]
+            elif len(model) == 1 and spare and needed == [root]:
+                models[root] = spare[0]
     else:
         raise ReplayError(f"load_capture needs the model (a torch.nn.Module built fresh, or a dict "
                           f"of name -> module), got {type(model).__name__}")

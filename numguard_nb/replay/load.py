@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from .._util import error_line
+from ..errors import ReplayError
 from . import bundle, outside
 from .call import CapturedCall
 
@@ -23,6 +25,14 @@ def load_capture(path, model) -> CapturedCall:
     """
     path = os.fspath(path)
     data = bundle.read(path)
+    try:
+        return _call_of(path, data, model)
+    except (KeyError, IndexError, TypeError, AttributeError) as error:  # (a ReplayError passes)
+        raise ReplayError(f"{path} is a damaged numguard bundle ({error_line(error)}): "
+                          f"{bundle.NOT_A_BUNDLE}") from None
+
+
+def _call_of(path: str, data: dict, model) -> CapturedCall:
     roots = list(data["roots"])
     snapshots = {root: bundle.snapshot_from_entry(data["models"][root]) for root in roots}
     models = bundle.modules_for(path, model, roots, snapshots)
