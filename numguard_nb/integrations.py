@@ -125,6 +125,10 @@ class _GuardedRun:
         if self.guard is not None:
             self.guard.raise_found(raising)
 
+    def during(self, stage: str) -> None:
+        """Say what the loop runs now besides training ("" for training again)."""
+        self.stage = stage
+
     def _on_detect(self, report: Report):
         # The NonFiniteError about to be raised ends the run: leave no hooks behind.
         self.detach()
@@ -237,13 +241,13 @@ def _build_lightning_callback() -> type:
         def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
             loader = f" of validation loader {dataloader_idx}" if dataloader_idx else ""
             if trainer.sanity_checking:
-                self.stage = f"the sanity check before training, validation batch {batch_idx}{loader}"
+                self.during(f"the sanity check before training, validation batch {batch_idx}{loader}")
             elif self.guard is not None:
-                self.stage = (f"validation batch {batch_idx}{loader}, after training batch "
-                              f"{self.guard.batch_number}")
+                self.during(f"validation batch {batch_idx}{loader}, after training batch "
+                            f"{self.guard.batch_number}")
 
         def on_validation_end(self, trainer, pl_module):
-            self.stage = ""
+            self.during("")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             figures = self.new_figures()

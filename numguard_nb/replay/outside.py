@@ -321,6 +321,9 @@ def encode(records: List[OutsideRecord]) -> Tuple[list, str]:
     return out, ""
 
 
+_NUMPY_SCALARS = {"b": bool, "i": int, "u": int, "f": float}  # numpy's dtype kinds
+
+
 def _encode(value):
     if isinstance(value, Ref):
         path = value.path if isinstance(value.path, str) else list(value.path)  # a weight's name
@@ -330,8 +333,9 @@ def _encode(value):
         return value
     if value is None or type(value) in (bool, int, float, str):
         return value
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return _encode(value.item())  # a numpy scalar (a temperature from a config): as torch reads it
+    plain = _NUMPY_SCALARS.get(getattr(getattr(value, "dtype", None), "kind", None))
+    if plain is not None and type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return plain(value)  # a numpy scalar (a temperature from a config): as torch reads it
     for plain in (bool, int, float, str):  # a subclass (an IntEnum) as torch reads it
         if isinstance(value, plain):
             return plain(value)
