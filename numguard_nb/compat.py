@@ -10,6 +10,7 @@ the module that *produces* inf/nan instead of the first one that carries it (an 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -36,13 +37,14 @@ class DebugUnderflowOverflow:
         self.model = model
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
-        self.max_frames_to_save = max_frames_to_save
+        # None keeps every frame, as transformers' unbounded deque does.
+        self.max_frames_to_save = sys.maxsize if max_frames_to_save is None else max_frames_to_save
         self.batch_number = 0  # batches whose forward ended, as transformers counts them
         self._printed = {}  # traced batch -> frames printed so far
         self._last_traced = None  # transformers' saved frames start after the last traced batch
         # One frame more than shown: whether the first one shown starts its batch (a separator).
         self.guard = Guard(
-            model, max_frames=max_frames_to_save + 1, trace_batches=self.trace_batch_nums,
+            model, max_frames=self.max_frames_to_save + 1, trace_batches=self.trace_batch_nums,
             backward=False, sync=True, on_trace=self._print_trace, on_detect=self._dump,
         )
         self.guard.abs_min_everywhere = True  # transformers prints abs min for every row

@@ -154,7 +154,13 @@ def _compile_cell(shell, cell: str) -> tuple:
     source = "\n" + shell.transform_cell(cell)
     filename = shell.compile.cache(source, _running_cell_number(shell))
     tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
-    code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
+    try:
+        code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
+    except SyntaxError as error:
+        if re.match(r"'(await|async \w+)' outside", str(error.msg)):  # IPython's autoawait
+            raise UsageError("%%numguard: a top-level await runs only in a plain cell: guard it "
+                             "with %numguard on before the cell and %numguard off after") from None
+        raise
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
     return code, _assigned_names(tree)
@@ -229,6 +235,8 @@ def _refuse_taken_output(shell, args, magic: str) -> None:
         return
     if keyword.iskeyword(name) or name in _hidden(shell) or hasattr(builtins, name):
         raise UsageError(f"{magic}: -o {name}: that name is Python's or IPython's own: pick another")
+    if name.startswith("_numguard_"):  # _numguard_traces, _numguard_history, ...: written by the magics
+        raise UsageError(f"{magic}: -o {name}: names starting _numguard_ are numguard's own: pick another")
     held = shell.user_ns.get(name)
     if name in shell.user_ns and not isinstance(held, Report):
         raise UsageError(f"{magic}: -o {name}: {name} holds a {type(held).__name__} of yours: "

@@ -232,14 +232,15 @@ def test_a_detection_in_the_first_batch_prints_the_same_lines():
     assert text.count("*** Starting batch number=0 ***") == 1  # above the first saved frame
 
 
-@pytest.mark.parametrize("max_frames", [3, 21, 100])
+@pytest.mark.parametrize("max_frames", [3, 21, 100, None])  # None: every frame
 def test_a_detection_after_several_batches_prints_the_same_lines(max_frames):
     text, (error, done) = assert_same_output(_exp_model, _exp_batches(),
                                              max_frames_to_save=max_frames)
     assert error == HF_ERROR and done == 5
     # the saved frames reach back over batch boundaries: each batch's first frame says so
     separators = re.findall(r"\*\*\* Starting batch number=(\d) \*\*\*", text)
-    expected = {3: [], 21: ["3", "4", "5"], 100: ["0", "1", "2", "3", "4", "5"]}[max_frames]
+    everything = ["0", "1", "2", "3", "4", "5"]
+    expected = {3: [], 21: ["3", "4", "5"], 100: everything, None: everything}[max_frames]
     assert separators == expected
 
 

@@ -282,6 +282,19 @@ def test_a_steadily_growing_activation_is_projected_to_the_batch_it_reaches_the_
     assert "doubles every 70 batches (steady over the last 20 samples, R² 1.00)" in sentence
 
 
+@pytest.mark.parametrize("growth, words", [(1.01, "doubles every 70 batches"),
+                                            (2.0, "doubles every 1 batch "),
+                                            (5.0, "doubles every 0.4 batches")])
+def test_the_doubling_time_is_said_in_words_that_fit_it(growth, words):
+    net = nn.Sequential(nn.Linear(4, 4), Grow())
+    with Guard(net, history_every=1) as guard:
+        for batch in range(12):
+            net[1].factor = growth ** batch
+            net(torch.ones(2, 4))
+    (trend,) = [t for t in guard.history.view().trends if t.module_name == "1"]
+    assert words in history_view.trend_sentence(trend)
+
+
 def test_a_noisy_value_is_not_steady_and_gets_no_projection():
     rng = np.random.default_rng(0)
     batches = np.arange(0, 400, 10)

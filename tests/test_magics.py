@@ -281,6 +281,8 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%numguard on -o xs", "%numguard on: -o xs: xs holds a list of yours"),
     ("%%numguard -o get_ipython\n1", "-o get_ipython: that name is Python's or IPython's own"),
     ("%%numguard -o len\n1", "-o len: that name is Python's or IPython's own"),
+    ("%%numguard -o _numguard_history\n1", "-o _numguard_history: names starting _numguard_ are numguard's own"),
+    ("%%numguard\nawait asyncio.sleep(0)", "%%numguard: a top-level await runs only in a plain cell"),
     ("%numguard on a+b", "%numguard on: 'a+b' is not a variable name"),
     # a near name is the user's, never the shell's own (its `open`)
     ("%numguard_check net xs --loss opn", "no variable named 'opn' in the namespace; define it first"),

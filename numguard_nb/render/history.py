@@ -182,6 +182,14 @@ def _number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) < 1e9 else f"{value:.3g}"
 
 
+def _batches(count: float) -> str:
+    """A doubling time: "0.4 batches", "1 batch", "12 batches"."""
+    if count < 9.95:
+        words = f"{count:.1f}".removesuffix(".0")
+        return f"{words} batch" if words == "1" else f"{words} batches"
+    return f"{_number(count)} batches"
+
+
 def trend_sentence(trend) -> str:
     """What a trend says: where the value is, and where it is going."""
     finite = np.flatnonzero(np.isfinite(trend.abs_max))
@@ -211,14 +219,14 @@ def _fit_words(trend) -> str:
     if doubling is None or trend.limit_batch is None:
         per = 10 ** (trend.slope * 1000)
         return f"steady ({fit}), not growing (x{per:.3g} per 1,000 batches)"
-    every, limit, batch = _number(doubling), f"{trend.limit:.5g}", _number(trend.limit_batch)
+    every, limit, batch = _batches(doubling), f"{trend.limit:.5g}", _number(trend.limit_batch)
     if trend.nonfinite_batch is not None:
-        return (f"before that it doubled every {every} batches (steady {fit}), on course to "
+        return (f"before that it doubled every {every} (steady {fit}), on course to "
                 f"reach {limit} near batch {batch}")
     last = int(trend.batches[np.flatnonzero(np.isfinite(trend.abs_max))[-1]])
     where = (f"would reach {limit} near batch {batch}" if trend.limit_batch > last
              else f"beyond {limit} since about batch {batch}")
-    return f"doubles every {every} batches (steady {fit}): {where}"
+    return f"doubles every {every} (steady {fit}): {where}"
 
 
 def trend_svg(trend, width: int = 320, height: int = 80) -> str:
