@@ -14,7 +14,7 @@ from .checklist import StepFailed
 from .samples import numeric_leaves
 
 __all__ = [
-    "IGNORED_LABEL", "LABEL_KEYS", "LABEL_ALIASES", "classifier_size", "class_count",
+    "IGNORED_LABEL", "LABEL_KEYS", "LABEL_ALIASES", "classifier_size", "class_count", "ignored_label",
     "label_values", "raise_on_label_range",
 ]
 
@@ -51,8 +51,16 @@ def class_count(logits: torch.Tensor | None, target: Any) -> int | None:
     return None
 
 
-def label_values(samples: list, batch: Any, style: str) -> torch.Tensor | None:
-    """The integer labels of the scanned samples and the batch, -100 left out; None if not integers."""
+def ignored_label(loss_fn: Callable | None) -> int:
+    """The label the loss skips: its `ignore_index` (CrossEntropyLoss(ignore_index=255), a
+    partial of F.cross_entropy), else Hugging Face's -100."""
+    keywords = getattr(loss_fn, "keywords", None)  # functools.partial
+    given = keywords.get("ignore_index") if isinstance(keywords, dict) else getattr(loss_fn, "ignore_index", None)
+    return given if isinstance(given, int) and not isinstance(given, bool) else IGNORED_LABEL
+
+
+def label_values(samples: list, batch: Any, style: str, ignored: int = IGNORED_LABEL) -> torch.Tensor | None:
+    """The integer labels of the scanned samples and the batch, `ignored` left out; None if not integers."""
     if style == "keyword":
         found = [sample[key] for sample in samples for key in LABEL_KEYS if key in sample]
         found += [batch[key] for key in LABEL_KEYS if key in batch]
@@ -62,10 +70,11 @@ def label_values(samples: list, batch: Any, style: str) -> torch.Tensor | None:
     if not leaves or any(leaf.is_floating_point() or leaf.dtype == torch.bool for leaf in leaves):
         return None
     values = torch.cat([leaf.long() for leaf in leaves])
-    return values[values != IGNORED_LABEL]
+    return values[values != ignored]
 
 
-def raise_on_label_range(values: torch.Tensor | None, num_outputs: int, fix: Callable[[int], str]) -> None:
+def raise_on_label_range(values: torch.Tensor | None, num_outputs: int, fix: Callable[[int], str],
+                         ignored: int = IGNORED_LABEL) -> None:
     """Fail when a label is not a class of ``num_outputs``; ``fix(needed)`` says how to get enough."""
     if values is None or values.numel() == 0:
         return
@@ -75,7 +84,7 @@ def raise_on_label_range(values: torch.Tensor | None, num_outputs: int, fix: Cal
     if lowest < 0:
         raise StepFailed(
             f"labels go down to {lowest}: class labels must be in 0..{num_outputs - 1} "
-            f"({IGNORED_LABEL} marks positions to ignore)",
+            f"({ignored} marks positions to ignore)",
             "map the labels to 0..n-1 before training",
         )
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from .._util import error_line, is_hf_trainer
 from .checklist import STEP_NAMES, PipelineReport, PipelineStep, StepFailed, format_number, listed
-from .labels import LABEL_ALIASES, class_count, classifier_size, label_values, raise_on_label_range
+from .labels import (LABEL_ALIASES, class_count, classifier_size, ignored_label, label_values,
+                     raise_on_label_range)
 from .samples import (
     ForwardInputs, all_keys, batch_contents, batch_on_cpu, first_samples, holds_text,
     nonfinite_fields, output_logits, output_loss, raise_on_input_problem, ragged_fields,
@@ -282,11 +283,13 @@ class _PipelineRun:
         if self.settings.loss_fn is not None:
             num_classes = class_count(output_logits(self.outputs), self.target)
             if num_classes is not None:
+                ignored = ignored_label(self.settings.loss_fn)
                 raise_on_label_range(
-                    label_values(self.samples, self.batch, self.style),
+                    label_values(self.samples, self.batch, self.style, ignored),
                     num_classes,
                     lambda needed: f"make the model output {needed} values per sample "
                     f"(e.g. out_features={needed} on its last nn.Linear)",
+                    ignored,
                 )
         loss = self._loss(self.outputs)
         if loss.numel() != 1:
@@ -379,7 +382,9 @@ class _PipelineRun:
             self.optimizer.step()
         end = self._evaluation_loss()
         # The optimizer step took one step on this batch already.
-        change = f" ({100 * (end - start) / abs(start):+.2g}%)" if start and math.isfinite(start) else ""
+        percent = 100 * (end - start) / abs(start) if start and math.isfinite(start) else None
+        change = "" if percent is None or not math.isfinite(percent) else (
+            f" ({percent:+.0f}%)" if abs(percent) >= 10 else f" ({percent:+.2g}%)")  # -100%, -0.16%
         summary = (
             f"{OVERFIT_STEPS + 1} steps on one batch took the loss from {format_number(start)} "
             f"to {format_number(end)}{change}"
