@@ -136,9 +136,10 @@ class WeakHook:
     failure never breaks the user's code: `on_error(owner)` is called instead. Errors of the
     `raises` types (a detection that must stop the step) go through."""
 
-    __slots__ = ("owner", "method", "on_error", "raises", "takes")
+    __slots__ = ("owner", "method", "on_error", "raises", "takes", "returns")
 
-    def __init__(self, owner, method: str, on_error=None, raises: tuple = (), takes: int = 1):
+    def __init__(self, owner, method: str, on_error=None, raises: tuple = (), takes: int = 1,
+                 returns: bool = False):
         import weakref
 
         self.owner = weakref.ref(owner)
@@ -146,19 +147,24 @@ class WeakHook:
         self.on_error = on_error
         self.raises = raises
         self.takes = takes
+        # Whether the method's result goes back to torch (a step pre-hook's new arguments); else
+        # None, which every registry reads as "nothing changed".
+        self.returns = returns
 
     @torch.compiler.disable
-    def __call__(self, *args) -> None:
+    def __call__(self, *args):
         owner = self.owner()
         if owner is None:
-            return
+            return None
         try:
-            getattr(owner, self.method)(*args[:self.takes])
+            result = getattr(owner, self.method)(*args[:self.takes])
         except self.raises:
             raise
         except Exception:
             if self.on_error is not None:
                 self.on_error(owner)
+            return None
+        return result if self.returns else None
 
     def __repr__(self) -> str:
         return f"<numguard WeakHook {self.method}>"

@@ -8,6 +8,7 @@ its values back (`never_ready`) until the code waits for them, as a GPU still bu
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -86,6 +87,94 @@ def test_a_detected_step_leaves_the_weights_unchanged(deferred_on_host, kind):
     assert raised_at == (None if kind == "fused" else "step")
     # the weights are those the failing step started from
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+GROUPS = {
+    "the model's": lambda model, other: [{"params": list(model.parameters())}],
+    # a loss's parameter listed first (CLIP's logit scale), an empty group first
+    "another parameter first": lambda model, other: [{"params": [other] + list(model.parameters())}],
+    "an empty group first": lambda model, other: [{"params": []}, {"params": list(model.parameters())}],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+@pytest.mark.parametrize("closure", [False, True])  # (LBFGS, Lightning's automatic optimization)
+def test_a_detected_step_leaves_the_weights_unchanged_however_the_step_is_made(
+        deferred_on_host, kind, groups, closure):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = OPTIMIZERS[kind](GROUPS[groups](model, nn.Parameter(torch.ones(1))))
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(5):
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+                def forward_backward():
+                    optimizer.zero_grad()
+                    loss = model(_batch(step, 2))
+                    loss.backward()
+                    return loss
+
+                if closure:
+                    optimizer.step(forward_backward)
+                else:
+                    forward_backward()
+                    optimizer.step()
+                deferred_on_host[0] = step < 2  # the device catches up after the failing step
+    assert caught.value.report.batch_number == 2 and caught.value.report.cause == "data"
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), \
+        "the step whose gradients held nan wrote the weights"
+
+
+def test_two_guards_lending_one_fused_optimizer_their_flags_leave_none_behind(deferred_on_host):
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with pytest.raises(NonFiniteError):
+        with Guard(model.first, mode="sentinel"), Guard(model.second, mode="sentinel"):
+            for step in range(4):
+                model(_batch(step, 2)).backward()
+                optimizer.step()
+                assert not hasattr(optimizer, "found_inf")
+                optimizer.zero_grad()
+                deferred_on_host[0] = step < 2
+    assert not hasattr(optimizer, "found_inf")
+    model(_batch(5, -1)).backward()  # unguarded now: the step writes the weights
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert not any(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+
+@contextlib.contextmanager
+def _registered(handle):
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_a_step_that_raised_before_its_end_leaves_no_flag_for_the_next(deferred_on_host):
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+
+    def interrupted(optimizer, args, kwargs):
+        raise KeyboardInterrupt  # (after the guard's pre-hook: one registered later)
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    with Guard(model, mode="sentinel"):
+        model(_batch(0, -1)).backward()
+        with pytest.raises(KeyboardInterrupt), \
+                _registered(register_optimizer_step_pre_hook(interrupted)):
+            optimizer.step()
+        model(_batch(1, -1)).backward()
+        optimizer.step()
+        assert not hasattr(optimizer, "found_inf")
+        model(_batch(2, -1)).backward()
+        with pytest.raises(KeyboardInterrupt), \
+                _registered(register_optimizer_step_pre_hook(interrupted)):
+            optimizer.step()
+    assert not hasattr(optimizer, "found_inf")  # taken back as the guard left
 
 
 def test_a_detection_read_at_detach_is_raised_on_exit(deferred_on_host):

@@ -13,6 +13,8 @@ one) a step still unread is:
 - for an optimizer that skips its step on a device flag (fused Adam, AdamW, SGD, Adagrad: the
   flag a GradScaler passes as `found_inf`), handed over as that flag: no read;
 - for any other (foreach or for-loop), read there, waiting for it: one read per step.
+A step given a closure (LBFGS, Lightning's automatic optimization) runs the forward and backward
+inside `step`, after the pre-hook: the closure is wrapped, and the same is done when it returns.
 
 `detach` reads what is still unread, waiting, and keeps a detection for `raise_found`.
 """
@@ -65,6 +67,40 @@ def _remove_all(handles: list) -> None:
         handles.pop().remove()
 
 
+_MISSING = object()
+# optimizer -> [its found_inf before a sentinel lent one (a GradScaler's, or _MISSING), the flags
+# lent since]: shared by every sentinel, so that the first step post-hook takes them all back
+# (two sentinels may lend to one optimizer, the second folding the first's flag into its own).
+_LENDING = weakref.WeakKeyDictionary()
+
+
+def _lend(optimizer, flag: torch.Tensor) -> None:
+    entry = _LENDING.get(optimizer)
+    if entry is None:
+        entry = _LENDING[optimizer] = [getattr(optimizer, _FOUND_INF, _MISSING), []]
+    theirs = getattr(optimizer, _FOUND_INF, None)  # a GradScaler's, or another sentinel's
+    lent = flag if theirs is None else torch.maximum(theirs, flag.to(theirs.device))
+    setattr(optimizer, _FOUND_INF, lent)
+    entry[1].append(lent)
+
+
+def _take_back(optimizer) -> None:
+    """Restore the found_inf `optimizer` had before the sentinels lent theirs."""
+    entry = _LENDING.pop(optimizer, None)
+    if entry is None:
+        return
+    original, lent = entry
+    if any(getattr(optimizer, _FOUND_INF, None) is flag for flag in lent):
+        if original is _MISSING:
+            delattr(optimizer, _FOUND_INF)
+        else:
+            setattr(optimizer, _FOUND_INF, original)
+
+
+def _first_device(optimizer) -> Optional[torch.device]:
+    return next((p.device for group in optimizer.param_groups for p in group["params"]), None)
+
+
 def _skips_on_flag(optimizer) -> bool:
     """Whether `optimizer.step` skips on a `found_inf` device flag (its fused implementation)."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -84,7 +120,9 @@ class StepChecks:
         self._sealed: deque = deque()
         self._handles: list = []  # torch's global step hooks (gone with this object too)
         weakref.finalize(self, _remove_all, self._handles)
-        self._lent = weakref.WeakKeyDictionary()  # optimizer -> the found_inf this lent it
+        self._lent_to = weakref.WeakSet()  # optimizers lent a found_inf, not taken back yet
+        # optimizer -> (its parameter groups' sizes, whether it steps a guarded parameter)
+        self._holding = weakref.WeakKeyDictionary()
         self.unraised: Optional[BaseException] = None
 
     def start(self) -> None:
@@ -95,12 +133,15 @@ class StepChecks:
         if not self._handles:
             self._handles += [
                 register_optimizer_step_pre_hook(
-                    WeakHook(self, "_before_step", raises=(NonFiniteError,))),
+                    WeakHook(self, "_before_step", raises=(NonFiniteError,), takes=3, returns=True)),
                 register_optimizer_step_post_hook(WeakHook(self, "_after_step"))]
 
     def stop(self) -> None:
         """Read what is unread (waiting) and stop; a detection is kept for `raise_found`."""
         _remove_all(self._handles)
+        for optimizer in list(self._lent_to):  # (a step that never reached its post-hook)
+            _take_back(optimizer)
+        self._lent_to = weakref.WeakSet()
         try:
             self.seal()
             self.look(wait=True)
@@ -188,37 +229,65 @@ class StepChecks:
         self._values, self._actions, self._finish = [], [], []
 
     # ---- the optimizer step --------------------------------------------------------------------
-    def _before_step(self, optimizer) -> None:
-        if not self._sealed or not self._holds(optimizer) or inert_context():
-            return  # (a step captured into a CUDA graph: no event asked, no flag baked into it)
+    def _before_step(self, optimizer, args: tuple, kwargs: dict):
+        if optimizer in self._lent_to:  # its last step never reached the post-hook (raised)
+            self._lent_to.discard(optimizer)
+            _take_back(optimizer)
+        if not self._holds(optimizer) or inert_context():
+            return None  # (a step captured into a CUDA graph: no event asked, no flag baked into it)
+        at = 1 if args and args[0] is optimizer else 0  # (torch passes `self` in `args`)
+        closure = kwargs.get("closure", args[at] if len(args) > at else None)
+        if closure is None:
+            self._before_update(optimizer)
+            return None
+        checked = partial(_checked_closure, weakref.ref(self), optimizer, closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": checked}
+        return tuple(args[:at]) + (checked,) + tuple(args[at + 1:]), kwargs
+
+    def _before_update(self, optimizer) -> None:
+        """The step is about to write the weights from the gradients it has."""
+        if not self._sealed:
+            return
         self.look()
         if not self._sealed:
             return
-        if _skips_on_flag(optimizer):
-            device = optimizer.param_groups[0]["params"][0].device
+        device = _first_device(optimizer)
+        if _skips_on_flag(optimizer) and device is not None:
             flag = self._sealed[0].found_inf(device)
             for sealed in list(self._sealed)[1:]:
                 flag = torch.maximum(flag, sealed.found_inf(device))
-            theirs = getattr(optimizer, _FOUND_INF, None)  # a GradScaler's, for this step
-            if theirs is not None:
-                setattr(optimizer, _FOUND_INF, torch.maximum(theirs, flag.to(theirs.device)))
-            else:
-                setattr(optimizer, _FOUND_INF, flag)
-                self._lent[optimizer] = flag
+            _lend(optimizer, flag)
+            self._lent_to.add(optimizer)
             return
         self.look(wait=True)  # the one read of a step that cannot skip on a device flag
 
     def _holds(self, optimizer) -> bool:
-        """Whether `optimizer` steps a guarded parameter (its groups' first ones are looked at)."""
+        """Whether `optimizer` steps a guarded parameter (worked out again when its groups change)."""
         if self.guarded_ids is None:
             self.guarded_ids = frozenset(id(p) for p in self._parameters())
-        return any(group["params"] and id(group["params"][0]) in self.guarded_ids
-                   for group in optimizer.param_groups)
+            self._holding = weakref.WeakKeyDictionary()
+        sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
+        known = self._holding.get(optimizer)
+        if known is None or known[0] != sizes:
+            known = self._holding[optimizer] = (sizes, any(
+                id(p) in self.guarded_ids for group in optimizer.param_groups for p in group["params"]))
+        return known[1]
 
     def _after_step(self, optimizer) -> None:
-        lent = self._lent.pop(optimizer, None)
-        if lent is not None and getattr(optimizer, _FOUND_INF, None) is lent:
-            delattr(optimizer, _FOUND_INF)
+        if optimizer in self._lent_to:
+            self._lent_to.discard(optimizer)
+            _take_back(optimizer)
+
+
+def _checked_closure(checks_ref, optimizer, closure):
+    """A step's closure, then what the step pre-hook does before the weights are written: the
+    closure's own forward and backward are checked too."""
+    loss = closure()
+    checks = checks_ref()
+    if checks is not None:
+        checks._before_update(optimizer)
+    return loss
 
 
 # ---- the sentinel's gradients, checked on the device -----------------------------------------
