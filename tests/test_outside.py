@@ -227,6 +227,29 @@ def test_non_finite_data_given_to_the_loss_is_not_blamed_on_the_loss_code(readin
     assert caught.value.report.cause == "loss-gradient"
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("guarded", ["the model", "its two parts", "G and D"])
+def test_code_between_two_guarded_calls_that_feeds_the_second_nan_is_named_not_the_data(
+        reading, mode, guarded):
+    # A Lightning step calling the model's parts; a GAN's generator feeding its discriminator
+    torch.manual_seed(0)
+    first, second = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Linear(8, 1)
+    models = {"the model": nn.ModuleDict({"first": first, "second": second}),
+              "its two parts": [first, second], "G and D": {"G": first, "D": second}}[guarded]
+    with pytest.raises(NonFiniteError) as caught, Guard(models, mode=mode) as guard:
+        for step in range(3):
+            guard.begin_batch()
+            hidden = first(torch.randn(3, 4))
+            if step == 2:
+                where = this_line_plus(1)
+                hidden = hidden / (hidden - hidden)  # 0/0 in the loop, between the two calls
+            second(hidden).mean().backward()
+    report = caught.value.report
+    assert (report.cause, report.phase, report.batch_number) == (CAUSE_OUTSIDE, FORWARD, 2)
+    assert report.first_nonfinite.op == "aten.div.Tensor"
+    assert report.first_nonfinite.source == f"{where}: hidden = hidden / (hidden - hidden)  # 0/0 in the loop, between the two calls"
+
+
 def test_allow_inf_for_outside_lets_the_code_make_inf():
     model = mlp()
     with Guard(model, allow_inf=[OUTSIDE_MODULE]):

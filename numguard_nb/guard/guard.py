@@ -30,7 +30,7 @@ from .. import _tree, rerun
 from .. import stats as _stats
 from .._util import user_stacklevel
 from .._schema import (
-    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
+    BACKWARD, CAUSE_COMPILED, CAUSE_DATA, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
     MODE_SENTINEL, OUTPUT, VALUE_NONE, VALUE_OTHER,
 )
 from ..errors import BatchLimitReached, NonFiniteError  # re-exported
@@ -570,6 +570,8 @@ class Guard:
     def _detect(self, pass_: PassRecord, phase, call: CallRecord, bad_slots, cause, held=False) -> None:
         """Build the report for a detection and raise it. A -inf mask reaching the model's output
         (illegal actions' logits) is judged by the loss first, as the code after it (`outside`)."""
+        if cause == CAUSE_DATA and phase == FORWARD:
+            self.outside.raise_held_fed_to_a_model()  # the code between the models made them
         if not held and phase == FORWARD and detect.only_minus_inf(pass_, call, bad_slots, cause) \
                 and self.outside.hold(pass_, call, self, ("_detect", (pass_, phase, call,
                                                                         bad_slots, cause, True))):
