@@ -40,14 +40,16 @@ LATEST = "latest"  # the last frames seen, nothing wrong found
 CAUSE_FORWARD = "forward"  # a module's forward
 CAUSE_BACKWARD = "backward"  # a module's backward
 CAUSE_BACKWARD_INLINE = "backward-inline"  # a module's own code between its submodules, in backward
+CAUSE_FORWARD_INLINE = "forward-inline"  # a module's own code between its submodules, in forward
 CAUSE_WEIGHTS = "weights"  # parameters or floating buffers already non-finite
 CAUSE_DATA = "data"  # the values fed to the model
 CAUSE_LOSS_GRADIENT = "loss-gradient"  # the gradient entering the model from outside
 CAUSE_UNATTRIBUTED = "unattributed"  # a nan no rule could attribute
-CAUSES = (CAUSE_FORWARD, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_WEIGHTS, CAUSE_DATA,
-          CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED)
+CAUSES = (CAUSE_FORWARD, CAUSE_FORWARD_INLINE, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_WEIGHTS,
+          CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED)
 # causes that name a module's own code, where op localisation can look for the op
-CODE_CAUSES = frozenset((CAUSE_FORWARD, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE))
+CODE_CAUSES = frozenset((CAUSE_FORWARD, CAUSE_FORWARD_INLINE, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE))
+FORWARD_CAUSES = frozenset((CAUSE_FORWARD, CAUSE_FORWARD_INLINE))  # op localisation re-runs a forward
 
 # ---- problem kinds: what is wrong with one value ---------------------------------------------
 PROBLEM_NAN = "nan"

@@ -24,8 +24,8 @@ from torch import nn
 
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb._schema import (
-    CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_LOSS_GRADIENT,
-    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CAUSES, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
+    CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
+    CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CAUSES, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
     ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, CAUSE_OUTSIDE, OUTSIDE_MODULE, WRITTEN_IN_FORWARD,
 )
 from numguard_nb.guard import frames
@@ -416,7 +416,7 @@ def test_samples_of_data_that_is_gone_or_changed_stay_unknown():
 # What no person writes: a vocabulary word where a sentence belongs, a value's repr, empty or
 # doubled punctuation.
 _FRAGMENTS = re.compile(
-    r"None|overflow predicted|holds overflow|backward-inline|loss-gradient|unattributed|"
+    r"None|overflow predicted|holds overflow|backward-inline|forward-inline|loss-gradient|unattributed|"
     r"ORIGIN|CAUSE|\(\)|\( | \)|  | ,|,,|\.\.|::|: :|;;|\bnan nan\b|\bthe the\b")
 
 
@@ -436,6 +436,24 @@ class SqrtBetween(nn.Module):
 
     def forward(self, x):
         return self.head(torch.sqrt(self.emb(x) * 0))
+
+
+class ExpBetween(nn.Module):
+    """An overflow made in its own code, between its submodules, that the next one turns into nan."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+
+    def forward(self, x):
+        return self.head(torch.exp(self.emb(x) * 0 + 1000))  # +inf - +inf: nan
+
+
+def _forward_inline():
+    model = ExpBetween()
+    return detection(model, lambda: model(batch()))
 
 
 def _forward_nan():
@@ -489,7 +507,7 @@ def _predicted_overflow():
 
 
 REAL = {
-    CAUSE_FORWARD: _forward_nan, CAUSE_BACKWARD: _backward_nan,
+    CAUSE_FORWARD: _forward_nan, CAUSE_FORWARD_INLINE: _forward_inline, CAUSE_BACKWARD: _backward_nan,
     CAUSE_BACKWARD_INLINE: _backward_inline, CAUSE_WEIGHTS: _weights, CAUSE_DATA: _data,
     CAUSE_LOSS_GRADIENT: _loss_gradient, CAUSE_OUTSIDE: _outside,
     "predicted overflow": _predicted_overflow,
@@ -543,6 +561,10 @@ BY_HAND = {
     "backward": (CAUSE_BACKWARD, _frame([_row("grad_input[0]", GRAD_INPUT, **INF)], BACKWARD), PLAIN, {}),
     "backward, predicted": (CAUSE_BACKWARD, _frame([_row("grad_input[0]", GRAD_INPUT, **OVER)], BACKWARD),
                             F16, {}),
+    "forward-inline": (CAUSE_FORWARD_INLINE, _frame([_row("input[0]", INPUT, **INF)], FORWARD, "block", "Block"),
+                       PLAIN, {"evidence": _frame([_row("input[0]", INPUT, **INF),
+                                                   _row("output", OUTPUT, **NAN, flagged=False)], FORWARD,
+                                                  "block.fc")}),
     "backward-inline": (CAUSE_BACKWARD_INLINE, _frame([], BACKWARD, "block", "Block"), PLAIN, {
         "evidence": _frame([_row("grad_output", GRAD_OUTPUT, **NAN)], BACKWARD, "block.fc")}),
     "weights, step": (CAUSE_WEIGHTS, _frame([_row("weight", PARAM, **NAN)]), PLAIN, {
@@ -596,6 +618,10 @@ def test_the_sentences_say_what_the_facts_are():
     assert "the 2nd SGD step since the guard attached" in said["weights, attached after a step"]
     assert "optimizer step or code outside the model's forward wrote them" in said["weights, unknown"]
     assert said["data"].endswith("holds nan (input[0] holds nan in samples 3 and 17 of 32)")
+    assert said["forward-inline"] == (
+        "block (Block) produced a non-finite value in forward (call 1 of batch 3), in its own code "
+        "between its submodules: input[0] of block.fc holds +inf, which its inputs and weights did "
+        "not hold (an overflow, which block.fc turned into nan)")
     assert said["forward, predicted and nan"].startswith(
         "block.fc (Linear) produced a non-finite value in forward (call 1 of batch 3): output[0] "
         "reaches 7.2e+04, beyond float16's largest value 65504; output[1] holds nan")

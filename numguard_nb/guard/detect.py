@@ -27,7 +27,7 @@ from .. import stats as _stats
 from ..explain import MATMUL_MODULES
 from .._schema import (
     BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
-    CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM,
+    CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM,
     INPUT, OUTPUT, PARAM, PROBLEM_NAN, PROBLEM_NEGINF, PROBLEM_OVERFLOW, PROBLEM_POSINF,
 )
 from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassRecord
@@ -132,6 +132,9 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             data = _data_culprit(pass_, call, limit_max)
             if data is not None:  # the data's inf turned into something new here
                 return data
+            overflowed = _inline_overflow(pass_, call, limit_max)
+            if overflowed is not None:  # an enclosing call's own code made the +inf it turned
+                return overflowed
         if produced and (not made <= MASK or is_linear_map(call.module_class)):
             return call, produced, CAUSE_FORWARD
         if call.parent is None and given & NONFINITE:
@@ -139,6 +142,29 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             if reached is not None:
                 return reached
     return None
+
+
+def _inline_overflow(pass_: PassRecord, call, limit_max):
+    """(the enclosing call, `call`'s inputs holding +inf, CAUSE_FORWARD_INLINE) when the +inf
+    `call` received was made by that call's own code between its submodules (an overflow, never
+    a mask: `torch.exp(scores)` before a Linear or a softmax module), or None: when a call that
+    closed before gave out a +inf (an allowed one: it carried it), or the enclosing calls were
+    handed one."""
+    inputs = [slot for slot in call.slots if slot[SLOT_CATEGORY] == INPUT
+              and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max)]
+    if not inputs:
+        return None
+    for other in pass_.calls:
+        if other.seq < call.seq and other is not call and any(
+                slot[SLOT_CATEGORY] == OUTPUT and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max)
+                for slot in other.slots):
+            return None
+    maker = call.parent
+    while maker is not None and any(
+            slot[SLOT_CATEGORY] in (INPUT, PARAM, BUFFER)
+            and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max) for slot in maker.slots):
+        maker = maker.parent
+    return (maker, inputs, CAUSE_FORWARD_INLINE) if maker is not None else None
 
 
 def received_from_children(pass_: PassRecord, call, limit_max) -> set:

@@ -16,11 +16,10 @@ import torch
 from .. import numerics, rerun
 from .. import stats as _stats
 from .._schema import (
-    BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD,
+    BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
     GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
-    ORIGIN_SINCE_FORWARD, PARAM,
-    PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
+    ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..errors import NonFiniteError
@@ -130,7 +129,7 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
     in a module's own code, the frame of the submodule that received it. `mask_from`: where the
     -inf a forward culprit received came from (`mask_source`). `origin`: for non-finite weights,
     how they got that way (`steps.Origin`), or None."""
-    inline = cause == CAUSE_BACKWARD_INLINE and evidence is not None
+    inline = cause in (CAUSE_FORWARD_INLINE, CAUSE_BACKWARD_INLINE) and evidence is not None
     rows = evidence.flagged_rows if inline else frame.flagged_rows
     where = frame.words
     call = f"call {frame.call_index} of batch {frame.batch_number}"
@@ -160,6 +159,11 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
         return (f"nan first shows in {where} in {frame.phase} ({call}: {what}), but numguard "
                 "could not tell which module produced it (the frames below show where it first "
                 "appears)")
+    if inline and cause == CAUSE_FORWARD_INLINE:
+        return (f"{where} produced a non-finite value in forward ({call}), in its own code between "
+                f"its submodules: {what}, which its inputs and weights did not hold (an overflow, "
+                f"which {evidence.label} turned into "
+                f"{_data_words([row for row in evidence.rows if row.category == OUTPUT])})")
     if inline:
         return (f"{where} produced {gradient} in backward ({call}), in its own code between its "
                 f"submodules: {what}, while the gradients {frame.label} received "
@@ -329,7 +333,10 @@ def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots,
     if cause == CAUSE_DATA:
         name_samples(pass_, call, flagged, culprit)
     origin = weights_origin(pass_, call, bad_slots, steps) if cause == CAUSE_WEIGHTS else None
-    if phase == FORWARD:
+    if cause == CAUSE_FORWARD_INLINE:  # up to the submodule it handed the value to (open still)
+        limit = max(c.seq for c in pass_.calls if any(id(s) in flagged for s in c.slots))
+        led_up = [c for c in pass_.calls if c is not call and c.seq <= limit]
+    elif phase == FORWARD:
         led_up = [c for c in pass_.calls if c.seq < call.seq]
     else:
         limit = min(s[SLOT_SEQ] for s in bad_slots)

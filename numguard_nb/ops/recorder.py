@@ -13,7 +13,7 @@ from functools import partial
 from typing import Dict
 
 from .. import _tree
-from .._schema import CAUSE_FORWARD
+from .._schema import FORWARD_CAUSES
 from ..rerun import (CallState, buffers_at_start, collective_in, forward_as, redirected_forward,
                      without_parallel_wrapper)
 from .localise import OpLocation, localise_backward, localise_forward
@@ -71,7 +71,7 @@ class OpRecorder:
                  limit, allow_inf: bool) -> OpLocation:
         """Re-run the recorded call of root `root_id` and find the op that made the culprit's
         call (`call_index`-th call of `culprit` in the batch) go non-finite, forward when `cause`
-        is CAUSE_FORWARD, else backward. Never raises."""
+        is one of FORWARD_CAUSES, else backward. Never raises."""
         recorded = self.calls.get(root_id)
         if recorded is None or culprit is None:
             return OpLocation(note="op localisation needs the top-level call, which was not recorded")
@@ -82,10 +82,10 @@ class OpRecorder:
             return OpLocation(note=f"the step was not re-run to name the op: {refused}")
         index = call_index - counts_before.get(module_id, 0)
         grads = self.root_grads.get(root_id)
-        if cause != CAUSE_FORWARD and grads is None:
+        if cause not in FORWARD_CAUSES and grads is None:
             return OpLocation(note="op localisation needs the gradients of the model's outputs")
         with forward_as(root, forward):  # the forward it ran under (Lightning's redirection)
-            if cause == CAUSE_FORWARD:
+            if cause in FORWARD_CAUSES:
                 return localise_forward(root, args, kwargs, state, culprit, index, limit,
                                         allow_inf=allow_inf, buffers=buffers)
             return localise_backward(root, args, kwargs, state, grads, culprit, index, limit,
