@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._schema import (
-    BUFFER, CAUSE_DATA, CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE,
-    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CODE_CAUSES, FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, OUTSIDE_MODULE, PARAM, VALUE_TENSOR,
-    WRITTEN_IN_FORWARD,
+    BUFFER, CAUSE_DATA, CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED,
+    CAUSE_WEIGHTS, CODE_CAUSES, FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
+    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, OUTSIDE_MODULE, PARAM, VALUE_TENSOR, WRITTEN_IN_FORWARD,
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
@@ -204,9 +203,8 @@ class Facts:
         return [row for row in self.frame.rows if row.category in categories]
 
     def reached(self) -> str:
-        """'its input reached 240 and its weight 10': the largest values the culprit was given
-        ('' for a value its own code made between its submodules: the op's input is not one)."""
-        if self.report.cause == CAUSE_FORWARD_INLINE:
+        """'its input reached 240 and its weight 10': the largest values the culprit was given."""
+        if self.report.cause == CAUSE_FORWARD_INLINE:  # its op's input is none of them
             return ""
         parts = []
         for categories, noun in (((INPUT,), "input"), ((GRAD_OUTPUT,), "incoming gradient"),
