@@ -204,11 +204,10 @@ class Facts:
 
     def reached(self) -> str:
         """'its input reached 240 and its weight 10': the largest values the culprit was given."""
-        if self.report.cause == CAUSE_FORWARD_INLINE:  # its op's input is none of them
-            return ""
         parts = []
-        for categories, noun in (((INPUT,), "input"), ((GRAD_OUTPUT,), "incoming gradient"),
-                                 ((PARAM, BUFFER), "weight")):
+        given = () if self.report.cause == CAUSE_FORWARD_INLINE else (  # (its op's input is none)
+            ((INPUT,), "input"), ((GRAD_OUTPUT,), "incoming gradient"), ((PARAM, BUFFER), "weight"))
+        for categories, noun in given:
             top = _largest(self.rows_of(*categories))
             if top is not None and top.abs_max > 0:
                 verb = "reached " if not parts else ""
