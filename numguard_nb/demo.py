@@ -20,7 +20,11 @@ from .render.text import dump_lines, verdict_lines
 
 def build_overflowing_t5(seed: int = 0):
     """A 2-layer T5 in float16 whose encoder.block.1 feed-forward overflows, and one batch."""
-    from transformers import T5Config, T5ForConditionalGeneration
+    try:
+        from transformers import T5Config, T5ForConditionalGeneration
+    except ImportError:
+        raise SystemExit('the demo builds a Hugging Face T5: pip install "numguard_nb[hf]" '
+                         '(from a checkout: pip install -e ".[hf]")') from None
 
     torch.manual_seed(seed)
     config = T5Config(

@@ -464,12 +464,13 @@ class GuardedRun:
             return ToShow(lines=[f"numguard: {latest.summary()}"])
         if not self.models:  # (why each name stands for none was said as it happened)
             return ToShow(lines=["numguard: no model was guarded at the end of this cell"])
+        was = "was" if len(self.models) == 1 else "were"
         if set(self.models) <= self.joined_late:  # made in the statement that used them, say
             return ToShow(lines=[
-                f"numguard: {self.describe()} was not called after guarding began (from the "
+                f"numguard: {self.describe()} {was} not called after guarding began (from the "
                 "statement after the one that made it): make the model in a statement before the "
                 "code that uses it"])
-        return ToShow(lines=[f"numguard: {self.describe()} was not called in this cell"])
+        return ToShow(lines=[f"numguard: {self.describe()} {was} not called in this cell"])
 
 
 def _headroom_status(guard: Guard) -> str:

@@ -42,3 +42,12 @@ def test_the_engine_runs_without_ipython_ipywidgets_or_pandas():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("data ")
+
+
+def test_the_demo_without_transformers_says_what_to_install():
+    code = ("import sys\nsys.modules['transformers'] = None\n"
+            "from numguard_nb.demo import main\nmain()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == ('the demo builds a Hugging Face T5: pip install "numguard_nb[hf]" '
+                           '(from a checkout: pip install -e ".[hf]")\n')

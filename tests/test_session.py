@@ -150,6 +150,8 @@ def test_a_clean_cell_keeps_the_latest_frames_and_says_so(ns):
     assert ns[REPORT_NAME].frames == []  # kept all the same
     assert GuardedRun(ns, find_models(ns, ["net"])).finish_cell(False).lines == [
         "numguard: net (Sequential) was not called in this cell"]
+    assert GuardedRun(ns, find_models(ns, ["net", "loss_fn"])).finish_cell(False).lines == [
+        "numguard: net (Sequential), loss_fn (MSELoss) were not called in this cell"]
 
 
 def test_traces_are_collected_once_per_growth_and_kept_by_batch(ns):
