@@ -600,6 +600,6 @@ class Session:
         if moved and not run.quiet:
             # Only a %%numguard cell is followed statement by statement.
             shown.lines.extend(moved + [
-                "numguard: that changed during this cell: what is new is guarded from the next cell on "
-                "(a %%numguard cell follows such changes as they happen)"])
+                "numguard: (found at the end of this cell, so guarded from the next one on: a "
+                "%%numguard cell follows such changes as they happen)"])
         return shown

@@ -366,8 +366,8 @@ def test_a_change_during_a_cell_is_said_after_it_and_followed_from_the_next_cell
     error, (_, after) = run_cell(session, rebuild_and_train)
     assert error is None  # the cell ran on a model built in it, which no one had hooked yet
     assert after.lines[0] == "numguard: net is a new Sequential: guarding it"
-    assert after.lines[1].startswith("numguard: that changed during this cell: what is new is guarded "
-                                     "from the next cell on")
+    assert after.lines[1].startswith("numguard: (found at the end of this cell, so guarded from the "
+                                     "next one on")
     error, _ = run_cell(session, lambda: [step(ns["net"], x) for x in ns["xs"]])
     assert isinstance(error, NonFiniteError)
     session.stop()
