@@ -21,7 +21,8 @@ from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-__all__ = ["MAX_DEPTH", "named_leaves", "leaves", "tensors", "rebuild", "set_at", "role_of"]
+__all__ = ["MAX_DEPTH", "named_leaves", "leaves", "tensors", "output_tensors", "rebuild", "set_at",
+           "role_of"]
 
 MAX_DEPTH = 8  # deeper than this, a value is a leaf
 _MANY = 16  # a longer container without a tensor or container in it is one leaf (compact walks)
@@ -91,6 +92,17 @@ def tensors(value) -> List[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [leaf for _, leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def output_tensors(value) -> List[torch.Tensor]:
+    """The tensors of a module's output: those nested in it or, for an object that holds none
+    that way (a torch.distributions object, a result class of one's own), those among its
+    attributes. The same value always gives them in the same order."""
+    found = tensors(value)
+    if found or value is None or isinstance(value, (str, bytes, int, float, bool, complex)) \
+            or _items(value) is not None or not hasattr(value, "__dict__"):
+        return found
+    return [leaf for _, item in sorted(vars(value).items()) for leaf in tensors(item)]
 
 
 def _rebuilt_like(value, items: dict):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import EatsInput, Exp, FirstCallOnly, LogNet, SqrtOfZeroPlusInput, SqrtWeight
+from models import EatsInput, Exp, FirstCallOnly, LogNet, SqrtOfZero, SqrtOfZeroPlusInput, SqrtWeight
 from numguard_nb import Guard, NonFiniteError
 from numguard_nb.guard import GuardOptions
 from numguard_nb.guard.sentinel import _top_of
@@ -161,6 +161,36 @@ def test_a_regularizer_on_the_weights_whose_gradient_is_nan_is_named_as_in_full_
 @pytest.mark.parametrize("case_name", ["trap_padding_mask", "trap_causal_mask"])
 def test_masks_carrying_inf_are_no_problem_to_the_sentinel_either(case_name):
     assert _first_detection(case_name, "sentinel") is None
+
+
+class Policy(nn.Module):
+    """Returns what holds its tensors as attributes (a torch.distributions object, RL's way)."""
+
+    def __init__(self, backward_fault=False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), SqrtOfZero() if backward_fault else nn.Tanh(),
+                                 nn.Linear(8, 3))
+
+    def forward(self, obs):
+        return torch.distributions.Categorical(logits=self.net(obs), validate_args=False)
+
+
+@pytest.mark.parametrize("fault", ["data", "backward"])
+def test_a_model_returning_a_distribution_is_checked_as_one_returning_tensors(fault):
+    torch.manual_seed(0)
+    policy = Policy(backward_fault=fault == "backward")
+    observations = [torch.randn(8, 4) for _ in range(3)]
+    if fault == "data":
+        observations[2][1, 1] = float("nan")
+    with pytest.raises(NonFiniteError) as raised, Guard(policy, mode="sentinel"):
+        for obs in observations:
+            (-policy(obs).log_prob(torch.zeros(8, dtype=torch.long)).mean()).backward()
+    report = raised.value.report
+    if fault == "data":
+        assert (report.cause, report.batch_number) == ("data", 2)
+    else:
+        assert (report.cause, report.phase, report.first_nonfinite.module_name) == (
+            "backward", "backward", "net.1")
 
 
 def test_a_clean_run_reports_the_outputs_it_checked():

@@ -395,7 +395,7 @@ class Sentinel:
 
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options
-        tensors = list(_tree.tensors(output))
+        tensors = list(_tree.output_tensors(output))
         written = call.buffers.written()  # buffers the forward wrote: checked as outputs
         rerun = False
         first = tensors[0] if tensors else written[0][1] if written else None

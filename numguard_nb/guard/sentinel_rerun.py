@@ -125,7 +125,7 @@ def _forwards(calls, eager: Callable, grad: bool) -> Tuple[list, list]:
         kwargs = _tree.rebuild(call.kwargs, feed, keep_unchanged=True)
         output = _call_again(eager(call.entry.module), call, args, kwargs, grad)
         outputs.append(output)
-        for output_id, new in zip(call.output_ids, _tree.tensors(output)):
+        for output_id, new in zip(call.output_ids, _tree.output_tensors(output)):
             made[output_id] = new
     return outputs, leaves
 
@@ -134,7 +134,7 @@ def _output_grads(calls, outputs) -> Tuple[list, list]:
     """(re-run outputs, the gradients the original outputs got) of the outputs that take one."""
     pairs = []
     for call, output in zip(calls, outputs):
-        tensors = _tree.tensors(output)
+        tensors = _tree.output_tensors(output)
         for position, grad in enumerate(call.grads or ()):
             if grad is not None and position < len(tensors) and tensors[position].requires_grad:
                 if isinstance(grad, GradStandIn):
@@ -250,7 +250,7 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
                 return _found(error.report)
             except Exception as error:  # (Python state the re-run cannot set back)
                 return _failed(seen, call, options, error)
-            if _has_problem(_tree.tensors(output) + sentinel_buffers.written_again(call), allow_inf,
+            if _has_problem(_tree.output_tensors(output) + sentinel_buffers.written_again(call), allow_inf,
                             options.stop_rules.limit_max):
                 return None  # the same values again, and the full guard's rules accept them
             output = None
