@@ -40,6 +40,7 @@ from .magic_args import (
 from .report import Report
 from .session import (
     GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup, model_of,
+    models_held_inside,
 )
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
@@ -131,6 +132,21 @@ def _waiting_for(namespace, hidden, names, made: Optional[set] = None) -> str:
     if made is None:
         return " and ".join(missing) if len(missing) == len(names) else ""
     return " and ".join(missing) if all(name.partition(".")[0] in made for name in missing) else ""
+
+
+def _held_inside(shell) -> str:
+    """'exp.model holds one: name it: %%numguard exp.model' for a model the notebook keeps only
+    inside a dict or an object, which only a name reaches; ''."""
+    inside = models_held_inside(shell.user_ns, _hidden(shell))
+    return f"{inside[0][0]} holds one: {inside[0][1]}" if inside else ""
+
+
+def _why_nothing_is_guarded(shell, waiting_for: str) -> str:
+    inside = _held_inside(shell) if waiting_for == "a model" else ""
+    if inside:
+        return f"no model stands under a name of its own, and {inside}"
+    return (f"the cell made {waiting_for} in its last statement or not at all (a model is guarded "
+            "from the statement after the one that makes it)")
 
 
 def _running_cell_number(shell) -> int:
@@ -344,13 +360,12 @@ class NumguardMagics(Magics):
             run = None
         else:
             run = self._start_run(args, magic, made=assigned)
-        not_yet = [f"the cell made {waiting_for} in its last statement or not at all"]
+        not_yet = [_why_nothing_is_guarded(self.shell, waiting_for)]
         run, outcome = self._run_cell(run, code,
                                       lambda: self._cell_run_if_ready(args, magic, assigned, not_yet))
         if run is None:
             if not args.quiet:
-                print(f"numguard: nothing was guarded: {not_yet[0]} (a model is guarded from the "
-                      "statement after the one that makes it)")
+                print(f"numguard: nothing was guarded: {not_yet[0]}")
             return outcome.result("")
         self._show(run.finish_cell(failed=outcome.error is not None))
         self._show(run.show_headroom())
@@ -383,6 +398,8 @@ class NumguardMagics(Magics):
         waiting_for = self._not_defined_yet(args.names)
         if waiting_for:
             notes = _names_waited_for(self.shell, args.names, magic)
+            notes += [f"no model stands under a name of its own, and {_held_inside(self.shell)}"
+                      ] if not args.names and _held_inside(self.shell) else []
             try:  # bad options are refused now, not when a model appears
                 guard_options(args, capture=False)
             except (TypeError, ValueError) as error:
@@ -523,8 +540,7 @@ class NumguardMagics(Magics):
             call = replay.load_capture(args.path, target)
             result = call.replay()  # (a model that cannot be rebuilt raises ReplayError)
         except (OSError, TypeError, ValueError) as error:  # replay.ReplayError is a ValueError
-            named = "" if args.names or len(models) < 2 else (
-                f" (or name the model to replay on: {magic} PATH MODEL)")
+            named = "" if args.names or len(models) < 2 else f" (or name the model: {magic} PATH MODEL)"
             raise UsageError(f"{magic}: {message_line(error)}{named}") from None
         self.shell.user_ns["_numguard_replay"] = result
         self._display(result)

@@ -20,6 +20,7 @@ session with a dict namespace.
 from __future__ import annotations
 
 import difflib
+import types
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -102,9 +103,33 @@ def find_models(namespace: Mapping, names: Sequence[str] = (), hidden: Optional[
         if model is not None:
             found[name] = model
     if not found:
-        raise LookupError("no torch.nn.Module (or Trainer) in the namespace: create the model "
-                          "first, or name it after the magic")
+        inside = models_held_inside(namespace, hidden)
+        raise LookupError("no torch.nn.Module (or Trainer) in the namespace: " + (
+            f"{inside[0][0]} holds one: {inside[0][1]}" if inside else
+            "create the model first, or name it after the magic"))
     return _top_level(found)
+
+
+def models_held_inside(namespace: Mapping, hidden: Optional[Mapping] = None) -> List[Tuple[str, str]]:
+    """(where, what to do) for the models kept one level inside the namespace's dicts, lists
+    and objects ('exp.model', 'models["a"]'), which only names reach."""
+    found = []
+    for name, obj in list(namespace.items()):
+        if name.startswith("_") or name in (hidden or {}) or isinstance(obj, (type, types.ModuleType)):
+            continue
+        if isinstance(obj, dict):
+            items = [(f"{name}[{key!r}]", value) for key, value in list(obj.items())[:64]]
+        elif isinstance(obj, (list, tuple)):
+            items = [(f"{name}[{index}]", value) for index, value in enumerate(obj[:64])]
+        else:
+            attributes = getattr(obj, "__dict__", None)
+            items = [(f"{name}.{key}", value) for key, value in attributes.items()
+                     if not key.startswith("_")] if isinstance(attributes, dict) else []
+        for where, value in items:
+            if isinstance(value, nn.Module):
+                found.append((where, f"name it: %%numguard {where}" if "[" not in where else
+                              f"give it a name of its own (net = {where}) and guard that"))
+    return found
 
 
 def _top_level(found: Dict[str, nn.Module]) -> Dict[str, nn.Module]:

@@ -320,6 +320,18 @@ def test_a_cell_that_makes_no_model_runs_and_says_nothing_was_guarded(ip):
     assert captured.stdout.strip() == (
         "numguard: nothing was guarded: the cell made a model in its last statement or not at all "
         "(a model is guarded from the statement after the one that makes it)")
+    # a model the notebook keeps only inside a dict or an object: which name reaches it
+    ip.run_cell("from torch import nn\nclass Experiment: pass\nexp = Experiment()\nexp.model = nn.Linear(2, 2)")
+    result, captured = run(ip, "%%numguard\nx = 2")
+    assert result.success and captured.stdout.strip() == (
+        "numguard: nothing was guarded: no model stands under a name of its own, and exp.model "
+        "holds one: name it: %%numguard exp.model")
+    ip.run_cell("del exp\nmodels = {'a': nn.Linear(2, 2)}")
+    result, captured = run(ip, "%numguard on")
+    assert captured.stdout.startswith(
+        "numguard: no model stands under a name of its own, and models['a'] holds one: give it a "
+        "name of its own (net = models['a']) and guard that\n")
+    ip.run_line_magic("numguard", "off")
 
 
 BUILD_AND_TRAIN = (
@@ -785,7 +797,7 @@ def test_replay_magic_without_names_finds_the_model_by_its_class_and_errs_in_one
     assert result.success and isinstance(ip.user_ns["_numguard_replay"].exception, IndexError)
     ip.run_cell("other = nn.Embedding(10, 4)")  # two of the class: which one is not guessed
     result, captured = run(ip, f"%numguard_replay {path}")
-    assert usage_error_line(captured).endswith("(or name the model to replay on: %numguard_replay PATH MODEL)")
+    assert usage_error_line(captured).endswith("(or name the model: %numguard_replay PATH MODEL)")
     ip.run_cell("import threading\nother.lock = threading.Lock()")  # cannot be copied to replay
     result, captured = run(ip, f"%numguard_replay {path} other")
     assert "could not rebuild" in usage_error_line(captured)
