@@ -260,9 +260,9 @@ def facts_of(report: Report) -> Facts:
 
 
 # ---- code to suggest -----------------------------------------------------------------------
-def _module_path(name: str) -> str:
-    """'model.block[1].wo' for 'block.1.wo'."""
-    path = "model"
+def _module_path(name: str, model: str = "model") -> str:
+    """'model.block[1].wo' for 'block.1.wo' (`model`: what the guarded model is called)."""
+    path = model
     for part in name.split(".") if name else ():
         path += f"[{part}]" if part.isdigit() else f".{part}"
     return path
@@ -295,7 +295,7 @@ def _in_float32(facts: Facts) -> str:
     params = facts.rows_of(PARAM)
     off = _autocast_off(facts)
     if params and frame.module_name:
-        path = _module_path(frame.module_name)
+        path = _module_path(frame.module_name, facts.report.model_variable)
         call = _float32_call(facts)
         if not call:
             return (f"keep `{path}` in float32 (in `{off}`, with `{path}.float()` for a "
@@ -334,7 +334,7 @@ def _weights_hint(facts: Facts) -> str:
     subject = f"{_subject(rows, where)} {facts.found} in batch {batch}"
     origin, step = facts.report.weights_origin, facts.report.optimizer_step
     if all(row.category == BUFFER for row in rows):
-        reset = (f"reset them with `{_module_path(frame.module_name)}.reset_running_stats()` or "
+        reset = (f"reset them with `{_module_path(frame.module_name, facts.report.model_variable)}.reset_running_stats()` or "
                  "reload a checkpoint" if "Norm" in frame.module_class
                  else "reload them from a checkpoint")
         if origin == ORIGIN_SINCE_FORWARD:

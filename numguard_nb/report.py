@@ -258,6 +258,9 @@ class Report:
     # Who found it: FOUND_BY_HOOKS ("") as the values were made, or FOUND_BY_RERUN ("re-run")
     # when a sentinel (mode="sentinel") re-ran the failing call with the full guard.
     found_by: str = ""
+    # What the guarded model is called in the user's code, for the code a hint suggests
+    # (`net[2].float()`): the notebook layer knows its name.
+    model_variable: str = "model"
 
     @property
     def ok(self) -> bool:

@@ -30,7 +30,7 @@ from torch import nn
 
 from ._util import dtype_name, message_line, trainer_model
 from .errors import CaptureTooLarge, NonFiniteError
-from .explain import OPS_ADVICE
+from .explain import OPS_ADVICE, hint_for
 from .guard import Guard, GuardOptions
 from .guard.scaler import is_loss_scaler, loss_scaler_of, skipped_summary
 from .report import Report
@@ -293,6 +293,13 @@ class GuardedRun:
         self.guard.batches.from_first_call = every_model
 
     def _on_detect(self, report: Report) -> BaseException:
+        if len(self.models) == 1 and report.hint and report.hint == hint_for(report):
+            (name, model), = self.models.items()  # the hint's code names the user's model
+            try:
+                report.model_variable = name if lookup(self.namespace, name) is model else f"{name}.model"
+            except LookupError:  # (rebound since)
+                report.model_variable = name
+            report.hint = hint_for(report)
         if self.ops_advice:
             report.hint = report.hint.replace(OPS_ADVICE, self.ops_advice)
         self._detections.append(report)

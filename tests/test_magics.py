@@ -313,6 +313,20 @@ def test_bad_arguments_are_one_line_usage_errors(ip, line, expected):
     assert hook_count(ip.user_ns["net"]) == 0 and event_handlers(ip) == []
 
 
+def test_the_hint_s_code_names_the_guarded_model_by_its_name_in_the_notebook(ip):
+    ip.run_cell(
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(10, 10))\n"  # another model, whose [2] a fix must not touch
+        "half = nn.Sequential(nn.Linear(10, 256), nn.ReLU(), nn.Linear(256, 10)).half()\n"
+        "with torch.no_grad():\n"
+        "    for p in half.parameters():\n"
+        "        p.mul_(40)\n"
+        "X = torch.randn(256, 10) * 60\n")
+    result, captured = run(ip, "%%numguard half\nhalf(X.half()).float().pow(2).mean().backward()")
+    hint = result.error_in_exec.report.hint
+    assert "Keep `half[2]` in float32" in hint and "`half[2].float()`" in hint and "model[" not in hint
+
+
 def test_a_cell_that_makes_no_model_runs_and_says_nothing_was_guarded(ip):
     ip.reset(new_session=False)
     result, captured = run(ip, "%%numguard\nx = 1")
