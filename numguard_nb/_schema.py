@@ -74,6 +74,7 @@ CELL_INF = 3
 # ---- causes a sentinel's re-run adds (mode="sentinel") ----------------------------------------
 CAUSE_TRANSIENT = "transient"  # non-finite once, finite when the same call was run again
 CAUSE_COMPILED = "compiled-code"  # non-finite when run compiled, finite when run eagerly
+CAUSE_STALE_GRADIENTS = "stale-gradients"  # a .grad non-finite before the guard attached, added to
 CAUSE_OTHER_RANK = "other-rank"  # made on another rank, received through the gradient all-reduce
 
 # ---- guard modes: how much a Guard watches (GuardOptions.mode) -------------------------------
@@ -89,3 +90,37 @@ FOUND_BY_RERUN = "re-run"  # a sentinel's re-run of the failing call with the fu
 CAUSE_OUTSIDE = "outside"  # code outside the guarded modules, or an autograd node it created
 CAUSES = CAUSES + (CAUSE_OUTSIDE,)
 OUTSIDE_MODULE = "<outside>"  # the module name of that code's frames
+
+# ---- ops and modules, by what goes wrong in them (the hints' and the rules' vocabulary) --------
+# ATen ops (without "aten.", the overload and an in-place "_") by what goes wrong in them.
+MATMUL_OPS = frozenset((
+    "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot", "einsum",
+    "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable",
+))
+EXP_OPS = frozenset(("exp", "exp2", "expm1", "sinh", "cosh"))
+# From finite inputs these make inf (and nan further on) only by overflowing.
+ARITHMETIC_OPS = MATMUL_OPS | EXP_OPS | frozenset((
+    "mul", "add", "sub", "pow", "square", "sum", "mean", "cumsum", "prod", "addcmul", "var",
+    "linalg_vector_norm", "norm",
+))
+DIVISION_OPS = frozenset(("div", "reciprocal", "true_divide", "remainder", "fmod", "addcdiv"))
+LOG_OPS = frozenset(("log", "log2", "log10", "log1p", "xlogy"))
+SOFTMAX_OPS = frozenset(("softmax", "safe_softmax", "log_softmax"))
+NLL_OPS = frozenset(("nll_loss_forward", "nll_loss", "nll_loss2d_forward", "nll_loss_nd",
+                     "cross_entropy_loss"))
+# Modules whose forward is one matmul or convolution: a non-finite output from finite inputs
+# and weights is an overflow.
+MATMUL_MODULES = frozenset((
+    "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
+    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "LazyConv1d",
+    "LazyConv2d", "LazyConv3d", "Linear8bitLt", "Linear4bit", "ColumnParallelLinear",
+    "RowParallelLinear",
+))
+# Recurrent modules: their backward multiplies by the recurrent weights once per time step.
+RECURRENT_MODULES = frozenset(("RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"))
+# Autograd nodes (names without "Backward<n>"): a matmul's gradient overflows; a norm's or a
+# distance's is not finite at 0.
+MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolution", "Linear",
+                          "Mv", "Addmv", "Dot", "Matmul"))
+NORM_NODES = frozenset(("Norm", "LinalgVectorNorm", "Cdist", "Dist"))

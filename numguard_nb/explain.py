@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._schema import (
-    BUFFER, CAUSE_DATA, CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED,
-    CAUSE_WEIGHTS, CODE_CAUSES, FORWARD, GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, OUTSIDE_MODULE, PARAM, VALUE_TENSOR, WRITTEN_IN_FORWARD,
+    ARITHMETIC_OPS, BUFFER, CAUSE_DATA, CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE,
+    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CODE_CAUSES, DIVISION_OPS, EXP_OPS, FORWARD, GRAD_OUTPUT,
+    INPUT, LOG_OPS, MATMUL_MODULES, MATMUL_NODES, MATMUL_OPS, NLL_OPS, NORM_NODES,
+    ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD,
+    OUTSIDE_MODULE, PARAM, RECURRENT_MODULES, SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
 )
 from .report import Frame, Report, TensorRow, dtype_max
 
@@ -34,39 +36,6 @@ OPS_ADVICE = "Rerun with `Guard(model, ops=True)` to name the op and the line."
 # float16's smallest positive (subnormal) value: below half of it a value rounds to 0, as Adam's
 # default eps of 1e-8 does.
 FLOAT16_SMALLEST = 2.0 ** -24
-
-# ATen ops (without "aten.", the overload and an in-place "_") by what goes wrong in them.
-MATMUL_OPS = frozenset((
-    "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot", "einsum",
-    "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-    "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable",
-))
-EXP_OPS = frozenset(("exp", "exp2", "expm1", "sinh", "cosh"))
-# From finite inputs these make inf (and nan further on) only by overflowing.
-ARITHMETIC_OPS = MATMUL_OPS | EXP_OPS | frozenset((
-    "mul", "add", "sub", "pow", "square", "sum", "mean", "cumsum", "prod", "addcmul", "var",
-    "linalg_vector_norm", "norm",
-))
-DIVISION_OPS = frozenset(("div", "reciprocal", "true_divide", "remainder", "fmod", "addcdiv"))
-LOG_OPS = frozenset(("log", "log2", "log10", "log1p", "xlogy"))
-SOFTMAX_OPS = frozenset(("softmax", "safe_softmax", "log_softmax"))
-NLL_OPS = frozenset(("nll_loss_forward", "nll_loss", "nll_loss2d_forward", "nll_loss_nd",
-                     "cross_entropy_loss"))
-# Modules whose forward is one matmul or convolution: a non-finite output from finite inputs
-# and weights is an overflow.
-MATMUL_MODULES = frozenset((
-    "Linear", "LazyLinear", "NonDynamicallyQuantizableLinear", "Bilinear", "Conv1D", "Conv1d",
-    "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "LazyConv1d",
-    "LazyConv2d", "LazyConv3d", "Linear8bitLt", "Linear4bit", "ColumnParallelLinear",
-    "RowParallelLinear",
-))
-# Recurrent modules: their backward multiplies by the recurrent weights once per time step.
-RECURRENT_MODULES = frozenset(("RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"))
-# Autograd nodes (names without "Backward<n>"): a matmul's gradient overflows; a norm's or a
-# distance's is not finite at 0.
-MATMUL_NODES = frozenset(("Mm", "Bmm", "Addmm", "Addbmm", "Baddbmm", "Convolution", "Linear",
-                          "Mv", "Addmv", "Dot", "Matmul"))
-NORM_NODES = frozenset(("Norm", "LinalgVectorNorm", "Cdist", "Dist"))
 
 CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
 FROM_LOGITS = "`F.log_softmax`, `F.logsigmoid` or `nn.BCEWithLogitsLoss`"
@@ -374,6 +343,10 @@ def _weights_hint(facts: Facts) -> str:
                 "outside the model's forward (an in-place update under `torch.no_grad()`, a "
                 "checkpoint load) wrote them. Attach the guard before the first step to have the "
                 "step named.")
+    if step.stale_gradients:  # (a step stopped before zero_grad, then a run added to its .grad)
+        return (f"{subject}: the optimizer step that wrote them, {step.words}, applied gradients "
+                "whose .grad already held inf/nan when the guard attached. Zero them "
+                "(`optimizer.zero_grad()`) and reload the weights and optimizer state first.")
     if step.eps == 0:
         return (f"{subject}: the optimizer step that wrote them, {step.words}, has eps=0, so a "
                 "weight whose gradients were all exactly 0 (an embedding row no batch used) gets "

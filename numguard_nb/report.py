@@ -156,6 +156,8 @@ class OptimizerStep:
     param_group: Optional[int] = None  # the index of the group holding the weights, if known
     lr: Optional[float] = None  # that group's learning rate at the step
     eps: Optional[float] = None  # that group's eps (Adam's and others'), where it has one
+    # Its gradients were already non-finite when the guard attached (a .grad never zeroed)
+    stale_gradients: bool = False
 
     @property
     def words(self) -> str:

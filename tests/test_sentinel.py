@@ -1216,3 +1216,24 @@ def test_the_latest_report_shows_a_sampled_batch_only_when_it_is_the_latest(
     assert [frame.batch_number for frame in report.frames[-1:]] == (
         [batches - 1] if every == 1 else [])
     assert f"{-(-batches // every)} batches watched with the full hooks" in report.reason
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_grad_left_non_finite_before_the_guard_attached_is_said_to_be_so(mode):
+    # The run that went nan stopped before zero_grad; the user trains again under the guard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model(x4()) * float("nan")).sum().backward()
+    with pytest.raises(NonFiniteError) as raised, Guard(model, mode=mode):
+        for _ in range(3):
+            model(x4()).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    report = raised.value.report
+    if mode == "full":  # found at the next forward, in the weights the step wrote
+        assert report.cause == "weights" and report.optimizer_step.stale_gradients
+        assert "from gradients whose .grad already held inf/nan when the guard attached" in report.reason
+    else:  # found at the backward, whose re-run made finite gradients
+        assert report.cause == "stale-gradients" and report.batch_number == 0
+    assert "zero_grad()" in report.hint and "learning rate" not in report.hint

@@ -196,7 +196,9 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
             f"{batch} ({what})")
     kind, step = (origin.kind, origin.step) if origin is not None else ("", None)
     if kind == ORIGIN_OPTIMIZER_STEP:
-        return f"{head}, and an optimizer step wrote them: {step.words}"
+        stale = (", from gradients whose .grad already held inf/nan when the guard attached"
+                 if step.stale_gradients else "")
+        return f"{head}, and an optimizer step wrote them: {step.words}{stale}"
     if kind == ORIGIN_OUTSIDE_FORWARD:
         return (f"{head}, and they changed outside the model's forward: the guard saw no "
                 f"optimizer step since the model's previous forward (batch {origin.finite_batch}"

@@ -27,8 +27,8 @@ from torch import nn
 
 from .. import _tree, numerics, rerun
 from .._schema import (
-    BACKWARD, CAUSE_COMPILED, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION, FORWARD,
-    FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL, OUTPUT, WRITTEN_IN_FORWARD,
+    BACKWARD, CAUSE_COMPILED, CAUSE_STALE_GRADIENTS, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION,
+    FORWARD, FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL, OUTPUT, WRITTEN_IN_FORWARD,
 )
 from .._util import dtype_name, error_line
 from ..errors import NonFiniteError
@@ -320,6 +320,8 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
             outputs = grads = None
         finite = ("the gradients of a re-run through the model's calls were finite (or the "
                   "inf/nan came from code outside them that uses the weights directly)")
+        if guard.steps.gradients_were_not_finite():
+            return _stale_gradients(seen, calls[0], options)
         if not any(rerun.involves_compiled(call.entry.module) for call in calls):
             return _transient(seen, calls[0], options, finite)
         if any(rerun.run_alone(call.entry.module) is not rerun.eager(call.entry.module)
@@ -432,6 +434,15 @@ def _transient(seen: Frame, call, options, differed: str) -> Report:
         "a communication fault, a race, or state kept outside the model's tensors that changed "
         "between the two runs. Keep the sentinel on to see whether it comes back, and on which "
         "rank.")
+
+
+def _stale_gradients(seen: Frame, call, options) -> Report:
+    return _seen_report(seen, options, CAUSE_STALE_GRADIENTS, (
+        f"inf/nan in {_where(seen, call)}, which a re-run of the step did not make: the .grad "
+        "already held inf/nan when the guard attached, and this backward added to it"),
+        "A .grad an earlier backward left, never zeroed (a step stopped before "
+        "`optimizer.zero_grad()`). Zero the gradients and reload the weights and the optimizer's "
+        "state (a checkpoint) before training again.")
 
 
 def _compiled(seen: Frame, call, options, captured: bool) -> Report:

@@ -85,6 +85,10 @@ class StepWatch:
         self._warned = False  # about a step after no watched call of the model
         self._handles: list = []  # the hook's handle while attached
         weakref.finalize(self, _remove, self._handles)  # a guard dropped, models and all, attached
+        # The norms of the gradients the models held when the guard attached, on their devices
+        # (one launch per device; read only at a detection): a run started again after one that
+        # went non-finite may add to a .grad never zeroed.
+        self._grads_at_attach: list = []
 
     def start(self, models: dict) -> None:
         """Start watching steps (on attach) of optimizers of `models`' weights (name -> module):
@@ -94,6 +98,7 @@ class StepWatch:
         self._steps.clear()
         self._optimizers.clear()
         self._models, self._warned = models, False
+        self._grads_at_attach = _gradient_norms(models)
         if not self._handles:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -142,6 +147,12 @@ class StepWatch:
             "attached runs unwatched; guard the model you call (Guard(torch.compile(model)))",
             stacklevel=user_stacklevel())
 
+    def gradients_were_not_finite(self) -> bool:
+        """Whether a gradient the models held when the guard attached held inf or nan (a read:
+        for a detection only)."""
+        return any(not numerics.fine(float(numerics.read(norms.max())))
+                   for norms in self._grads_at_attach)
+
     def weights_origin(self, root_id: int, params) -> Origin:
         """How the weights `params` (parameters; none for buffers), found non-finite in the
         latest forward of the top-level module `root_id`, got that way."""
@@ -155,6 +166,7 @@ class StepWatch:
         since = [step for step in self._steps if step[STEP_FORWARD] >= before]
         step = self._first_holding(since, params)
         if step is not None:
+            step.stale_gradients = self.gradients_were_not_finite()
             return Origin(ORIGIN_OPTIMIZER_STEP, step, finite_batch)
         if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
@@ -179,6 +191,18 @@ class StepWatch:
             if group is not _NOT_HELD:
                 return _described(step, group, len(self._optimizers))
         return None
+
+
+def _gradient_norms(models: dict) -> list:
+    """Per device, the norms of the gradients `models`' parameters hold now (None-free list)."""
+    by_device: dict = {}
+    for model in models.values():
+        for param in model.parameters():
+            grad = param.grad
+            if grad is not None and not grad.is_sparse and numerics.readable(grad):
+                by_device.setdefault(grad.device, []).append(grad)
+    norms = (numerics.grad_norms(grads) for grads in by_device.values())
+    return [vector for vector in norms if vector is not None]
 
 
 def _group_holding(step: tuple, params):
