@@ -116,3 +116,25 @@ def test_a_nan_hidden_in_forward_names_the_backward_node_in_the_modules_own_code
     assert frame.op == "SoftmaxBackward0: aten._softmax_backward_data.default"
     assert frame.source.endswith("w = torch.softmax(self.score(h).squeeze(-1) + additive, dim=-1)  # OP:softmax")
     assert "fully masked" in report.hint and "torch.finfo(scores.dtype).min" in report.hint
+
+
+class _SqrtOfRowNorm(nn.Module):
+    def forward(self, x):
+        return x + torch.sqrt(x.abs().sum(1, keepdim=True))  # its gradient at a zero row: inf
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_several_forwards_before_one_backward_say_why_the_op_is_not_named(mode):
+    # gradient accumulation summed into one backward: only the latest call could be re-run
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _SqrtOfRowNorm(), nn.Linear(4, 1))
+    batches = [torch.randn(4, 4) for _ in range(3)]
+    batches[1][2] = 0
+    with torch.no_grad():
+        model[0].bias.zero_()  # a zero row stays zero through it
+    with pytest.raises(ng.NonFiniteError) as raised, ng.Guard(model, mode=mode, ops=True):
+        sum(model(x).sum() for x in batches).backward()
+    culprit = raised.value.report.first_nonfinite
+    assert culprit.module_name == "1" and culprit.op is None
+    assert culprit.op_note.startswith("op localisation re-runs the model's latest call, and the "
+                                      "value was made in an earlier one")

@@ -356,7 +356,7 @@ class Guard:
                     self._capture.record(name, module, args, kwargs, state=call_state)
                 if self._op_recorder is not None:
                     self._op_recorder.remember_call(module, args, kwargs, call_state,
-                                                    state.call_counts)
+                                                    state.call_counts, state.batch_number)
         index = state.call_counts.get(module_id, 0)
         state.call_counts[module_id] = index + 1
         # A call with nothing around it is top-level, whether or not it is a guarded root (a
@@ -655,7 +655,8 @@ def _locate_op(guard: Guard, frame, call: CallRecord, cause, rules) -> None:
         try:
             frames.add_op_location(frame, guard._op_recorder.localise(
                 call.root_id, guard.module_hooks.modules.get(call.module_id), call.module_id,
-                call.call_index, cause, rules.limit_max, rules.inf_allowed(call.module_name)))
+                call.call_index, call.batch_number, cause, rules.limit_max,
+                rules.inf_allowed(call.module_name)))
         finally:
             guard.paused = False
 

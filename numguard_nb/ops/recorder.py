@@ -34,12 +34,13 @@ class OpRecorder:
         self.written: set = set()  # (id of a module, buffer name) a forward was seen writing
         self.root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
 
-    def remember_call(self, root, args, kwargs, state: CallState, call_counts: dict) -> None:
-        """Keep a top-level call for a re-run. `call_counts` (module id -> calls so far in the
-        batch): the culprit's call index within this call is its batch-wide index minus these."""
+    def remember_call(self, root, args, kwargs, state: CallState, call_counts: dict, batch: int) -> None:
+        """Keep a top-level call of `batch` for a re-run. `call_counts` (module id -> calls so far
+        in the batch): the culprit's call index within this call is its batch-wide index minus
+        these."""
         self.calls[id(root)] = (root, args, kwargs, state, dict(call_counts),
                                 buffers_at_start(root, self.written),
-                                redirected_forward(without_parallel_wrapper(root)))
+                                redirected_forward(without_parallel_wrapper(root)), batch)
         self.root_grads.pop(id(root), None)
 
     def note_written(self, module, names: list) -> None:
@@ -67,15 +68,20 @@ class OpRecorder:
         self.written.clear()
         self.root_grads.clear()
 
-    def localise(self, root_id: int, culprit, module_id: int, call_index: int, cause: str,
-                 limit, allow_inf: bool) -> OpLocation:
+    def localise(self, root_id: int, culprit, module_id: int, call_index: int, batch: int,
+                 cause: str, limit, allow_inf: bool) -> OpLocation:
         """Re-run the recorded call of root `root_id` and find the op that made the culprit's
-        call (`call_index`-th call of `culprit` in the batch) go non-finite, forward when `cause`
+        call (`call_index`-th call of `culprit` in `batch`) go non-finite, forward when `cause`
         is one of FORWARD_CAUSES, else backward. Never raises."""
         recorded = self.calls.get(root_id)
         if recorded is None or culprit is None:
             return OpLocation(note="op localisation needs the top-level call, which was not recorded")
-        root, args, kwargs, state, counts_before, buffers, forward = recorded
+        root, args, kwargs, state, counts_before, buffers, forward, recorded_batch = recorded
+        if recorded_batch != batch or call_index < counts_before.get(module_id, 0):
+            return OpLocation(note=(
+                "op localisation re-runs the model's latest call, and the value was made in an "
+                "earlier one (several forwards before one backward): a backward after each "
+                "forward has the op named"))
         root = without_parallel_wrapper(root)  # its own forward would start collectives
         refused = collective_in(root)
         if refused:
