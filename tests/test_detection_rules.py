@@ -138,3 +138,20 @@ def test_a_minus_inf_reaching_the_models_output_names_its_maker_once_the_loss_ta
     report = caught.value.report
     assert report.cause == "forward" and report.first_nonfinite.module_name == "build_mask"
     assert report.reason.endswith("and the -inf reaches the model's output")
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_running_variance_that_overflowed_is_named_at_the_next_call(sync):
+    # One finite outlier (1e21) overflows the batch variance: the output stays finite
+    # (x / sqrt(inf) = 0) but running_var turns +inf, and every evaluation after is constant
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    batches = [torch.randn(16, 4) for _ in range(3)]
+    batches[1][0] = 1e21
+    with pytest.raises(NonFiniteError) as raised, Guard(model, sync=sync):
+        for x in batches:
+            model(x).sum().backward()
+    report = raised.value.report
+    assert (report.cause, report.first_nonfinite.module_name, report.batch_number) == ("weights", "1", 2)
+    assert [row.role for row in report.first_nonfinite.flagged_rows] == ["running_var"]
+    assert "reset_running_stats()" in report.hint

@@ -30,7 +30,7 @@ from .._schema import (
     GRAD_OUTPUT, GRAD_PARAM, INPUT, MATMUL_MODULES, OUTPUT, PARAM, PROBLEM_NAN, PROBLEM_NEGINF,
     PROBLEM_OVERFLOW, PROBLEM_POSINF,
 )
-from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_SEQ, PassRecord
+from .passes import FINE, SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_ROLE, SLOT_SEQ, PassRecord
 
 __all__ = [
     "NAN", "OVERFLOW", "INF_KINDS", "NONFINITE", "MASK", "has_problem", "value_kinds", "is_linear_map",
@@ -101,8 +101,9 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             if not kinds:
                 continue
             category = slot[SLOT_CATEGORY]
-            if category == PARAM or (category == BUFFER and PROBLEM_NAN in kinds):
-                bad_params.append(slot)
+            if category == PARAM or (category == BUFFER and (PROBLEM_NAN in kinds or (
+                    PROBLEM_POSINF in kinds and slot[SLOT_ROLE] in RUNNING_STATISTICS))):
+                bad_params.append(slot)  # (a running variance that overflowed is no mask)
                 received |= kinds
             elif category == BUFFER:  # a stored -inf mask is something it received
                 received |= kinds
@@ -142,6 +143,11 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             if reached is not None:
                 return reached
     return None
+
+
+# A normalisation's running statistics: +inf there is an overflow (a running minimum may start
+# at +inf, a stored mask hold -inf).
+RUNNING_STATISTICS = frozenset(("running_var", "running_mean"))
 
 
 def _inline_overflow(pass_: PassRecord, call, limit_max):
