@@ -660,3 +660,23 @@ def test_an_allowed_inf_in_the_outputs_is_not_run_again_at_every_call(deferred_o
     report = caught.value.report
     assert report.batch_number == 5 and report.reason.startswith("the data fed to"), report.reason
     assert len(reruns) == {"the model": 1, "its inner module": 2}[allowed], reruns
+
+
+@pytest.mark.parametrize("kind", ["foreach", "plain"])
+def test_weights_an_optimizer_step_broke_are_blamed_on_it_on_the_device_path_too(deferred_on_host, kind):
+    # the call counted as it ran, and again by its later re-run: the step between still counts
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = OPTIMIZERS[kind](model.parameters())
+    with pytest.raises(NonFiniteError) as raised, Guard(model, mode="sentinel"):
+        for step in range(5):
+            if step == 2:
+                for group in optimizer.param_groups:
+                    group["lr"] = float("inf")
+            model(_batch(step, -1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            deferred_on_host[0] = step < 2
+    report = raised.value.report
+    assert (report.cause, report.weights_origin) == ("weights", "optimizer step")
+    assert report.optimizer_step.lr == float("inf") and report.optimizer_step.after_batch == 2

@@ -59,6 +59,9 @@ class _LentSteps:
     def stop(self) -> None:
         """The sentinel stops it, on its own detach."""
 
+    def forward_began(self, root_id: int, batch: int) -> None:
+        self.watch.forward_ran_again(root_id, batch)
+
     def __getattr__(self, name):
         return getattr(self.watch, name)
 

@@ -117,6 +117,13 @@ class StepWatch:
         self._roots[root_id] = ((self.forwards, batch) + latest[:2] if latest is not None
                                 else (self.forwards, batch, None, None))
 
+    def forward_ran_again(self, root_id: int, batch: int) -> None:
+        """A re-run of a forward of `root_id` in `batch`: counted unless that forward was (the
+        sentinel's check on a device counts a call as it runs, and re-runs it later)."""
+        latest = self._roots.get(root_id)
+        if latest is None or latest[1] != batch:
+            self.forward_began(root_id, batch)
+
     def note_step(self, optimizer) -> None:
         """An optimizer step ended (the global hook)."""
         seen = self._optimizers.get(optimizer)
