@@ -370,6 +370,11 @@ def _shape(shape) -> str:
 
 def _data_hint(facts: Facts) -> str:
     row = facts.flagged[0] if facts.flagged else TensorRow("x", INPUT)
+    if row.predicted_overflow and not row.nonfinite:  # (stop_at_limit)
+        return (f"The batch fed to {facts.where} reaches {facts.found}, beyond "
+                f"{limit_text(facts.dtype)}: cast to {facts.dtype} (autocast, `.half()`) it is inf "
+                "before any module runs. Scale the inputs to a small range (standardise them), or "
+                "keep the first layer in float32.")
     test = "torch.isnan(x)" if facts.nan and not facts.inf else "(~torch.isfinite(x))"
     if row.shape is None or len(row.shape) > 1:
         search = (f"`{test}.flatten(1).any(1).nonzero()` (x: {row.role}, shape "

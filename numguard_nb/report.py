@@ -108,7 +108,7 @@ class TensorRow:
     @property
     def sample_list(self) -> str:
         """'1, 3 (2 of 32)': the samples holding inf/nan, as a view lists them ('' unknown)."""
-        if self.nonfinite_samples is None:
+        if not self.nonfinite_samples:
             return ""
         more = ", \u2026" if self.nonfinite_sample_count > len(self.nonfinite_samples) else ""
         return (f"{', '.join(map(str, self.nonfinite_samples))}{more} "
@@ -119,7 +119,7 @@ class TensorRow:
         """'samples 1 and 3 of 32', 'sample 0 of 1', '20 of 32 samples, starting with 0, 1, ...
         and 7': the samples holding inf/nan, in a sentence ('' unknown)."""
         shown, count = self.nonfinite_samples, self.nonfinite_sample_count
-        if shown is None:
+        if not shown:
             return ""
         names = [str(index) for index in shown]
         listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

@@ -270,3 +270,17 @@ def test_a_quiet_run_keeps_the_headroom_without_showing_it_and_no_limit_shows_no
     with plain.guard:
         model(torch.ones(2, 4)).sum().backward()
     assert plain.show_headroom().views == [] and "; in " not in Session().status()
+
+
+def test_stop_at_limit_names_data_already_beyond_the_limit_in_forward():
+    # every forward overflow is inherited from the input: the data is where it starts
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(NonFiniteError) as raised, \
+            Guard(model, limit_dtype=torch.float16, stop_at_limit=True):
+        model(torch.randn(3, 4) * 1e5).sum().backward()
+    report = raised.value.report
+    assert (report.cause, report.phase, report.first_nonfinite.module_name) == ("data", "forward", "")
+    assert report.reason.startswith("the data fed to Sequential in batch 0 is beyond float16's "
+                                    "largest value 65504 (input[0] reaches")
+    assert "standardise" in report.hint and "samples holding" not in str(raised.value)

@@ -110,8 +110,8 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             elif category == INPUT:
                 received |= kinds
                 from_parent |= kinds
-                if call.is_root and PROBLEM_NAN in kinds:
-                    bad_inputs.append(slot)
+                if call.is_root and (PROBLEM_NAN in kinds or PROBLEM_OVERFLOW in kinds):
+                    bad_inputs.append(slot)  # (data beyond limit_dtype's range: with stop_at_limit)
         if bad_params:
             return call, bad_params, CAUSE_WEIGHTS
         if bad_inputs:

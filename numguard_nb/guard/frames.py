@@ -147,6 +147,8 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
         return f"the weights of {where} in batch {frame.batch_number} exceed {limit} ({what})"
     if cause == CAUSE_WEIGHTS:
         return _weights_sentence(where, frame.batch_number, rows, what, origin)
+    if cause == CAUSE_DATA and predicted:
+        return f"the data fed to {where} in batch {frame.batch_number} is beyond {limit} ({what})"
     if cause == CAUSE_DATA:
         return (f"the data fed to {where} in batch {frame.batch_number} holds "
                 f"{_data_words(rows)} ({what})")
