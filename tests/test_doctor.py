@@ -254,6 +254,52 @@ def test_unused_trainable_parameters_fail_at_backward_by_name():
     assert "requires_grad_(False)" in step.hint
 
 
+class SkipsItsBlockOnOddCalls(TwoLayers):
+    """A layer skipped at random in training (LayerDrop, stochastic depth), here on odd calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, inputs):
+        self.calls += 1
+        hidden = torch.relu(self.body(inputs))
+        if self.calls % 2 == 0:
+            hidden = hidden + self.block(hidden)
+        return self.head(hidden)
+
+
+def test_a_layer_skipped_at_random_is_no_unused_parameter():
+    report = check_pipeline(SkipsItsBlockOnOddCalls(), classification_data(), loss_fn=nn.CrossEntropyLoss())
+    assert report.ok, report.to_text()
+
+
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer whose constructor takes more than the hyperparameters (a Lookahead-style one)."""
+
+    def __init__(self, params, inner_class, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+        self.inner_class = inner_class
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("make", [lambda params: torch.optim.LBFGS(params, lr=0.1),  # step(closure)
+                                  lambda params: Wrapper(params, torch.optim.SGD)])
+def test_optimizers_stepped_or_built_otherwise_pass(make):
+    torch.manual_seed(0)
+    model = TwoLayers()
+    report = check_pipeline(model, classification_data(), loss_fn=nn.CrossEntropyLoss(),
+                            optimizer=make(model.parameters()))
+    assert report.ok, report.to_text()
+
+
 def test_loss_that_is_not_a_scalar_fails_at_loss():
     report = check_pipeline(TwoLayers(), classification_data(), loss_fn=nn.CrossEntropyLoss(reduction="none"))
 

@@ -67,7 +67,11 @@ def rebuild_recipe(model: nn.Module, optimizer: torch.optim.Optimizer, whose: st
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         # defaults may hold entries the constructor does not take (AdamW's decoupled_weight_decay).
         defaults = {key: value for key, value in optimizer.defaults.items() if takes_any or key in accepted}
-        rebuilt = optimizer_class(groups, **defaults)
+        try:
+            rebuilt = optimizer_class(groups, **defaults)
+        except TypeError:  # a constructor taking more (a wrapper's inner class): a copy over the copy
+            rebuilt = copy.deepcopy(optimizer, {id(p): counterpart[id(p)] for p in model.parameters()})
+            rebuilt.state.clear()  # (fresh, as a rebuilt one's)
         scheduled = ", the schedule's initial lr" if "initial_lr" in groups[0] else ""
         lr = format_number(groups[0]["lr"])
         description = f"{optimizer_class.__name__}(lr={lr}{scheduled}), rebuilt from {whose}"
