@@ -102,7 +102,7 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
     add = parser.add_argument
     add("--frames", type=positive_int, default=21, metavar="N",
         help="frames kept in the report, leading up to the culprit (default 21)")
-    add("--trace", type=_batch_list, default=None, metavar="B,B",
+    add("--trace", type=_batch_list, default=None, metavar="B,B", action="extend",
         help="batch numbers to trace (every frame recorded, no stop): 1,3 or 149-150")
     add("--abort-after", type=_batch_number, default=None, metavar="N",
         help="stop (BatchLimitReached) when batch N+1 starts")
@@ -218,7 +218,8 @@ def guard_options(args, capture: bool, scaler=None) -> GuardOptions:
         raise ValueError(f"--stop-at-limit needs --limit-dtype ({', '.join(LIMIT_DTYPES)}): the "
                          "narrower format whose first overflow it stops at")
     return GuardOptions(
-        max_frames=args.frames, trace_batches=args.trace or (), abort_after_batch=args.abort_after,
+        max_frames=args.frames, trace_batches=sorted(set(args.trace or ())),
+        abort_after_batch=args.abort_after,
         backward=not args.no_backward, sync=args.sync, allow_inf=allow_inf,
         limit_dtype=args.limit_dtype, stop_at_limit=args.stop_at_limit, ops=args.ops,
         capture=capture, history_every=args.history_every, scaler=scaler,

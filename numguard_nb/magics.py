@@ -149,6 +149,15 @@ def _why_nothing_is_guarded(shell, waiting_for: str) -> str:
             "from the statement after the one that makes it)")
 
 
+def _unreadable(text: str, error: Exception, namespace) -> str:
+    """Why `%numguard compare` cannot read `text`: a batch not traced lists those that were."""
+    traced = namespace.get("_numguard_traces")
+    if isinstance(error, KeyError) and text.startswith("_numguard_traces[") and isinstance(traced, dict):
+        return (f"batch {error.args[0]} was not traced; the traced batches are "
+                f"{', '.join(map(str, sorted(traced))) or 'none'} (--trace B,B)")
+    return f"cannot read {text}: {message_line(error)}"
+
+
 def _running_cell_number(shell) -> int:
     """The number IPython gave the cell running now (`In[5]`): that of the code that called the
     magic. (IPython 9 counts `execution_count` up before a cell runs, 7 after it.)"""
@@ -602,7 +611,7 @@ class NumguardMagics(Magics):
         try:
             obj = eval(text, self.shell.user_global_ns, self.shell.user_ns)
         except Exception as error:
-            raise UsageError(f"{magic}: cannot read {text}: {message_line(error)}") from None
+            raise UsageError(f"{magic}: {_unreadable(text, error, self.shell.user_ns)}") from None
         if not isinstance(obj, Report):
             raise UsageError(
                 f"{magic}: {text} is a {type(obj).__name__}, not a numguard Report "

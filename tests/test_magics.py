@@ -233,6 +233,9 @@ def test_compare_points_at_the_first_module_that_differs(ip):
     result, captured = run(ip, "%numguard compare good net")
     assert isinstance(result.error_in_exec, UsageError)
     assert "net is a Sequential, not a numguard Report" in usage_error_line(captured)
+    result, captured = run(ip, "%numguard compare _numguard_traces[3] _numguard_traces[2]")
+    assert usage_error_line(captured).endswith(
+        "batch 2 was not traced; the traced batches are 3, 4 (--trace B,B)")
 
 
 # ---- which models are guarded --------------------------------------------------------------
@@ -408,6 +411,8 @@ def test_options_reach_the_guard(ip, monkeypatch):
     }
     run(ip, "%%numguard net --allow-inf\nstep(net, xs[0])")
     assert seen["allow_inf"] is True and seen["capture"] is False  # CPU model: no capture by default
+    run(ip, "%%numguard net --trace 1 --trace 3,1\nstep(net, xs[0])")  # given twice: both kept
+    assert seen["trace_batches"] == frozenset({1, 3})
     ip.run_cell("loss = nn.MSELoss()")
     run(ip, "%%numguard net loss\nstep(net, xs[0])")
     assert list(seen["models"]) == ["net", "loss"]
