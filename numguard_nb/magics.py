@@ -40,7 +40,7 @@ from .magic_args import (
 from .report import Report
 from .session import (
     GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup, model_of,
-    models_held_inside,
+    model_held_inside,
 )
 
 __all__ = ["NumguardMagics", "load", "unload", "short_traceback"]
@@ -134,15 +134,8 @@ def _waiting_for(namespace, hidden, names, made: Optional[set] = None) -> str:
     return " and ".join(missing) if all(name.partition(".")[0] in made for name in missing) else ""
 
 
-def _held_inside(shell) -> str:
-    """'exp.model holds one: name it: %%numguard exp.model' for a model the notebook keeps only
-    inside a dict or an object, which only a name reaches; ''."""
-    inside = models_held_inside(shell.user_ns, _hidden(shell))
-    return f"{inside[0][0]} holds one: {inside[0][1]}" if inside else ""
-
-
 def _why_nothing_is_guarded(shell, waiting_for: str) -> str:
-    inside = _held_inside(shell) if waiting_for == "a model" else ""
+    inside = model_held_inside(shell.user_ns, _hidden(shell)) if waiting_for == "a model" else ""
     if inside:
         return f"no model stands under a name of its own, and {inside}"
     return (f"the cell made {waiting_for} in its last statement or not at all (a model is guarded "
@@ -407,8 +400,8 @@ class NumguardMagics(Magics):
         waiting_for = self._not_defined_yet(args.names)
         if waiting_for:
             notes = _names_waited_for(self.shell, args.names, magic)
-            notes += [f"no model stands under a name of its own, and {_held_inside(self.shell)}"
-                      ] if not args.names and _held_inside(self.shell) else []
+            inside = "" if args.names else model_held_inside(self.shell.user_ns, _hidden(self.shell))
+            notes += [f"no model stands under a name of its own, and {inside}"] if inside else []
             try:  # bad options are refused now, not when a model appears
                 guard_options(args, capture=False)
             except (TypeError, ValueError) as error:

@@ -103,17 +103,14 @@ def find_models(namespace: Mapping, names: Sequence[str] = (), hidden: Optional[
         if model is not None:
             found[name] = model
     if not found:
-        inside = models_held_inside(namespace, hidden)
         raise LookupError("no torch.nn.Module (or Trainer) in the namespace: " + (
-            f"{inside[0][0]} holds one: {inside[0][1]}" if inside else
-            "create the model first, or name it after the magic"))
+            model_held_inside(namespace, hidden) or "create the model first, or name it after the magic"))
     return _top_level(found)
 
 
-def models_held_inside(namespace: Mapping, hidden: Optional[Mapping] = None) -> List[Tuple[str, str]]:
-    """(where, what to do) for the models kept one level inside the namespace's dicts, lists
-    and objects ('exp.model', 'models["a"]'), which only names reach."""
-    found = []
+def model_held_inside(namespace: Mapping, hidden: Optional[Mapping] = None) -> str:
+    """'exp.model holds one: name it: %%numguard exp.model' for a model kept one level inside the
+    namespace's dicts, lists and objects, which only names reach; '' where there is none."""
     for name, obj in list(namespace.items()):
         if name.startswith("_") or name in (hidden or {}) or isinstance(obj, (type, types.ModuleType)):
             continue
@@ -127,9 +124,9 @@ def models_held_inside(namespace: Mapping, hidden: Optional[Mapping] = None) -> 
                      if not key.startswith("_")] if isinstance(attributes, dict) else []
         for where, value in items:
             if isinstance(value, nn.Module):
-                found.append((where, f"name it: %%numguard {where}" if "[" not in where else
-                              f"give it a name of its own (net = {where}) and guard that"))
-    return found
+                return f"{where} holds one: " + (f"name it: %%numguard {where}" if "[" not in where
+                                                 else f"give it a name of its own (net = {where}) and guard that")
+    return ""
 
 
 def _top_level(found: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
