@@ -434,6 +434,21 @@ def test_inputs_a_model_changes_in_place_are_copied_for_the_re_run():
     assert culprit(sentinel) == culprit(full) and "holds nan" in sentinel.reason
 
 
+class StandardisesInPlace(nn.Module):
+    def forward(self, x):
+        return x.sub_(x.mean(0, keepdim=True)).div_(x.std(0, keepdim=True))  # one sample: 0/nan
+
+
+def test_a_first_call_that_rewrote_its_input_does_not_have_the_data_blamed_alone():
+    # not copied before the first call, which it changed: the re-run reads what the call left
+    torch.manual_seed(0)
+    model = nn.Sequential(StandardisesInPlace(), nn.Linear(4, 2))
+    with pytest.raises(NonFiniteError) as raised, Guard(model, mode="sentinel"):
+        model(torch.randn(1, 4))
+    assert raised.value.report.cause == "data"
+    assert "but the call changed its inputs in place" in raised.value.report.reason
+
+
 def test_an_interrupted_call_does_not_blind_the_sentinel():
     class Interrupt(nn.Module):
         armed = False

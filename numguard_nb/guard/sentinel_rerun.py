@@ -27,8 +27,8 @@ from torch import nn
 
 from .. import _tree, numerics, rerun
 from .._schema import (
-    BACKWARD, CAUSE_COMPILED, CAUSE_STALE_GRADIENTS, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED, DETECTION,
-    FORWARD, FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL, OUTPUT, WRITTEN_IN_FORWARD,
+    BACKWARD, CAUSE_COMPILED, CAUSE_DATA, CAUSE_STALE_GRADIENTS, CAUSE_TRANSIENT, CAUSE_UNATTRIBUTED,
+    DETECTION, FORWARD, FOUND_BY_RERUN, GRAD_PARAM, MODE_FULL, OUTPUT, WRITTEN_IN_FORWARD,
 )
 from .._util import dtype_name, error_line
 from ..errors import NonFiniteError
@@ -231,6 +231,13 @@ def _not_rerun(seen: Frame, call, options, why: str) -> Report:
     return report
 
 
+# A first call that rewrote its inputs in place had them not copied: its re-run read what it left.
+_INPUTS_REWRITTEN = ("; but the call changed its inputs in place (x.sub_(mean).div_(std)), so its "
+                     "re-run read them as it left them: the model's own in-place code may have made "
+                     "the values (inputs are copied before each call from now on, so a later batch "
+                     "is told apart)")
+
+
 def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
     """Run the call again under the full guard; see the module docstring. `seen`: the frame of
     the call's outputs as the sentinel saw them, the problems flagged."""
@@ -250,6 +257,8 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
                     output = _call_again(rerun.run_alone(call.entry.module), call, call.args,
                                          call.kwargs, call.state.grad_enabled)
             except NonFiniteError as error:
+                if error.report.cause == CAUSE_DATA and call.inputs_changed:
+                    error.report.reason += _INPUTS_REWRITTEN
                 return _found(error.report)
             except Exception as error:  # (Python state the re-run cannot set back)
                 return _failed(seen, call, options, error)
@@ -262,12 +271,12 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
         if rerun.run_alone(call.entry.module) is not rerun.eager(call.entry.module):
             return _transient(seen, call, options, _NOT_COMPILED_AGAIN)
         again = _call_again(call.entry.module, call, call.args, call.kwargs, False)
-        if not _has_problem(_tree.tensors(again), allow_inf, options.stop_rules.limit_max):
+        if not _has_problem(_tree.output_tensors(again), allow_inf, options.stop_rules.limit_max):
             return _transient(seen, call, options, "run again, eagerly and compiled, its outputs "
                               "were finite")
         with rerun.swapped(parts, rerun.aot_eager):
             aot = _call_again(rerun.aot_eager(call.entry.module), call, call.args, call.kwargs, False)
-        captured = _has_problem(_tree.tensors(aot), allow_inf, options.stop_rules.limit_max)
+        captured = _has_problem(_tree.output_tensors(aot), allow_inf, options.stop_rules.limit_max)
         return _compiled(seen, call, options, captured)
 
 
