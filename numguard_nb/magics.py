@@ -19,7 +19,6 @@ report is displayed above it and kept as `_numguard`.
 
 from __future__ import annotations
 
-import ast
 import difflib
 import builtins
 import keyword
@@ -38,6 +37,7 @@ from .magic_args import (
     positive_int, positive_number, with_usage,
 )
 from .report import Report
+from .cell_code import compile_cell, is_top_level_await
 from .session import (
     GuardedRun, Session, ToShow, choose_capture, find_models, find_scaler, lookup, model_of,
     model_held_inside,
@@ -151,56 +151,14 @@ def _unreadable(text: str, error: Exception, namespace) -> str:
     return f"cannot read {text}: {message_line(error)}"
 
 
-def _running_cell_number(shell) -> int:
-    """The number IPython gave the cell running now (`In[5]`): that of the code that called the
-    magic. (IPython 9 counts `execution_count` up before a cell runs, 7 after it.)"""
-    numbers = getattr(shell.compile, "_filename_map", {})
-    frame = sys._getframe(1)
-    while frame is not None:
-        number = numbers.get(frame.f_code.co_filename)
-        if number is not None:
-            return number
-        frame = frame.f_back
-    return shell.execution_count
-
-
-def _compile_cell(shell, cell: str) -> tuple:
-    """A `%%numguard` cell's code, one top-level statement at a time (the last one, an
-    expression, compiled to give the cell's value), compiled the way IPython compiles a cell: all
-    of it before any of it runs; and the names it assigns in the namespace."""
-    # A blank first line stands for the %%numguard line: tracebacks give the cell's line numbers.
-    source = "\n" + shell.transform_cell(cell)
-    filename = shell.compile.cache(source, _running_cell_number(shell))
-    tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
+def _compiled(shell, cell: str) -> tuple:
     try:
-        code = [shell.compile(ast.Module([statement], []), filename, "exec") for statement in tree.body]
+        return compile_cell(shell, cell)
     except SyntaxError as error:
-        if re.match(r"'(await|async \w+)' outside", str(error.msg)):  # IPython's autoawait
+        if is_top_level_await(error):
             raise UsageError("%%numguard: a top-level await runs only in a plain cell: guard it "
                              "with %numguard on before the cell and %numguard off after") from None
         raise
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        code[-1] = shell.compile(ast.Expression(tree.body[-1].value), filename, "eval")
-    return code, _assigned_names(tree)
-
-
-def _assigned_names(tree: ast.Module) -> set:
-    """The names a cell's code assigns in the namespace: targets of its assignments, loops,
-    `with ... as`, imports (not those inside the functions and classes it defines)."""
-    names, todo = set(), list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-            continue
-        if isinstance(node, ast.Lambda):
-            continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, ast.alias):
-            names.add((node.asname or node.name).partition(".")[0])
-        todo.extend(ast.iter_child_nodes(node))
-    return names
 
 
 # ---- what IPython shows of a cell ----------------------------------------------------------
@@ -352,7 +310,7 @@ class NumguardMagics(Magics):
             raise UsageError(f"%%numguard guards the cell below it; for '{command}' use the line "
                              f"magic %numguard {command} (one %)")
         magic = "%%numguard"
-        code, assigned = _compile_cell(self.shell, cell)  # a SyntaxError is raised before any hook
+        code, assigned = _compiled(self.shell, cell)  # a SyntaxError is raised before any hook
         waiting_for = _waiting_for(self.shell.user_ns, _hidden(self.shell), args.names, assigned)
         if waiting_for:  # the cell makes its model: guarded from the statement after
             try:  # bad options are refused now, not when a model appears

@@ -146,6 +146,8 @@ def test_a_clean_cell_returns_its_value_and_keeps_the_latest_frames(ip):
     # -q: nothing printed, the report still stored
     result, captured = run(ip, "%%numguard -q\nstep(net, xs[0])")
     assert result.success and captured.stdout == "" and ip.user_ns["_numguard"].batch_number == 0
+    for quiet in ("6 * 7;", "6 * 7;  # as in a plain cell, ';' shows no value"):
+        assert run(ip, f"%%numguard -q\nstep(net, xs[0])\n{quiet}")[0].result is None
 
 
 def test_output_name_and_quiet_on_detection(ip):
