@@ -257,7 +257,8 @@ class Guard:
             return self
 
     def detach(self) -> None:
-        """Remove every hook this guard registered (idempotent), even inside nested `with`s."""
+        """Remove every hook this guard registered (idempotent), even inside nested `with`s. A
+        detection found then (read late on a GPU) is kept: `raise_found()` raises it, as `with` does."""
         with self._lifecycle_lock:
             self._entered = 0
             self._attached = False  # first: a backward's end queued already does nothing
