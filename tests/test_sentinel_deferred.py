@@ -680,3 +680,19 @@ def test_weights_an_optimizer_step_broke_are_blamed_on_it_on_the_device_path_too
     report = raised.value.report
     assert (report.cause, report.weights_origin) == ("weights", "optimizer step")
     assert report.optimizer_step.lr == float("inf") and report.optimizer_step.after_batch == 2
+
+
+def test_an_error_of_the_loop_s_own_carries_what_the_guard_found_as_it_detached(deferred_on_host):
+    # the loop's own nan check raises before the device's values were read
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with pytest.raises(RuntimeError, match="non-finite") as raised, Guard(model, mode="sentinel") as guard:
+        for step in range(4):
+            model(_batch(step, 2)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert not guard.report.ok
+    if sys.version_info >= (3, 11):  # (notes are Python 3.11's)
+        assert raised.value.__notes__ == [
+            f"numguard found, as the guard detached: {guard.report.summary()} (guard.report holds it)"]

@@ -295,7 +295,7 @@ class Guard:
             self._entered -= 1
             if self._entered <= 0:
                 self.detach()
-                self.raise_found(exc_type is None)
+                _raise_found_on_exit(self, exc)
 
     def raise_found(self, when: bool = True) -> None:
         """Raise (`when`; else drop) what the last detach found, as a `with` block's exit does."""
@@ -603,6 +603,16 @@ class Guard:
     def __repr__(self) -> str:
         return (f"<numguard Guard on {', '.join(type(m).__name__ for m in self.models.values())}: "
                 f"{'at' if self._attached else 'de'}tached, batch {self.batch_number}>")
+
+
+def _raise_found_on_exit(guard: Guard, exc: Optional[BaseException]) -> None:
+    """A `with` block's exit: raise what detaching found; after an error of the block's own (the
+    loop's nan check, raised before a GPU's values were read), add it to that error's notes."""
+    found = guard._sentinel.checks.unraised or guard.outside.unraised
+    if exc is not None and found is not None and hasattr(exc, "add_note"):  # (Python 3.11+)
+        exc.add_note(f"numguard found, as the guard detached: {str(found).splitlines()[0]} "
+                     "(guard.report holds it)")
+    guard.raise_found(exc is None)
 
 
 def _forget_passes(guard: Guard) -> None:
