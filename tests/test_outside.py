@@ -243,11 +243,26 @@ def test_code_between_two_guarded_calls_that_feeds_the_second_nan_is_named_not_t
             if step == 2:
                 where = this_line_plus(1)
                 hidden = hidden / (hidden - hidden)  # 0/0 in the loop, between the two calls
+                hidden = hidden * 2  # (carried on)
             second(hidden).mean().backward()
     report = caught.value.report
     assert (report.cause, report.phase, report.batch_number) == (CAUSE_OUTSIDE, FORWARD, 2)
     assert report.first_nonfinite.op == "aten.div.Tensor"
     assert report.first_nonfinite.source == f"{where}: hidden = hidden / (hidden - hidden)  # 0/0 in the loop, between the two calls"
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_bad_data_after_a_discarded_log_of_0_is_still_the_data(reading, mode):
+    # the loop's entropy keeps log(0) out of its value: a later nan in the data is the data's
+    model = mlp()
+    batches = [torch.randn(3, 4) for _ in range(2)]
+    batches[1][1, 2] = float("nan")
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        for x in batches:
+            p = torch.softmax(torch.cat([model(x), torch.zeros(3, 1)], 1) * 0 - 1e4 * torch.eye(3, 2), 1)
+            entropy = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum()
+            assert torch.isfinite(entropy)
+    assert caught.value.report.cause == "data" and caught.value.report.batch_number == 1
 
 
 def test_allow_inf_for_outside_lets_the_code_make_inf():

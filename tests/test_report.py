@@ -10,6 +10,7 @@ torch version's RNG.
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -218,6 +219,8 @@ def test_to_frame_of_the_hand_made_report():
                                    "unsupported", "tensor"]
     assert list(frame["frame"]) == [0] + [1] * 7
     assert frame.loc[2, "range_share"] == pytest.approx(60000.0 / 65504.0)
+    # a value without a dtype (None) reads <NA>, never NaN, which would say it holds nan
+    assert frame.loc[3, "dtype"] is pd.NA and frame.loc[2, "dtype"] == "float16"
 
 
 # ---- repr and summary ----------------------------------------------------------------------

@@ -571,8 +571,8 @@ class Guard:
     def _detect(self, pass_: PassRecord, phase, call: CallRecord, bad_slots, cause, held=False) -> None:
         """Build the report for a detection and raise it. A -inf mask reaching the model's output
         (illegal actions' logits) is judged by the loss first, as the code after it (`outside`)."""
-        if cause == CAUSE_DATA and phase == FORWARD:
-            self.outside.raise_held_fed_to_a_model()  # the code between the models made them
+        if cause == CAUSE_DATA and phase == FORWARD:  # the code between the models made them?
+            self.outside.raise_held_fed_to_a_model([frames.value_of(pass_, slot) for slot in bad_slots])
         if not held and phase == FORWARD and detect.only_minus_inf(pass_, call, bad_slots, cause) \
                 and self.outside.hold(pass_, call, self, ("_detect", (pass_, phase, call,
                                                                         bad_slots, cause, True))):

@@ -394,15 +394,17 @@ class OutsideWatch(BackwardWatch):
             return error
         return None
 
-    def raise_held_fed_to_a_model(self) -> None:
-        """A guarded model is being fed non-finite values (the data rule is about to name the
-        data): where the code outside the modules made such values since the last backward (the
-        code between two models, a GAN's; between two submodules a Lightning step calls), that
-        culprit fed them, and is raised now: harm done, the loss need not judge it."""
+    def raise_held_fed_to_a_model(self, fed: list) -> None:
+        """A guarded model is being fed the non-finite tensors `fed` (the data rule is about to
+        name the data): where the code outside the modules made them, after a culprit it holds
+        (the code between two models, a GAN's; between two submodules a Lightning step calls),
+        that culprit is raised now: harm done, the loss need not judge it."""
         state = thread_state
         held = state.held
         owner = held.alive() if held is not None else None
         if owner is None or held.detect is not None:  # (a model's -inf mask goes on to the loss)
+            return
+        if not any(held.pass_.summarised(t) for t in fed):  # (the data's own, beside a discarded one)
             return
         state.held = None
         state.calls_held = 0

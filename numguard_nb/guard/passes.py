@@ -247,6 +247,11 @@ class PassRecord:
                 changed = True
         return changed
 
+    def summarised(self, t: torch.Tensor) -> bool:
+        """Whether the pass summarised `t` (the very tensor) and still holds its entry."""
+        entry = self.cache.get(id(t))
+        return entry is not None and _is_entry_of(entry, t)
+
     def release(self) -> None:
         """Drop what only the recording needed, once read back: device memory and tensor refs."""
         self.vectors = []

@@ -35,6 +35,8 @@ def report_frame(report):
     for column in _NUMBERS:
         values = [record[COLUMNS.index(column)] for record in records]
         table[column] = pd.Series(_numbers_or_missing(pd, values), index=table.index, name=column)
+    # A value without a dtype (None, a non-tensor): <NA> too, never NaN.
+    table["dtype"] = pd.array([record[COLUMNS.index("dtype")] for record in records], dtype="string")
     if report.rank is not None:  # several processes: which rank this is, and which made it
         table["rank"], table["world_size"] = report.rank, report.world_size
         table["source_rank"] = pd.array([report.source_rank] * len(table), dtype="Int64")
@@ -42,7 +44,7 @@ def report_frame(report):
 
 
 # Statistics a row may lack (a None output, an empty tensor): <NA>, never NaN, which would read as
-# a tensor holding nan.
+# a tensor holding nan (pandas' string <NA> for the dtype).
 _NUMBERS = ("abs_min", "abs_max", "range_share", "nonzero_abs_min")
 
 
