@@ -696,3 +696,31 @@ def test_an_error_of_the_loop_s_own_carries_what_the_guard_found_as_it_detached(
     if sys.version_info >= (3, 11):  # (notes are Python 3.11's)
         assert raised.value.__notes__ == [
             f"numguard found, as the guard detached: {guard.report.summary()} (guard.report holds it)"]
+
+
+class ScaledSGD(torch.optim.Optimizer):
+    """A step taking a positional argument that is no closure (a scale, AdaHessian's Hessians)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, scale=1.0):  # a number, or a function of the group
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad * float(scale(group) if callable(scale) else scale), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("scale", [0.5, lambda group: 0.5])
+def test_a_step_s_positional_argument_that_is_no_closure_is_passed_as_it_is(deferred_on_host, scale):
+    torch.manual_seed(0)
+    plain, guarded = Net(), Net()
+    guarded.load_state_dict(plain.state_dict())
+    for model, guard in ((plain, None), (guarded, Guard(guarded, mode="sentinel"))):
+        optimizer = ScaledSGD(model.parameters())
+        with guard or contextlib.nullcontext():
+            for step in range(3):
+                model(_batch(step, -1)).backward()
+                optimizer.step(scale)
+                optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), guarded.parameters()))

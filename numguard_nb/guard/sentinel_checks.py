@@ -21,6 +21,7 @@ inside `step`, after the pre-hook: the closure is wrapped, and the same is done 
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections import deque
 from functools import partial
@@ -236,8 +237,8 @@ class StepChecks:
         if not self._holds(optimizer) or inert_context():
             return None  # (a step captured into a CUDA graph: no event asked, no flag baked into it)
         at = 1 if args and args[0] is optimizer else 0  # (torch passes `self` in `args`)
-        closure = kwargs.get("closure", args[at] if len(args) > at else None)
-        if closure is None:
+        closure = kwargs.get("closure", args[at] if len(args) > at and _closure_first(optimizer) else None)
+        if not callable(closure):
             self._before_update(optimizer)
             return None
         checked = partial(_checked_closure, weakref.ref(self), optimizer, closure)
@@ -280,13 +281,32 @@ class StepChecks:
             _take_back(optimizer)
 
 
+_CLOSURE_FIRST: dict = {}  # optimizer class -> whether its step's first argument is `closure`
+
+
+def _closure_first(optimizer) -> bool:
+    known = _CLOSURE_FIRST.get(type(optimizer))
+    if known is None:
+        try:
+            first = next(iter(inspect.signature(optimizer.step).parameters), None)
+        except (TypeError, ValueError):
+            first = None
+        known = _CLOSURE_FIRST[type(optimizer)] = first == "closure"
+    return known
+
+
 def _checked_closure(checks_ref, optimizer, closure):
     """A step's closure, then what the step pre-hook does before the weights are written: the
     closure's own forward and backward are checked too."""
     loss = closure()
     checks = checks_ref()
     if checks is not None:
-        checks._before_update(optimizer)
+        try:
+            checks._before_update(optimizer)
+        except NonFiniteError:
+            raise
+        except Exception:  # (as WeakHook: the watch's own trouble never breaks the step)
+            pass
     return loss
 
 
