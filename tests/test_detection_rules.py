@@ -155,3 +155,40 @@ def test_a_running_variance_that_overflowed_is_named_at_the_next_call(sync):
     assert (report.cause, report.first_nonfinite.module_name, report.batch_number) == ("weights", "1", 2)
     assert [row.role for row in report.first_nonfinite.flagged_rows] == ["running_var"]
     assert "reset_running_stats()" in report.hint
+
+
+class DistanceLogits(nn.Module):
+    """Masks distances with +inf (a min-pooling's way), then its head turns them into logits."""
+
+    def __init__(self, head=None):
+        super().__init__()
+        self.head = head or _Negate()
+
+    def forward(self, d, keep):
+        return torch.softmax(self.head(d.masked_fill(~keep, float("inf"))), -1)
+
+
+class _Negate(nn.Module):
+    def forward(self, d):
+        return -d * 0.5  # +inf -> -inf: a mask, which the softmax uses up
+
+
+class _Times0(nn.Module):
+    def forward(self, d):
+        return d * 0  # inf * 0: nan
+
+
+def test_a_plus_inf_mask_made_between_submodules_and_used_up_is_no_detection():
+    keep = torch.tensor([[True, False, True]]).expand(4, 3)
+    assert run(DistanceLogits(), torch.rand(4, 3, requires_grad=True), keep) is None
+
+
+def test_where_a_parent_may_make_inf_its_submodule_that_makes_nan_of_it_is_named():
+    keep = torch.tensor([[True, False, True]]).expand(4, 3)
+    model = DistanceLogits(_Times0())
+    with pytest.raises(NonFiniteError) as raised, Guard(model, allow_inf=[""]):
+        model(torch.rand(4, 3), keep)
+    assert raised.value.report.cause == "forward" and raised.value.report.first_nonfinite.module_name == "head"
+    with pytest.raises(NonFiniteError) as raised, Guard(model):  # not allowed: the parent's code
+        model(torch.rand(4, 3), keep)
+    assert raised.value.report.cause == "forward-inline" and raised.value.report.first_nonfinite.module_name == ""

@@ -133,11 +133,9 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             data = _data_culprit(pass_, call, limit_max)
             if data is not None:  # the data's inf turned into something new here
                 return data
-            overflowed = _inline_overflow(pass_, call, limit_max)
-            if overflowed is not None:  # an enclosing call's own code made the +inf it turned
-                return overflowed
         if produced and (not made <= MASK or is_linear_map(call.module_class)):
-            return call, produced, CAUSE_FORWARD
+            # (an enclosing call's own code may have made the +inf it turned into this)
+            return _inline_overflow(pass_, call, rules) or (call, produced, CAUSE_FORWARD)
         if call.parent is None and given & NONFINITE:
             reached = _reached_output(pass_, call, given, produced, rules)
             if reached is not None:
@@ -150,12 +148,13 @@ def forward_culprit(pass_: PassRecord, calls, rules):
 RUNNING_STATISTICS = frozenset(("running_var", "running_mean"))
 
 
-def _inline_overflow(pass_: PassRecord, call, limit_max):
+def _inline_overflow(pass_: PassRecord, call, rules):
     """(the enclosing call, `call`'s inputs holding +inf, CAUSE_FORWARD_INLINE) when the +inf
     `call` received was made by that call's own code between its submodules (an overflow, never
     a mask: `torch.exp(scores)` before a Linear or a softmax module), or None: when a call that
-    closed before gave out a +inf (an allowed one: it carried it), or the enclosing calls were
-    handed one."""
+    closed before gave out a +inf (an allowed one: it carried it), the enclosing calls were
+    handed one, or that call may make inf (`allow_inf`)."""
+    limit_max = rules.limit_max
     inputs = [slot for slot in call.slots if slot[SLOT_CATEGORY] == INPUT
               and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max)]
     if not inputs:
@@ -170,7 +169,9 @@ def _inline_overflow(pass_: PassRecord, call, limit_max):
             slot[SLOT_CATEGORY] in (INPUT, PARAM, BUFFER)
             and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max) for slot in maker.slots):
         maker = maker.parent
-    return (maker, inputs, CAUSE_FORWARD_INLINE) if maker is not None else None
+    if maker is None or rules.inf_allowed(maker.module_name):
+        return None
+    return maker, inputs, CAUSE_FORWARD_INLINE
 
 
 def received_from_children(pass_: PassRecord, call, limit_max) -> set:
