@@ -1252,3 +1252,18 @@ def test_a_grad_left_non_finite_before_the_guard_attached_is_said_to_be_so(mode)
     else:  # found at the backward, whose re-run made finite gradients
         assert report.cause == "stale-gradients" and report.batch_number == 0
     assert "zero_grad()" in report.hint and "learning rate" not in report.hint
+
+
+def test_a_grad_left_non_finite_but_zeroed_before_the_first_backward_is_not_blamed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=float("inf"))  # the step breaks the weights
+    (model(x4()) * float("nan")).sum().backward()
+    with pytest.raises(NonFiniteError) as raised, Guard(model):
+        for _ in range(3):
+            optimizer.zero_grad()  # first: nothing left over is applied
+            model(x4()).sum().backward()
+            optimizer.step()
+    report = raised.value.report
+    assert report.cause == "weights" and not report.optimizer_step.stale_gradients
+    assert "Lower the learning rate" in report.hint

@@ -85,10 +85,11 @@ class StepWatch:
         self._warned = False  # about a step after no watched call of the model
         self._handles: list = []  # the hook's handle while attached
         weakref.finalize(self, _remove, self._handles)  # a guard dropped, models and all, attached
-        # The norms of the gradients the models held when the guard attached, on their devices
-        # (one launch per device; read only at a detection): a run started again after one that
-        # went non-finite may add to a .grad never zeroed.
+        # The norms of the gradients the models held when the guard attached, and at its first
+        # optimizer step, on their devices (one launch per device; read only at a detection): a
+        # run started again after one that went non-finite may add to a .grad never zeroed.
         self._grads_at_attach: list = []
+        self._grads_at_first_step: Optional[list] = None
 
     def start(self, models: dict) -> None:
         """Start watching steps (on attach) of optimizers of `models`' weights (name -> module):
@@ -98,7 +99,7 @@ class StepWatch:
         self._steps.clear()
         self._optimizers.clear()
         self._models, self._warned = models, False
-        self._grads_at_attach = _gradient_norms(models)
+        self._grads_at_attach, self._grads_at_first_step = _gradient_norms(models), None
         if not self._handles:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -126,6 +127,8 @@ class StepWatch:
 
     def note_step(self, optimizer) -> None:
         """An optimizer step ended (the global hook)."""
+        if self._grads_at_first_step is None:
+            self._grads_at_first_step = _gradient_norms(self._models)
         seen = self._optimizers.get(optimizer)
         if seen is None:
             seen = self._optimizers[optimizer] = [len(self._optimizers) + 1, 0, None]
@@ -154,11 +157,12 @@ class StepWatch:
             "attached runs unwatched; guard the model you call (Guard(torch.compile(model)))",
             stacklevel=user_stacklevel())
 
-    def gradients_were_not_finite(self) -> bool:
-        """Whether a gradient the models held when the guard attached held inf or nan (a read:
-        for a detection only)."""
-        return any(not numerics.fine(float(numerics.read(norms.max())))
-                   for norms in self._grads_at_attach)
+    def gradients_were_not_finite(self, at_first_step: bool = False) -> bool:
+        """Whether a gradient the models held when the guard attached (or, `at_first_step`, at
+        its first optimizer step: what that step applied) held inf or nan. A read: for a
+        detection only."""
+        norms = (self._grads_at_first_step or []) if at_first_step else self._grads_at_attach
+        return any(not numerics.fine(float(numerics.read(vector.max()))) for vector in norms)
 
     def weights_origin(self, root_id: int, params) -> Origin:
         """How the weights `params` (parameters; none for buffers), found non-finite in the
@@ -173,7 +177,9 @@ class StepWatch:
         since = [step for step in self._steps if step[STEP_FORWARD] >= before]
         step = self._first_holding(since, params)
         if step is not None:
-            step.stale_gradients = self.gradients_were_not_finite()
+            # (the backward's own gradients were finite: else it was named; a loop that zeroes
+            # the gradients before its first backward applied none of what was left)
+            step.stale_gradients = self.gradients_were_not_finite(at_first_step=True)
             return Origin(ORIGIN_OPTIMIZER_STEP, step, finite_batch)
         if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
