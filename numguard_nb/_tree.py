@@ -21,8 +21,8 @@ from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-__all__ = ["MAX_DEPTH", "named_leaves", "leaves", "tensors", "output_tensors", "rebuild", "set_at",
-           "role_of"]
+__all__ = ["MAX_DEPTH", "named_leaves", "leaves", "tensors", "named_output_leaves", "output_tensors",
+           "rebuild", "set_at", "role_of"]
 
 MAX_DEPTH = 8  # deeper than this, a value is a leaf
 _MANY = 16  # a longer container without a tensor or container in it is one leaf (compact walks)
@@ -94,15 +94,26 @@ def tensors(value) -> List[torch.Tensor]:
     return [leaf for _, leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
+def named_output_leaves(value, role: str = "output") -> Iterator[Tuple[str, object]]:
+    """`named_leaves` of a module's output; an object that holds no tensor that way (a
+    torch.distributions object, a result class of one's own) gives its attributes' instead,
+    named `output.logits`. The same value always gives them in the same order."""
+    found = list(named_leaves(value, role))
+    if any(isinstance(leaf, torch.Tensor) for _, leaf in found) or not _plain_object(value):
+        return iter(found)
+    return (leaf for key, item in sorted(vars(value).items()) if not key.startswith("_")
+            for leaf in named_leaves(item, f"{role}.{key}"))
+
+
 def output_tensors(value) -> List[torch.Tensor]:
-    """The tensors of a module's output: those nested in it or, for an object that holds none
-    that way (a torch.distributions object, a result class of one's own), those among its
-    attributes. The same value always gives them in the same order."""
-    found = tensors(value)
-    if found or value is None or isinstance(value, (str, bytes, int, float, bool, complex)) \
-            or _items(value) is not None or not hasattr(value, "__dict__"):
-        return found
-    return [leaf for _, item in sorted(vars(value).items()) for leaf in tensors(item)]
+    """The tensors among `named_output_leaves(value)`, in its order."""
+    return [leaf for _, leaf in named_output_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _plain_object(value) -> bool:
+    """An instance of a class of its own (not a container, a number, a module or a type)."""
+    return (value is not None and hasattr(value, "__dict__") and _items(value) is None
+            and not isinstance(value, (type, torch.nn.Module, torch.Tensor)))
 
 
 def _rebuilt_like(value, items: dict):

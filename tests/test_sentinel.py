@@ -175,14 +175,15 @@ class Policy(nn.Module):
         return torch.distributions.Categorical(logits=self.net(obs), validate_args=False)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("fault", ["data", "backward"])
-def test_a_model_returning_a_distribution_is_checked_as_one_returning_tensors(fault):
+def test_a_model_returning_a_distribution_is_checked_as_one_returning_tensors(fault, mode):
     torch.manual_seed(0)
     policy = Policy(backward_fault=fault == "backward")
     observations = [torch.randn(8, 4) for _ in range(3)]
     if fault == "data":
         observations[2][1, 1] = float("nan")
-    with pytest.raises(NonFiniteError) as raised, Guard(policy, mode="sentinel"):
+    with pytest.raises(NonFiniteError) as raised, Guard(policy, mode=mode):
         for obs in observations:
             (-policy(obs).log_prob(torch.zeros(8, dtype=torch.long)).mean()).backward()
     report = raised.value.report
@@ -191,6 +192,61 @@ def test_a_model_returning_a_distribution_is_checked_as_one_returning_tensors(fa
     else:
         assert (report.cause, report.phase, report.first_nonfinite.module_name) == (
             "backward", "backward", "net.1")
+
+
+class NanLogits(nn.Module):
+    """Makes nan in its own code, into what it returns: a distribution holds it as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+
+    def forward(self, obs):
+        logits = self.net(obs)
+        return torch.distributions.Categorical(logits=logits / (logits - logits), validate_args=False)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_into_a_returned_distribution_names_the_model(mode):
+    model = NanLogits()
+    with pytest.raises(NonFiniteError) as raised, Guard(model, mode=mode), torch.no_grad():
+        model(x4())
+    report = raised.value.report
+    assert (report.cause, report.first_nonfinite.module_name) == ("forward", "")
+    assert [row.role for row in report.first_nonfinite.flagged_rows] == ["output.logits"]
+
+
+class Out:
+    def __init__(self, mean, log_std):
+        self.mean, self.log_std = mean, log_std
+
+
+class GaussianPolicy(nn.Module):
+    """Returns its own parameter (log_std) beside what it computes, in a tuple or an object."""
+
+    def __init__(self, as_tuple):
+        super().__init__()
+        self.net, self.log_std, self.as_tuple = nn.Linear(4, 2), nn.Parameter(torch.zeros(2)), as_tuple
+
+    def forward(self, x):
+        mean = self.net(x)
+        return (mean, self.log_std) if self.as_tuple else Out(mean, self.log_std)
+
+
+@pytest.mark.parametrize("as_tuple", [True, False])
+def test_a_parameter_a_model_returns_gathers_no_hook_from_call_to_call(as_tuple):
+    policy = GaussianPolicy(as_tuple)
+    with Guard(policy, mode="sentinel"):
+        for _ in range(20):
+            out = policy(x4(8))
+            mean, log_std = out if as_tuple else (out.mean, out.log_std)
+            (mean.pow(2).mean() + log_std.sum()).backward()
+        assert len(policy.log_std._backward_hooks or {}) <= 1
+    with pytest.raises(NonFiniteError) as raised, Guard(policy, mode="sentinel"):  # still checked
+        out = policy(x4(8))
+        mean, log_std = out if as_tuple else (out.mean, out.log_std)
+        (mean.pow(2).mean() + log_std.sqrt().sum() * 0).backward()  # sqrt'(0) * 0: nan
+    assert raised.value.report.cause in ("outside", "backward")
 
 
 def test_a_clean_run_reports_the_outputs_it_checked():

@@ -394,7 +394,8 @@ class Guard:
         if call is None:
             return
         watch_grads = self.watch_backward and torch.is_grad_enabled()
-        self._add(state.forward, call, "output", OUTPUT, output, watch_grads)
+        for role, leaf in _tree.named_output_leaves(output):  # (a distribution's: its attributes)
+            self._add(state.forward, call, role, OUTPUT, leaf, watch_grads)
         if module._buffers:  # (under ops=True, what a forward writes is copied from then on)
             state.forward.note_written_buffers(call, module, self._nonzero_min, self._sign_hints, self._op_recorder)
         if self._capture is not None and not stack:

@@ -471,7 +471,7 @@ class Sentinel:
         call.output_ids = [id(t) for t in tensors]
         call.top = self._top_outputs(call.entry, tensors)
         call.grads = [None] * len(tensors)
-        hooked = set()
+        hooked = _parameters_beside_computed(tensors)
         for position, t in enumerate(tensors):
             if t.requires_grad and id(t) not in hooked:
                 hooked.add(id(t))
@@ -654,12 +654,21 @@ class Sentinel:
         raise frames.detection_error(self.guard, report)
 
 
+def _parameters_beside_computed(tensors: list) -> set:
+    """The ids of the parameters among a call's outputs (a policy's log_std) where another output
+    is computed: those mark the backward, and a hook on a parameter would stay from call to call
+    (its gradient is checked as a parameter's)."""
+    if not any(t.requires_grad and not t.is_leaf for t in tensors):
+        return set()
+    return {id(t) for t in tensors if t.is_leaf}
+
+
 def _outputs_read(call: _Call, output, written: list, nonzero_min: bool, sign_hints: dict) -> tuple:
     """(pass, record) of a call's outputs, and of the buffers [(name, tensor)] it wrote that hold
     nan or +inf, summarised and read (the forward's one synchronisation)."""
     site = id(call.entry.module)
     rows = [(role, OUTPUT, leaf, (site, role))
-            for role, leaf in _tree.named_leaves(output, "output") if isinstance(leaf, torch.Tensor)]
+            for role, leaf in _tree.named_output_leaves(output) if isinstance(leaf, torch.Tensor)]
     rows += [(name + WRITTEN_IN_FORWARD, OUTPUT, t, (site, name + WRITTEN_IN_FORWARD))
              for name, t in written]
     return _read(call, FORWARD, rows, nonzero_min, sign_hints)
