@@ -20,6 +20,7 @@ session with a dict namespace.
 from __future__ import annotations
 
 import difflib
+import itertools
 import types
 import sys
 import weakref
@@ -114,8 +115,8 @@ def model_held_inside(namespace: Mapping, hidden: Optional[Mapping] = None) -> s
     for name, obj in list(namespace.items()):
         if name.startswith("_") or name in (hidden or {}) or isinstance(obj, (type, types.ModuleType)):
             continue
-        if isinstance(obj, dict):
-            items = [(f"{name}[{key!r}]", value) for key, value in list(obj.items())[:64]]
+        if isinstance(obj, dict):  # (the first 64 items: a vocabulary may be large)
+            items = [(f"{name}[{key!r}]", value) for key, value in itertools.islice(obj.items(), 64)]
         elif isinstance(obj, (list, tuple)):
             items = [(f"{name}[{index}]", value) for index, value in enumerate(obj[:64])]
         else:

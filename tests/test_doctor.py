@@ -295,8 +295,11 @@ class Wrapper(torch.optim.Optimizer):
 def test_optimizers_stepped_or_built_otherwise_pass(make):
     torch.manual_seed(0)
     model = TwoLayers()
+    optimizer = make(model.parameters())
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0).step()  # decayed to 0 since
+    assert optimizer.param_groups[0]["lr"] == 0.0
     report = check_pipeline(model, classification_data(), loss_fn=nn.CrossEntropyLoss(),
-                            optimizer=make(model.parameters()))
+                            optimizer=optimizer)
     assert report.ok, report.to_text()
 
 

@@ -414,6 +414,18 @@ def test_bad_inputs_raise_one_line_errors_that_say_what_to_do(tmp_path):
         assert "\n" not in str(error) and len(str(error)) < 400, str(error)
 
 
+def test_one_module_given_for_two_roots_of_its_class_is_refused(tmp_path):
+    # a GAN's G and D of one class: the module given cannot stand for both
+    g, d = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+    with Guard({"G": g, "D": d}, capture=True) as guard:
+        d(g(torch.randn(2, 4)))
+    path = guard.capture.save(tmp_path / "gan.pt")
+    with pytest.raises(ReplayError, match="replays 'D'"):
+        load_capture(path, {"net": nn.Sequential(nn.Linear(4, 4))})
+    assert load_capture(path, {"G": nn.Sequential(nn.Linear(4, 4)),
+                               "D": nn.Sequential(nn.Linear(4, 4))}).replay().ok
+
+
 class HoldsALock(M.Classifier):
     """A model holding what cannot be copied (a writer's or a logger's lock)."""
 

@@ -71,7 +71,9 @@ def rebuild_recipe(model: nn.Module, optimizer: torch.optim.Optimizer, whose: st
             rebuilt = optimizer_class(groups, **defaults)
         except TypeError:  # a constructor taking more (a wrapper's inner class): a copy over the copy
             rebuilt = copy.deepcopy(optimizer, {id(p): counterpart[id(p)] for p in model.parameters()})
-            rebuilt.state.clear()  # (fresh, as a rebuilt one's)
+            rebuilt.state.clear()  # (fresh, as a rebuilt one's, at the lr it started from)
+            for group in rebuilt.param_groups:
+                group["lr"] = group.get("initial_lr", group["lr"])
         scheduled = ", the schedule's initial lr" if "initial_lr" in groups[0] else ""
         lr = format_number(groups[0]["lr"])
         description = f"{optimizer_class.__name__}(lr={lr}{scheduled}), rebuilt from {whose}"

@@ -233,6 +233,7 @@ def modules_for(path: str, model, roots: List[str], snapshots: Dict[str, _Snapsh
             needed = [r for r in roots if r not in rebuildable]
             if len(same) == 1:
                 models[root] = same[0]
+                spare.remove(same[0])  # (one module for one root: a GAN's G and D are two)
             elif len(model) == 1 and spare and needed == [root]:
                 models[root] = spare[0]
     else:

@@ -335,7 +335,7 @@ def _encode(value):
         return value
     plain = _NUMPY_SCALARS.get(getattr(getattr(value, "dtype", None), "kind", None))
     if plain is not None and type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return plain(value)  # a numpy scalar (a temperature from a config): as torch reads it
+        return plain(value)  # a numpy scalar or 0-d array (a temperature from a config), as torch reads it
     for plain in (bool, int, float, str):  # a subclass (an IntEnum) as torch reads it
         if isinstance(value, plain):
             return plain(value)
@@ -343,8 +343,10 @@ def _encode(value):
         return {_TAG: "slice", "args": [_encode(value.start), _encode(value.stop), _encode(value.step)]}
     if value is Ellipsis:
         return {_TAG: "ellipsis"}
-    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+    if isinstance(value, torch.dtype):
         return {_TAG: "dtype", "name": str(value).replace("torch.", "")}
+    if isinstance(value, (torch.memory_format, torch.layout)):
+        return {_TAG: "torch", "name": str(value).replace("torch.", "")}
     if isinstance(value, torch.device):
         return {_TAG: "device", "name": str(value)}
     if isinstance(value, (tuple, list)) and not hasattr(type(value), "_fields"):
@@ -373,7 +375,7 @@ def _decode(value):
             return slice(*(_decode(v) for v in value["args"]))
         if tag == "ellipsis":
             return Ellipsis
-        if tag == "dtype":  # torch's dtypes, memory formats and layouts
+        if tag in ("dtype", "torch"):  # torch's dtypes; its memory formats and layouts
             return getattr(torch, value["name"])
         if tag == "device":
             return torch.device(value["name"])
