@@ -138,3 +138,21 @@ def test_several_forwards_before_one_backward_say_why_the_op_is_not_named(mode):
     assert culprit.module_name == "1" and culprit.op is None
     assert culprit.op_note.startswith("op localisation re-runs the model's latest call, and the "
                                       "value was made in an earlier one")
+
+
+class _ScaledAdapter(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.down, self.up, self.scale = nn.Linear(4, 2, bias=False), nn.Linear(2, 4, bias=False), scale
+
+    def forward(self, x):
+        return x + self.scale * self.up(self.down(x))  # OP: the scale, a Python number, is nan
+
+
+def test_a_python_number_gone_non_finite_names_the_op_that_took_it():
+    model = nn.Sequential(nn.Linear(4, 4), _ScaledAdapter(float("nan")))
+    with pytest.raises(ng.NonFiniteError) as raised, ng.Guard(model, ops=True):
+        model(torch.randn(2, 4))
+    culprit = raised.value.report.first_nonfinite
+    assert culprit.module_name == "1" and culprit.op == "aten.mul.Tensor"
+    assert "# OP: the scale" in culprit.source and "a number that holds nan" in culprit.op_note

@@ -232,10 +232,13 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
                 note=(f"the re-run of {call} produced {kinds_phrase(produced)}{bound} again, but no "
                       f"single ATen op turned values free of them into them{errors}"),
             )
+        given = (f"finite tensors and a number that holds {kinds_phrase(found['kinds'])} (a "
+                 "Python number given to it: a scale or a temperature gone non-finite)"
+                 if found.get("from_number") else "finite inputs")
         return OpLocation(
             op=found["op"], filename=found["filename"], lineno=found["lineno"], line=line,
             reproduced=True,
-            note=(f"{found['op']} turned finite inputs into {kinds_phrase(found['kinds'])}{bound} "
+            note=(f"{found['op']} turned {given} into {kinds_phrase(found['kinds'])}{bound} "
                   f"in {call}{where}{errors}"),
         )
 

@@ -500,12 +500,17 @@ class RerunMode(TorchDispatchMode):
                     self.saved[node] = saved | {_storage_key(t) for t in outputs}
                     return
         new = produced - received - self.ignored
+        from_number = frozenset()
+        if not new and self.stage == FORWARD:  # a Python number given nan (a scale; an inf one
+            tensors = [v for v in inputs if isinstance(v, torch.Tensor)]  # may be a mask's fill)
+            from_number = new = (produced - held - nonfinite_kinds(tensors, self.limit)
+                                 - self.ignored) & {_NAN}
         if not new:
             return
         if self.stage == FORWARD:
             filename, lineno = _user_line()
             found = {"op": info.name, "node": None, "filename": filename, "lineno": lineno,
-                     "kinds": new}
+                     "kinds": new, "from_number": bool(from_number)}
         else:
             _, filename, lineno = where
             found = {"op": info.name, "node": node.name(), "filename": filename,
