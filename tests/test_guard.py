@@ -1090,3 +1090,23 @@ def test_a_guard_never_attached_says_so_when_its_report_is_read():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "never attached" not in guard.report.summary()
+
+
+class _SqrtActivation(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x - x) + x  # finite forward, nan backward
+
+
+def test_a_submodule_swapped_in_while_attached_is_hooked_and_named():
+    from promises import hooks_left
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    old = model[1]
+    with pytest.raises(NonFiniteError) as raised, Guard(model, ops=True):
+        model(torch.randn(3, 8)).sum().backward()
+        model[1] = _SqrtActivation()  # swapped while the guard is attached
+        model(torch.randn(3, 8)).sum().backward()
+    culprit = raised.value.report.first_nonfinite
+    assert (culprit.module_name, culprit.module_class, culprit.phase) == ("1", "_SqrtActivation", "backward")
+    assert hooks_left(model, old) == []

@@ -23,6 +23,7 @@ import collections
 import sys
 import threading
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from .. import rerun
 from .._schema import BUFFER, FORWARD, PARAM
-from .._util import LiveHandles, compiled_original, qualified_name
+from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from . import copies
 from .passes import CallRecord
 
@@ -311,6 +312,11 @@ class _CompiledWeights:
             state.compiled_call = (module, args, kwargs, rerun.take())
 
 
+def _remove_handles(handles: list) -> None:
+    while handles:
+        handles.pop().remove()
+
+
 class ModuleHooks:
     """The hooks the guard puts on modules and parameters, and what it learns placing them; all
     removed and forgotten on detach."""
@@ -327,15 +333,43 @@ class ModuleHooks:
         self.param_hooks: Dict[int, ParamHook] = {}  # id(parameter) -> its hook
         self.unwatched: List[str] = []  # parameters whose gradient could not be hooked
         self.subclass_params = False  # some parameter is a tensor subclass (torch swaps those)
+        # While hooked: (the guard, weakly; watch_backward) for a submodule assigned to a hooked module
+        # (a new head, a swapped activation), hooked as it is registered (torch's global hook).
+        self._following: Optional[tuple] = None
+        self._global: list = []  # that hook's handle (removed with this object too, if dropped)
+        weakref.finalize(self, _remove_handles, self._global)
 
     def add(self, guard, models: Dict[str, nn.Module], watch_backward: bool) -> None:
-        """Hook every module of `models` (once each, under its name with the model's prefix)."""
+        """Hook every module of `models` (once each, under its name with the model's prefix), and
+        the submodules assigned to them from now on."""
         for prefix, root in models.items():
             self._add_tree(guard, root, prefix, None, watch_backward)
         for module_id, module in self.modules.items():
             copies.install(module, self.hook_ids[module_id])
         if self.unwatched:
             self._warn_unwatched()
+        if self._following is None:
+            self._following = (weakref.ref(guard), watch_backward)
+            self._global.append(nn.modules.module.register_module_module_registration_hook(
+                WeakHook(self, "follow", takes=3)))
+
+    def follow(self, parent: nn.Module, child_name: str, child) -> None:
+        """A submodule registered on a module (torch's global hook): hooked where it joins a
+        hooked one, under its name, as `add` would have."""
+        known = self.names.get(id(parent))
+        if known is None or self._following is None or not isinstance(child, nn.Module) \
+                or id(child) in self.names:
+            return
+        name, _, caller = known
+        guard, watch_backward = self._following[0](), self._following[1]
+        if guard is None:
+            return
+        before = set(self.modules)
+        self._add_tree(guard, child, qualified_name(name, child_name),
+                       id(parent) if type(parent).forward is not _UNIMPLEMENTED_FORWARD else caller,
+                       watch_backward)
+        for module_id in set(self.modules) - before:
+            copies.install(self.modules[module_id], self.hook_ids[module_id])
 
     def _add_tree(self, guard, module: nn.Module, name: str, caller: Optional[int],
                   watch_backward: bool) -> None:
@@ -431,6 +465,8 @@ class ModuleHooks:
         self.unwatched.clear()
 
     def remove(self) -> None:
+        self._following = None
+        _remove_handles(self._global)
         for handle in self.handles:
             handle.remove()
         for module_id, module in self.modules.items():
