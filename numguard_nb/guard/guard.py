@@ -394,7 +394,7 @@ class Guard:
         if call is None:
             return
         watch_grads = self.watch_backward and torch.is_grad_enabled()
-        for role, leaf in _tree.named_output_leaves(output):  # (a distribution's: its attributes)
+        for role, leaf in _output_leaves(output):  # (a distribution's attributes too)
             self._add(state.forward, call, role, OUTPUT, leaf, watch_grads)
         if module._buffers:  # (under ops=True, what a forward writes is copied from then on)
             state.forward.note_written_buffers(call, module, self._nonzero_min, self._sign_hints, self._op_recorder)
@@ -604,6 +604,11 @@ class Guard:
     def __repr__(self) -> str:
         return (f"<numguard Guard on {', '.join(type(m).__name__ for m in self.models.values())}: "
                 f"{'at' if self._attached else 'de'}tached, batch {self.batch_number}>")
+
+
+def _output_leaves(output):
+    """`_tree.named_output_leaves`, with no walk for a tensor (the common case)."""
+    return (("output", output),) if isinstance(output, torch.Tensor) else _tree.named_output_leaves(output)
 
 
 def _raise_found_on_exit(guard: Guard, exc: Optional[BaseException]) -> None:

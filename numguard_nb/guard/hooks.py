@@ -333,8 +333,8 @@ class ModuleHooks:
         self.param_hooks: Dict[int, ParamHook] = {}  # id(parameter) -> its hook
         self.unwatched: List[str] = []  # parameters whose gradient could not be hooked
         self.subclass_params = False  # some parameter is a tensor subclass (torch swaps those)
-        # While hooked: (the guard, weakly; watch_backward) for a submodule assigned to a hooked module
-        # (a new head, a swapped activation), hooked as it is registered (torch's global hook).
+        # While hooked: (the guard, weakly; watch_backward), for a submodule assigned to a hooked
+        # module (a new head, a swapped activation): hooked as it is registered (a global hook).
         self._following: Optional[tuple] = None
         self._global: list = []  # that hook's handle (removed with this object too, if dropped)
         weakref.finalize(self, _remove_handles, self._global)
