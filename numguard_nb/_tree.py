@@ -106,7 +106,11 @@ def named_output_leaves(value, role: str = "output") -> Iterator[Tuple[str, obje
 
 
 def output_tensors(value) -> List[torch.Tensor]:
-    """The tensors among `named_output_leaves(value)`, in its order."""
+    """The tensors among `named_output_leaves(value)`, in its order (the plain walk where it
+    finds any: no names are built)."""
+    found = tensors(value)
+    if found or not _plain_object(value):
+        return found
     return [leaf for _, leaf in named_output_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 

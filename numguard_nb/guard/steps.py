@@ -177,9 +177,11 @@ class StepWatch:
         since = [step for step in self._steps if step[STEP_FORWARD] >= before]
         step = self._first_holding(since, params)
         if step is not None:
-            # (the backward's own gradients were finite: else it was named; a loop that zeroes
-            # the gradients before its first backward applied none of what was left)
-            step.stale_gradients = self.gradients_were_not_finite(at_first_step=True)
+            # The first step since attach applied gradients already non-finite (the backward's own
+            # were finite, else it was named; a loop that zeroes them first applied none of them).
+            step.stale_gradients = (bool(self._steps) and self._steps[0] in since
+                                    and self.lost_after < 0
+                                    and self.gradients_were_not_finite(at_first_step=True))
             return Origin(ORIGIN_OPTIMIZER_STEP, step, finite_batch)
         if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
