@@ -55,12 +55,14 @@ def mlp():
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def warm_up(model, scaler, steps=30, dtype=torch.float16, accumulate=1):
+def warm_up(model, scaler, steps=30, dtype=torch.float16, accumulate=1, optimizer=None,
+            before_step=lambda step: None):
     """A float16 autocast loop with loss scaling; the steps whose scale went down (skipped)."""
     generator = torch.Generator().manual_seed(1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=1e-4)
     skipped = []
     for step in range(steps):
+        before_step(step)
         for _ in range(accumulate):
             x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator) * 4
             with torch.autocast("cpu", dtype=dtype):
@@ -144,6 +146,40 @@ def test_gradient_accumulation_records_one_skipped_step_per_update():
     with Guard(model, scaler=scaler) as guard:
         skipped = warm_up(model, scaler, steps=8, accumulate=2)
     assert skipped and [step.batch for step in guard.skipped_steps] == [2 * s for s in skipped]
+
+
+OPTIMIZERS = {"plain": lambda p: torch.optim.SGD(p, lr=1e-4),
+              "foreach": lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True),
+              "fused": lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True)}
+
+
+@pytest.mark.parametrize("ready", ["at the end", "every third step"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_on_a_device_the_sentinel_records_the_steps_skipped_before_it_read_their_overflow(
+        deferred_on_host, optimizer, accumulate, ready):
+    """A GPU's flags are read a step or more late, after the loop's scaler.update(): every
+    skipped step is still recorded, with its batch and its scale (its update kept both)."""
+    model, scaler = mlp(), grad_scaler()
+    with Guard(model, mode="sentinel", scaler=scaler) as guard:
+        skipped = warm_up(model, scaler, steps=10, accumulate=accumulate,
+                          optimizer=OPTIMIZERS[optimizer](model.parameters()),
+                          before_step=lambda step: deferred_on_host.__setitem__(
+                              0, ready == "at the end" or step % 3 != 0))
+    assert skipped == WARM_UP_SKIPS
+    assert [step.batch for step in guard.skipped_steps] == [accumulate * s for s in skipped]
+    assert [step.scale for step in guard.skipped_steps] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14, 2.0 ** 13]
+    assert not watched(scaler)
+
+
+def test_on_a_device_max_skipped_steps_counts_the_steps_read_late(deferred_on_host):
+    model, scaler = Siamese(), grad_scaler()
+    with pytest.raises(NonFiniteError) as raised:
+        with Guard(model, mode="sentinel", scaler=scaler, max_skipped_steps=3) as guard:
+            siamese_steps(model, scaler, steps=10)
+    assert raised.value.report.batch_number == 3 and len(guard.skipped_steps) == 3
+    assert raised.value.report.first_nonfinite.module_name == "distance"
+    assert "skipped the 3 steps before (batches 0-2, scale 65536 down to 8192)" in raised.value.report.reason
 
 
 def test_sync_mode_lets_the_warm_up_through_too():

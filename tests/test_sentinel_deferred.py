@@ -127,6 +127,36 @@ def test_a_detected_step_leaves_the_weights_unchanged_however_the_step_is_made(
         "the step whose gradients held nan wrote the weights"
 
 
+def test_an_optimizer_whose_step_is_patched_hides_no_closure_of_its_class(deferred_on_host,
+                                                                           monkeypatch):
+    """accelerate patches an optimizer's step with one of (*args, **kwargs), and a GradScaler
+    calls it with `None`: later optimizers of that class still have their closure checked."""
+    from numguard_nb.guard import sentinel_checks
+    monkeypatch.setattr(sentinel_checks, "_CLOSURE_FIRST", {})  # as in a fresh kernel
+    torch.manual_seed(0)
+    model = Net()
+    patched = OPTIMIZERS["foreach"](model.parameters())
+    own_step = patched.step
+    patched.step = lambda *args, **kwargs: own_step(*args, **kwargs)
+    optimizer = OPTIMIZERS["foreach"](model.parameters())
+    with pytest.raises(NonFiniteError):
+        with Guard(model, mode="sentinel"):
+            patched.step(None)  # (no gradients yet: it writes nothing)
+            for step in range(5):
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+                def forward_backward():
+                    optimizer.zero_grad()
+                    loss = model(_batch(step, 2))
+                    loss.backward()
+                    return loss
+
+                optimizer.step(forward_backward)
+                deferred_on_host[0] = step < 2
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), \
+        "the step whose gradients held nan wrote the weights"
+
+
 def test_two_guards_lending_one_fused_optimizer_their_flags_leave_none_behind(deferred_on_host):
     model = Net()
     optimizer = OPTIMIZERS["fused"](model.parameters())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from functools import partial
 from typing import Dict, Iterable, Optional
 
@@ -97,6 +98,12 @@ def _rerun_compiled(guard, report: Report, phase) -> Report:
         found.reason += ("; first seen in compiled code (torch.compile), where only the model's "
                          "call is watched: the call was run again eagerly to name the module")
     return found
+
+
+def _batch_of(guard_ref) -> int:
+    """The batch a guard (held weakly) is running, for its loss scaling's late reads."""
+    guard = guard_ref()
+    return guard.batch_number if guard is not None else 0
 
 
 def _pop_call(stack: list, module_id) -> Optional[CallRecord]:
@@ -195,7 +202,7 @@ class Guard:
         self.traces: Dict[int, Report] = {}
         self.history = History()  # sampled batches' ranges, with history_every (`see`)
         self.headroom = Headroom()  # what would not fit in limit_dtype, over the run
-        self.scaling = LossScaling()  # backward overflows a GradScaler skips: let through
+        self.scaling = LossScaling(partial(_batch_of, weakref.ref(self)))  # GradScaler's skips
         self.skipped_steps = self.scaling.skipped_steps  # the steps it skipped (SkippedStep)
         self.batch_number = 0  # the batch being run (or last run, in any thread)
         self.batches = BatchCounter()

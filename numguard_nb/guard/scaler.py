@@ -8,7 +8,10 @@ above 1 and `max_skipped_steps`, when set, is not reached. Each step the scaler 
 recognise a scaler or find a trainer's.
 
 Limits: forward values are never let through, nor an overflow once 16 batches passed without
-`scaler.update()`; a step the scaler took is not recorded; a healthy run's scaler is untouched.
+`scaler.update()`; a step the scaler took is not recorded; a healthy run's scaler is untouched,
+except where the guard reads its checks after the step (a sentinel on a GPU): there each
+`update()` keeps that step's found-inf flags and scale on the device (references and one copy,
+never read) for the overflow read later to know whether its step was skipped.
 
     >>> with Guard(model, scaler=scaler) as guard:
     ...     train()                    # the first float16 steps overflow on purpose
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -35,6 +39,9 @@ __all__ = ["SkippedStep", "LossScaling", "is_loss_scaler", "loss_scaler_of", "sk
 # Batches an overflow is let through for while the scaler's update() is not called (a scaler the
 # loop does not use), unless max_skipped_steps says fewer.
 _UPDATE_WINDOW = 16
+# Steps whose found-inf flags are kept for an overflow read after its step's update(): a
+# sentinel's checks are read a step or two late (its StepChecks forget steps past 64 unread).
+_ENDED_KEPT = 64
 _SCALE_CODE = torch.amp.GradScaler.scale.__code__  # torch.cuda.amp's GradScaler inherits it
 
 # Where training objects keep their GradScaler: accelerate's Accelerator (trainer.accelerator),
@@ -115,17 +122,32 @@ def _batch_ranges(batches: List[int]) -> str:
     return f"batch{'es' if len(batches) > 1 else ''} {', '.join(words)}"
 
 
-def _found_inf(scaler) -> Optional[bool]:
-    """What `scaler.step` found this iteration (the verdict `update` acts on): True when it
-    skipped an optimizer step, None when the scaler keeps no found-inf flags."""
+def _found_inf_flags(scaler) -> list:
+    """The found-inf flags `scaler.step` left this iteration (device tensors, one per device and
+    optimizer; `update` acts on them, then starts fresh ones): [] where it keeps none."""
     states = getattr(scaler, "_per_optimizer_states", None)
     if not isinstance(states, dict):
-        return None
-    flags = [flag for state in states.values() if isinstance(state, dict)
-             for flag in state.get("found_inf_per_device", {}).values()]
+        return []
+    return [flag for state in states.values() if isinstance(state, dict)
+            for flag in state.get("found_inf_per_device", {}).values()]
+
+
+def _found_inf(flags: list) -> Optional[bool]:
+    """Whether flags of `_found_inf_flags` say the step was skipped; None for no flags."""
     if not flags:
         return None
     return any(float(flag) != 0 for flag in flags)  # one host read per device
+
+
+@dataclass
+class _EndedStep:
+    """A step whose update() ran before its overflow was read (a sentinel's late read)."""
+
+    index: int  # the how-manieth update() the watch saw
+    batch: int  # the batch last run when it came: the step holds the batches up to this one
+    flags: list  # the found-inf flags it acted on ([]: the scaler keeps none)
+    scale: Optional[torch.Tensor]  # a copy of the scale it acted on (None: not a GradScaler)
+    skipped: Optional[bool] = None  # once an overflow of it was read: whether it was skipped
 
 
 class _UpdateWatch:
@@ -152,9 +174,14 @@ class LossScaling:
     the steps the scaler then skipped (`skipped_steps`, kept across attaches), and the sentence
     a detection gets when the rule stops letting them through (`refusal`)."""
 
-    def __init__(self):
+    def __init__(self, current_batch: Callable[[], int] = lambda: 0):
         self.skipped_steps: List[SkippedStep] = []
-        self.skipped_in_a_row = 0  # steps skipped since the scaler last took one
+        self._in_a_row = 0  # the steps skipped in a row up to the one `_last_skipped`
+        self._current_batch = current_batch  # the guard's batch being run
+        self._updates = 0  # update() calls seen by the watch (an index for each step)
+        self._last_skipped = -2  # the index of the last step recorded skipped
+        self._read_late = False  # overflows may be read after their step's update (`expect_late`)
+        self._ended: deque = deque(maxlen=_ENDED_KEPT)  # _EndedStep of the late reads' steps
         self.scaler_name = "GradScaler"  # the class of the scaler watched last
         self._pending: Optional[SkippedStep] = None  # this step's overflow, until update()
         self._pending_batches: set = set()  # batches of this step whose backward overflowed
@@ -189,6 +216,9 @@ class LossScaling:
         self._refusal = ""
         if scaler is None or not scaler.is_enabled():
             return False
+        ended = self._ended_step_of(call.batch_number, scaler)
+        if ended is not None:
+            return self._excuses_ended(ended, scaler, options, pass_, call, bad_slots, cause)
         pending = self._pending
         if pending is not None and self._update_watch.scaler is scaler:
             if call.batch_number - pending.batch < (options.max_skipped_steps or _UPDATE_WINDOW):
@@ -198,21 +228,70 @@ class LossScaling:
                              f"{pending.batch}: pass the scaler whose update() the loop calls")
             return False
         scale = float(scaler.get_scale())
-        capped = options.max_skipped_steps is not None and self.skipped_in_a_row >= options.max_skipped_steps
-        if scale <= 1 or capped:  # a scale of 1 and below can no longer be what overflows
-            self._refusal = self._refusal_note(type(scaler).__name__, scale)
+        if self._refused(options, scaler, scale, self._updates):
             return False
         self._watch(scaler)
-        frame = frames.build_frame(pass_, call, options, {id(slot) for slot in bad_slots})
-        values = " and ".join(sorted({kind for slot in bad_slots
-                                   for kind in detect.value_kinds(pass_, slot, options.limit_max)}))
-        self._pending = SkippedStep(call.batch_number, scale, call.module_name, cause, values, frame)
+        self._pending = self._skipped_step(scale, options, pass_, call, bad_slots, cause)
         self._pending_batches = {call.batch_number}
         return True
 
-    def _refusal_note(self, name: str, scale: float) -> str:
-        if self.skipped_in_a_row:
-            steps = self.skipped_steps[-self.skipped_in_a_row:]
+    def _refused(self, options, scaler, scale: float, index: int) -> bool:
+        """Whether an overflow of the step `index` is no longer the scaler's to cure: its scale
+        is 1 or below, or `max_skipped_steps` steps in a row before it were skipped."""
+        before = self._in_a_row if self._last_skipped == index - 1 else 0
+        capped = options.max_skipped_steps is not None and before >= options.max_skipped_steps
+        if scale <= 1 or capped:  # a scale of 1 and below can no longer be what overflows
+            self._refusal = self._refusal_note(type(scaler).__name__, scale, before)
+            return True
+        return False
+
+    @staticmethod
+    def _skipped_step(scale, options, pass_, call, bad_slots, cause) -> SkippedStep:
+        frame = frames.build_frame(pass_, call, options, {id(slot) for slot in bad_slots})
+        values = " and ".join(sorted({kind for slot in bad_slots
+                                   for kind in detect.value_kinds(pass_, slot, options.limit_max)}))
+        return SkippedStep(call.batch_number, scale, call.module_name, cause, values, frame)
+
+    def _count_skipped(self, step: SkippedStep, batches: set, index: int) -> None:
+        self.skipped_steps.append(step)
+        self._skipped_batches |= batches
+        self._in_a_row = self._in_a_row + 1 if self._last_skipped == index - 1 else 1
+        self._last_skipped = index
+
+    # ---- overflows read after their step's update() (a sentinel on a GPU) ---------------------
+    def expect_late(self, options) -> None:
+        """Overflows of this step may be read after its `update()`: watch the scaler from now
+        on, keeping each step's verdict on the device (no host read) to look up then."""
+        scaler = self.scaler_of(options)
+        if scaler is not None and scaler.is_enabled():
+            self._watch(scaler)
+            self._read_late = True
+
+    def _ended_step_of(self, batch: int, scaler) -> Optional[_EndedStep]:
+        """The step holding `batch` whose update() already ran, or None (not yet: on time)."""
+        if not self._ended or self._update_watch is None or self._update_watch.scaler is not scaler:
+            return None
+        return next((ended for ended in self._ended if ended.batch >= batch), None)
+
+    def _excuses_ended(self, ended: _EndedStep, scaler, options, pass_, call, bad_slots,
+                       cause) -> bool:
+        if ended.skipped is not None:  # that step's overflow was recorded already
+            if ended.skipped:
+                self._skipped_batches.add(call.batch_number)
+            return True
+        scale = float(ended.scale) if ended.scale is not None else float(scaler.get_scale())
+        if self._refused(options, scaler, scale, ended.index):
+            return False
+        skipped = _found_inf(ended.flags)
+        ended.skipped = skipped = True if skipped is None else skipped  # (no flags: as on time)
+        if skipped:
+            step = self._skipped_step(scale, options, pass_, call, bad_slots, cause)
+            self._count_skipped(step, {call.batch_number}, ended.index)
+        return True
+
+    def _refusal_note(self, name: str, scale: float, in_a_row: int) -> str:
+        if in_a_row:
+            steps = self.skipped_steps[-in_a_row:]
             return (f"; {name} skipped the {len(steps)} step{'s' if len(steps) > 1 else ''} "
                     f"before ({_batch_ranges([s.batch for s in steps])}, scale "
                     f"{steps[0].scale:g} down to {scale:g}) and the gradients are still not "
@@ -244,20 +323,25 @@ class LossScaling:
         if update_watch is not self._update_watch:  # removed meanwhile, kept by another wrapper
             return original(*args, **kwargs)
         pending, self._pending = self._pending, None
+        index, self._updates = self._updates, self._updates + 1
+        flags = _found_inf_flags(scaler)
+        if self._read_late:  # kept on the device, for an overflow of this step read later
+            scale = getattr(scaler, "_scale", None)
+            self._ended.append(_EndedStep(index, self._current_batch(), flags, (
+                scale.detach().clone() if isinstance(scale, torch.Tensor) else None),
+                True if pending is not None else None))
         if pending is None:
-            self.skipped_in_a_row = 0
             return original(*args, **kwargs)
-        skipped = _found_inf(scaler)
+        skipped = _found_inf(flags)
         scale_before = scaler.get_scale() if skipped is None else math.nan
         result = original(*args, **kwargs)
         if skipped is None:
             skipped = scaler.get_scale() < scale_before
         if skipped:
-            self.skipped_steps.append(pending)
-            self._skipped_batches |= self._pending_batches
-            self.skipped_in_a_row += 1
-        else:  # the non-finite gradient reached no parameter the scaler's optimizers update
-            self.skipped_in_a_row = 0
+            self._count_skipped(pending, self._pending_batches, index)
+        elif self._read_late:
+            self._ended[-1].skipped = False
+        # (not skipped: the non-finite gradient reached no parameter the scaler's optimizers update)
         return result
 
     def forget_step(self) -> None:
@@ -274,6 +358,8 @@ class LossScaling:
     def _unwrap(self) -> None:
         update_watch, self._update_watch = self._update_watch, None
         self.forget_step()
+        self._read_late = False
+        self._ended.clear()
         if update_watch is None or vars(update_watch.scaler).get("update") is not update_watch:
             return  # none, or wrapped again since: that wrapper's call passes through to update
         if update_watch.replaced is not None:

@@ -285,13 +285,16 @@ _CLOSURE_FIRST: dict = {}  # optimizer class -> whether its step's first argumen
 
 
 def _closure_first(optimizer) -> bool:
-    known = _CLOSURE_FIRST.get(type(optimizer))
+    """Whether the class's own step takes `closure` first (the class's: an instance's step may be
+    patched, accelerate's takes *args, and the answer is kept for the class)."""
+    kind = type(optimizer)
+    known = _CLOSURE_FIRST.get(kind)
     if known is None:
         try:
-            first = next(iter(inspect.signature(optimizer.step).parameters), None)
-        except (TypeError, ValueError):
-            first = None
-        known = _CLOSURE_FIRST[type(optimizer)] = first == "closure"
+            names = list(inspect.signature(kind.step).parameters)[1:2]  # (after self)
+        except (TypeError, ValueError, AttributeError):
+            names = []
+        known = _CLOSURE_FIRST[kind] = names == ["closure"]
     return known
 
 
@@ -319,6 +322,8 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
     # One flag per device unless a GradScaler needs the names of the gradients it overflowed
     # (its skipped steps are recorded with them): per-parameter norms cost far more host time.
     per_parameter = sentinel.guard.scaling.scaler_of(sentinel.guard.options) is not None
+    if per_parameter:  # read after this step's scaler.update(), perhaps
+        sentinel.guard.scaling.expect_late(sentinel.guard.options)
     for group, grads_by_dtype in groups:
         flag = None if per_parameter else numerics.nonfinite_flag(grads_by_dtype)
         norms = None if flag is not None else numerics.grad_norms(
