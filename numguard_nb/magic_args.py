@@ -217,6 +217,9 @@ def guard_options(args, capture: bool, scaler=None) -> GuardOptions:
     if args.stop_at_limit and args.limit_dtype is None:  # said with the magic's own flags
         raise ValueError(f"--stop-at-limit needs --limit-dtype ({', '.join(LIMIT_DTYPES)}): the "
                          "narrower format whose first overflow it stops at")
+    if args.sentinel and args.limit_dtype is not None:
+        raise ValueError("--limit-dtype is measured by the full hooks, which --sentinel does not run: "
+                         "drop --sentinel to see what would not fit in that format")
     return GuardOptions(
         max_frames=args.frames, trace_batches=sorted(set(args.trace or ())),
         abort_after_batch=args.abort_after,

@@ -886,6 +886,9 @@ def test_an_armed_numguard_on_refuses_bad_options_at_once_and_turns_off_cleanly(
     ip.reset(new_session=False)
     result, captured = run(ip, "%numguard on --stop-at-limit")  # refused by the options' check
     assert "--stop-at-limit needs --limit-dtype" in usage_error_line(captured)
+    result, captured = run(ip, "%numguard on --sentinel --limit-dtype float16")
+    assert "--limit-dtype is measured by the full hooks, which --sentinel does not run" in (
+        usage_error_line(captured))
     assert run(ip, "%numguard on")[0].success
     assert run(ip, "%numguard off")[1].stdout.strip() == "numguard: off (no model was guarded)"
     assert event_handlers(ip) == []

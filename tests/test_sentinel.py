@@ -944,6 +944,21 @@ def test_the_training_callbacks_sentinel_samples_a_full_pass_every_100_batches()
         Guard(nn.Linear(2, 2), full_every=5)
 
 
+def test_limit_dtype_in_sentinel_mode_needs_the_full_passes_it_is_measured_in():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(1e5)  # outputs beyond float16's 65504
+    with pytest.raises(ValueError, match="limit_dtype is measured by the full hooks, which "
+                                         "mode=\"sentinel\" runs only in the batches full_every"):
+        Guard(model, mode="sentinel", limit_dtype=torch.float16)
+    with Guard(model, mode="sentinel", limit_dtype=torch.float16, full_every=2) as guard:
+        for _ in range(3):
+            model(torch.randn(2, 4) * 100).sum().backward()
+    assert guard.headroom.first.module_name == "0" and guard.headroom.batches == (1, 1)
+    from numguard_nb.integrations import _GuardedRun
+    assert _GuardedRun(limit_dtype="float16").options.limit_dtype is torch.float16
+
+
 def test_a_backward_re_run_starts_no_thread(monkeypatch):
     # The re-run used to run its forward in a thread of its own: a process that used it then
     # aborted at exit now and then, more often on a loaded machine ("terminate called without

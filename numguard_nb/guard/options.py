@@ -41,7 +41,8 @@ OPTION_DOCS = """
             torch.bfloat16 or torch.float8_e4m3fn: the run goes on, and every value beyond its
             largest finite value (a predicted overflow) and every non-zero value below its
             smallest (a predicted underflow) is collected in `guard.headroom`; real inf/nan
-            still stop the run.
+            still stop the run. Measured by the full hooks: with mode="sentinel" it needs
+            full_every (its sampled batches are the ones measured).
         stop_at_limit: with limit_dtype (needs it), stop at the first predicted overflow instead,
             with `NonFiniteError` as for a real inf.
         on_trace: called with each traced batch's report after each of its passes.
@@ -146,6 +147,10 @@ class GuardOptions:
             raise ValueError("stop_at_limit needs limit_dtype, the narrower format whose overflow it "
                              "stops at: add limit_dtype=torch.float16 (or bfloat16, float8_e4m3fn), "
                              "or drop stop_at_limit")
+        if limit_dtype is not None and self.mode == MODE_SENTINEL and self.full_every is None:
+            raise ValueError("limit_dtype is measured by the full hooks, which mode=\"sentinel\" runs "
+                             "only in the batches full_every samples: add full_every=N (every Nth "
+                             "batch), or drop mode=\"sentinel\"")
         if limit_dtype is not None:
             info = torch.finfo(limit_dtype)
             set_field(self, "limit_max", float(info.max))
