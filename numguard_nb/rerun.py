@@ -150,7 +150,8 @@ class Kept:
         if buffers:
             with torch.no_grad():
                 for module in unique.values():
-                    self.names.append((module, set(module._buffers)))
+                    # (.keys(): a TorchScript module's buffer dict has no iterator)
+                    self.names.append((module, set(module._buffers.keys())))
                     for name, buffer in module._buffers.items():
                         if buffer is None or isinstance(buffer, UninitializedTensorMixin):
                             self.buffers.append((module, name, buffer, None, -1))
@@ -167,7 +168,7 @@ class Kept:
         moved = []
         with torch.no_grad():
             for module, names in self.names:
-                for name in set(module._buffers) - names:
+                for name in set(module._buffers.keys()) - names:
                     del module._buffers[name]
             for module, name, buffer, saved, version in self.buffers:
                 module._buffers[name] = buffer

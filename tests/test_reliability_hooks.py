@@ -672,8 +672,9 @@ def test_an_overflow_in_a_lazy_modules_first_call_is_named():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("kind", ["script", "trace"])
-def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind):
+def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind, mode):
     def build():
         torch.manual_seed(0)
         inner = Log()
@@ -683,7 +684,7 @@ def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind):
     x = x4()
     plain, model = build(), build()
     expected = same_run(lambda: train_step(plain, x))
-    with promises_kept(model), Guard(model) as guard:
+    with promises_kept(model), Guard(model, mode=mode) as guard:
         assert bit_identical(same_run(lambda: train_step(model, x)), expected)
         assert guard.detection is None
         with pytest.raises(NonFiniteError) as caught:
@@ -704,6 +705,10 @@ def test_a_scripted_model_is_guarded_with_a_warning_and_its_weights_gradients_wa
         assert ("", "0.weight.grad") in roles
     finally:
         guard.detach()
+    assert hooks_left(model) == []
+    with pytest.raises(TypeError, match="the model is a TorchScript module, whose calls the "
+                                        "sentinel cannot watch: guard the model before scripting"):
+        Guard(model, mode="sentinel").attach()
     assert hooks_left(model) == []
 
 

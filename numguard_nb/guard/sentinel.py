@@ -74,6 +74,10 @@ def _queue_callback(callback) -> None:
 def _entry_modules(prefix: str, root: nn.Module):
     """(name, module) of the modules whose calls can be top-level: `root`, then (unless it runs
     compiled) its first callable submodules, looking through containers."""
+    if isinstance(root, torch.jit.ScriptModule):
+        raise TypeError(f"numguard: {prefix or 'the model'} is a TorchScript module, whose calls "
+                        "the sentinel cannot watch: guard the model before scripting it, or guard "
+                        "a module that calls it")
     yield prefix, root
     if compiled_original(root) is not None:
         return  # hooks inside compiled code would be traced into it
@@ -81,6 +85,8 @@ def _entry_modules(prefix: str, root: nn.Module):
              if child is not None]
     while stack:
         name, module = stack.pop()
+        if isinstance(module, torch.jit.ScriptModule):
+            continue  # takes no hooks: its output is its caller's to check, its weights' grads ours
         if type(module).forward is _UNIMPLEMENTED_FORWARD and compiled_original(module) is None:
             stack.extend((qualified_name(name, key), child)
                          for key, child in reversed(module._modules.items()) if child is not None)

@@ -60,6 +60,8 @@ class BufferSlots:
         self.ids = set()
         for path, m in module.named_modules(prefix=prefix):
             self.ids.add(id(m))
+            if isinstance(m, torch.jit.ScriptModule):
+                continue  # its buffers are written in its scripted code, as full mode's unseen
             for name in m._buffers:
                 self.pairs.append((m._buffers, name))
                 self.names.append(rerun.original_name(qualified_name(path, name)))
