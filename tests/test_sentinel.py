@@ -1011,6 +1011,58 @@ def test_a_nested_entry_called_at_top_level_after_the_model_is_checked():
     assert hooks_left(model) == []
 
 
+class _Timesnan(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        return x * float("nan") if self.armed else x
+
+
+class _Backbone(nn.Module):
+    """timm's shape: the training step calls `forward_features`, which calls the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.act = nn.Sequential(nn.Tanh(), _Timesnan())
+
+    def forward_features(self, x):
+        return self.act(self.stem(x))
+
+    def forward(self, x):
+        return self.forward_features(x).mean(-1)
+
+
+class _Wrapper(nn.Module):  # a LightningModule's shape: the model one level down
+    def __init__(self):
+        super().__init__()
+        self.net = nn.ModuleDict({"backbone": _Backbone(), "head": nn.Linear(8, 3)})
+
+
+@pytest.mark.parametrize("step", ["grandchildren", "forward_features"])
+def test_a_step_calling_modules_deep_inside_the_model_is_checked_and_named(step):
+    """Calls of submodules at any depth are top-level calls when the step makes them: the
+    sentinel checks them and names the one that made nan, before the weights are written."""
+    model = _Wrapper()
+    backbone, head = model.net["backbone"], model.net["head"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for i in range(4):
+                backbone.act[1].armed = i == 2
+                if step == "grandchildren":
+                    features = backbone.act(backbone.stem(x4()))
+                else:
+                    features = backbone.forward_features(x4())
+                head(features).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    report = caught.value.report
+    assert report.first_nonfinite.module_name == "net.backbone.act.1" and report.phase == "forward"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert hooks_left(model) == []
+
+
 def test_a_nested_entry_with_a_hook_of_the_user_s_keeps_its_hooks_in_their_order():
     order = []
     model = Blocks()

@@ -72,26 +72,33 @@ def _queue_callback(callback) -> None:
 
 # ---- the modules watched: models and their first callable submodules ---------------------------
 def _entry_modules(prefix: str, root: nn.Module):
-    """(name, module) of the modules whose calls can be top-level: `root`, then (unless it runs
-    compiled) its first callable submodules, looking through containers."""
+    """(name, module, the entries it is inside) of the modules whose calls can be top-level:
+    `root`, then (unless it runs compiled) every callable submodule at any depth (a training
+    step may call `model.transformer` or `backbone.forward_features`, whose blocks it calls),
+    looking through containers; not into compiled or TorchScript code."""
     if isinstance(root, torch.jit.ScriptModule):
         raise TypeError(f"numguard: {prefix or 'the model'} is a TorchScript module, whose calls "
                         "the sentinel cannot watch: guard the model before scripting it, or guard "
                         "a module that calls it")
-    yield prefix, root
+    yield prefix, root, ()
     if compiled_original(root) is not None:
         return  # hooks inside compiled code would be traced into it
-    stack = [(qualified_name(prefix, key), child) for key, child in reversed(root._modules.items())
-             if child is not None]
+    seen = {id(root)}
+    stack = [(qualified_name(prefix, key), child, (root,))
+             for key, child in reversed(root._modules.items()) if child is not None]
     while stack:
-        name, module = stack.pop()
-        if isinstance(module, torch.jit.ScriptModule):
-            continue  # takes no hooks: its output is its caller's to check, its weights' grads ours
-        if type(module).forward is _UNIMPLEMENTED_FORWARD and compiled_original(module) is None:
-            stack.extend((qualified_name(name, key), child)
-                         for key, child in reversed(module._modules.items()) if child is not None)
-        else:
-            yield name, module
+        name, module, outer = stack.pop()
+        if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
+            continue  # (a scripted one takes no hooks: its caller's checks see its output)
+        seen.add(id(module))
+        inside = outer
+        if type(module).forward is not _UNIMPLEMENTED_FORWARD or compiled_original(module) is not None:
+            yield name, module, outer
+            if compiled_original(module) is not None:
+                continue
+            inside = outer + (module,)
+        stack.extend((qualified_name(name, key), child, inside)
+                     for key, child in reversed(module._modules.items()) if child is not None)
 
 
 class _Entry:
@@ -109,7 +116,7 @@ class _Entry:
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
-        self.inner: list = []  # a model's: (entry inside it, its two hook ids), set aside in its calls
+        self.inner: list = []  # (entry inside it, its two hook ids), set aside in its calls
         self.buffers: Optional[BufferSlots] = None  # where its floating buffers are (None: look up)
         self.inf_accepted = False  # a re-run of a call whose device flag read +inf found nothing
 
@@ -242,12 +249,12 @@ class Sentinel:
         """Hook the models' top-level modules; returns True (detaches itself if it fails)."""
         try:
             for position, (prefix, root) in enumerate(self.guard.models.items()):
-                for name, module in _entry_modules(prefix, root):
+                for name, module, outer in _entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, module is root)
-                    if module is not root:
-                        self.entries[id(root)].inner.append(
-                            (module, tuple(self.entries[id(module)].hook_ids)))
+                    hook_ids = tuple(self.entries[id(module)].hook_ids)
+                    for caller in outer:  # set aside in their calls
+                        self.entries[id(caller)].inner.append((module, hook_ids))
             # optimizer steps: what wrote weights found non-finite
             self.guard.steps.start(self.guard.models)
             self.checks.start()

@@ -1,7 +1,8 @@
 """The sentinel's hooks on a model's submodules, set aside while the model itself runs.
 
-The sentinel hooks a model and its first callable submodules, so that a submodule called on its
-own (`model.encoder(x)`, a GAN's parts) is checked too. Called from inside the model, those hooks
+The sentinel hooks a model and its callable submodules at every depth, so that a submodule called
+on its own (`model.encoder(x)`, a GAN's parts, a backbone's blocks from `forward_features`) is
+checked too. Called from inside the model, those hooks
 only count depth, yet any hook sends torch's `_call_impl` down its slow path. Where the host sets
 a GPU step's pace that is measurable: on the 48 blocks of overhead.py's stack, with the blocks
 unhooked, the sentinel's extra time on an H200 fell by 0.6-1.2 ms a step (of 21 ms). So while a
