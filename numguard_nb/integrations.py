@@ -90,6 +90,7 @@ class _GuardedRun:
                                        scaler=given if given is not None else scaler)
         self.guard = Guard(model, **options.as_kwargs()).attach()
         self._figures_taken = 0
+        self.stage = ""  # (a run that ended inside validation left its stage said)
         self._modules_hooked = {id(module) for module in model.modules()}
 
     def start_when_compiled(self) -> None:

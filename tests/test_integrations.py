@@ -301,6 +301,11 @@ class NanInEval(nn.Module):
         return hidden if self.training else hidden * float("nan")
 
 
+class NanInTraining(nn.Module):
+    def forward(self, hidden):
+        return hidden * float("nan") if self.training else hidden
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("sanity_check", [True, False])
 def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
@@ -324,12 +329,14 @@ def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    module = Lit()
-    trainer = lightning.Trainer(
-        max_steps=6, val_check_interval=3, num_sanity_val_steps=2 if sanity_check else 0,
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[NumguardLightningCallback(mode=mode)],
-    )
+    module, callback = Lit(), NumguardLightningCallback(mode=mode)
+
+    def lightning_trainer(**options):
+        return lightning.Trainer(
+            max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **options)
+
+    trainer = lightning_trainer(val_check_interval=3, num_sanity_val_steps=2 if sanity_check else 0)
     loader = torch.utils.data.DataLoader(samples(), batch_size=4)
     with pytest.raises(NonFiniteError) as raised:
         trainer.fit(module, loader, loader)
@@ -339,6 +346,12 @@ def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
              else "validation batch 0, after training batch 2")
     assert str(raised.value).startswith(f"during {stage}: net.scale (NanInEval) produced")
     assert_no_hooks(module)
+    # The notebook's next fit, with the same callback: a training detection says no stage.
+    module = Lit()
+    module.net.scale = NanInTraining()
+    with pytest.raises(NonFiniteError) as raised:
+        lightning_trainer(num_sanity_val_steps=0).fit(module, loader)
+    assert str(raised.value).startswith("net.scale (NanInTraining) produced"), str(raised.value)
 
 
 def test_trainer_a_detection_in_evaluation_says_so(tmp_path):
