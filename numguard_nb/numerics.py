@@ -152,7 +152,9 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
     maxima = []
     with torch.no_grad():
         for t in tensors:
-            if not t.numel() or t.layout != torch.strided:
+            if t.layout != torch.strided or t.is_nested:
+                t = _stored_values(t)
+            if t is None or not t.numel():
                 continue
             if t.is_floating_point():
                 maxima.append(_as_flag(t.amax()))
@@ -166,6 +168,23 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
         device = next((m.device for m in maxima if m.device.type == "cuda"), maxima[0].device)
         return torch.stack([m if m.device == device else m.to(device, non_blocking=True)
                             for m in maxima]).max().reshape(1)
+
+
+def _stored_values(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The values a sparse or nested tensor stores, as one strided tensor (None: another kind)."""
+    try:
+        if t.is_sparse:
+            return t._values()  # (uncoalesced is fine for a check)
+        if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            return t.values()
+        if t.is_nested:
+            if t.layout == torch.jagged:
+                return t.values()
+            parts = t.unbind()
+            return torch.cat([part.reshape(-1) for part in parts]) if parts else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass
+    return None
 
 
 def _as_flag(maximum: torch.Tensor) -> torch.Tensor:

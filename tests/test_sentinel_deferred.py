@@ -754,3 +754,66 @@ def test_a_step_s_positional_argument_that_is_no_closure_is_passed_as_it_is(defe
                 optimizer.step(scale)
                 optimizer.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), guarded.parameters()))
+
+
+class _NanGradient(torch.autograd.Function):  # a custom op whose backward goes wrong
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * complex(float("nan"), 0)
+
+
+class _Spectral(nn.Module):
+    """A Fourier layer (FNO's): a complex weight on the signal's spectrum."""
+
+    def __init__(self, bad_backward: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, dtype=torch.cfloat))
+        self.bad_backward = bad_backward
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        spectrum = torch.fft.rfft(x) * self.weight
+        if self.bad_backward:
+            spectrum = _NanGradient.apply(spectrum)
+        return self.out(torch.fft.irfft(spectrum, n=x.shape[-1])).sum()
+
+
+def test_a_complex_weight_s_gradient_is_checked_and_left_as_it_was(deferred_on_host):
+    torch.manual_seed(0)
+    plain, model = _Spectral(False), _Spectral(False)
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 8)
+    plain(x).backward()
+    with Guard(model, mode="sentinel"):
+        model(x).backward()
+    assert torch.equal(model.weight.grad, plain.weight.grad)
+    model = _Spectral(True)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            model(x).backward()
+    assert caught.value.report.phase == "backward"
+    assert "weight.grad holds nan" in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_a_sparse_or_nested_output_holding_nan_is_seen(deferred_on_host, kind):
+    class Out(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.layer(x) * torch.tensor([float("nan")] + [1.0] * 7)
+            if kind == "sparse":
+                return y.to_sparse()
+            return torch.nested.as_nested_tensor([y[:2], y[2:3]], layout=torch.jagged)
+
+    model = Out()
+    with pytest.raises(NonFiniteError) as caught:
+        with torch.no_grad(), Guard(model, mode="sentinel"):
+            model(torch.randn(4, 8))
+    assert caught.value.report.phase == "forward"

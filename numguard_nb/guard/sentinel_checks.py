@@ -372,7 +372,7 @@ def gradients_by_device(parameters: list) -> list:
     """Per device: (the parameters whose gradients hold numbers to check, their gradients in
     lists by dtype, in the same order). Each gradient is looked at as it is now (a parameter can
     change device, dtype or size in place, or come to life lazily): nothing is kept between steps.
-    A sparse gradient is checked through its stored values."""
+    A sparse gradient is checked through its stored values, a complex one as floats."""
     groups: dict = {}
     plain, strided = torch.Tensor, torch.strided
     for p in parameters:
@@ -386,7 +386,9 @@ def gradients_by_device(parameters: list) -> list:
                       and numerics.readable(grad)):
                 continue
         elif not grad.is_floating_point():
-            continue
+            if not grad.is_complex():
+                continue
+            grad = torch.view_as_real(grad)  # (a Fourier layer's weight: its numbers, as floats)
         key = (grad.device, grad.dtype)
         group = groups.get(key)
         if group is None:
