@@ -99,11 +99,14 @@ class _GuardedRun:
         self.detach()
         self._compiled_later = True
 
-    def start_compiled(self, model: nn.Module, scaler=None) -> None:
-        """Guard the torch.compile wrapper made of `model` since `start_when_compiled`."""
-        if self._compiled_later:
-            self._compiled_later = False
-            self.start(_compiled_wrapper_of(model), scaler)
+    def start_compiled(self, model: nn.Module, scaler=None) -> bool:
+        """Guard the torch.compile wrapper made of `model` since `start_when_compiled`; whether
+        it started now."""
+        if not self._compiled_later:
+            return False
+        self._compiled_later = False
+        self.start(_compiled_wrapper_of(model), scaler)
+        return True
 
     def follow_new_modules(self, model: nn.Module) -> None:
         """Hook the submodules made since the guard attached (a teacher or an EMA copy a
@@ -148,6 +151,13 @@ class _GuardedRun:
         self.finish(exc_type is None)
 
 
+def _resumed_at(guard: Guard | None, batches_run: int) -> None:
+    """A Trainer resumed from a checkpoint: its batches go on from those it ran before (each
+    forward is a batch: optimizer steps times gradient accumulation)."""
+    if guard is not None and batches_run > guard.batches.started:
+        guard.batches.started = batches_run
+
+
 def _compiled_wrapper_of(model: nn.Module) -> nn.Module:
     """What a Trainer run with `torch_compile=True` calls in place of `model`: the torch.compile
     wrapper accelerate made of it (of its DDP wrapper under torchrun), which callbacks are not
@@ -188,9 +198,11 @@ def _build_trainer_callback() -> type:
                 return
             # accelerate's optimizer carries the Accelerator's GradScaler (fp16 runs)
             self.start(model, loss_scaler_of(optimizer))
+            _resumed_at(self.guard, state.global_step * args.gradient_accumulation_steps)
 
         def on_epoch_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.start_compiled(model, loss_scaler_of(optimizer))
+            if self.start_compiled(model, loss_scaler_of(optimizer)):
+                _resumed_at(self.guard, state.global_step * args.gradient_accumulation_steps)
 
         def on_step_end(self, args, state, control, **kwargs):
             figures = self.new_figures()
@@ -237,6 +249,10 @@ def _build_lightning_callback() -> type:
             # training_step usually calls submodules, not the LightningModule itself: the guard
             # cannot see batches begin, so say when they do.
             if self.guard is not None:
+                # numbered as the loop numbers them (a fit resumed from a checkpoint goes on)
+                total = getattr(getattr(trainer, "fit_loop", None), "total_batch_idx", None)
+                if isinstance(total, int) and total >= self.guard.batches.started:
+                    self.guard.batches.started = total
                 self.guard.begin_batch()
 
         def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):

@@ -123,6 +123,35 @@ def test_trainer_hooks_go_with_the_callback_as_context_when_training_raises_othe
     assert_no_hooks(model)
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainer_resumed_from_a_checkpoint_numbers_batches_as_the_run_goes_on(tmp_path,
+                                                                            accumulation):
+    class ArmAtStep(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            NanWhenArmed.armed = state.global_step == 4
+
+    def trainer(max_steps, callbacks):
+        model = Classifier()
+        model.scale = NanWhenArmed()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "trainer"), report_to="none", use_cpu=True,
+            per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
+            max_steps=max_steps, save_strategy="steps", save_steps=3, disable_tqdm=True)
+        return transformers.Trainer(model=model, args=args, train_dataset=samples(),
+                                    callbacks=callbacks)
+
+    trainer(3, [NumguardCallback()]).train()  # saves checkpoint-3
+    callback = NumguardCallback()
+    try:
+        with pytest.raises(NonFiniteError) as raised, callback:
+            trainer(6, [ArmAtStep(), callback]).train(
+                resume_from_checkpoint=str(tmp_path / "trainer" / "checkpoint-3"))
+    finally:
+        NanWhenArmed.armed = False
+    # step 4's first forward: batch 4 (8 with two forwards a step), as in an unbroken run
+    assert raised.value.report.batch_number == 4 * accumulation
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_trainer_that_compiles_the_model_itself_is_guarded_where_it_runs(tmp_path, mode):
     # TrainingArguments(torch_compile=True): the Trainer calls a torch.compile wrapper the
@@ -352,6 +381,41 @@ def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
     with pytest.raises(NonFiniteError) as raised:
         lightning_trainer(num_sanity_val_steps=0).fit(module, loader)
     assert str(raised.value).startswith("net.scale (NanInTraining) produced"), str(raised.value)
+
+
+def test_lightning_fit_resumed_from_a_checkpoint_numbers_batches_as_the_run_goes_on(tmp_path):
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class Lit(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Classifier()
+            self.net.scale = NanWhenArmed()
+
+        def training_step(self, batch, batch_index):
+            NanWhenArmed.armed = self.global_step == 4
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(max_steps, **options):
+        trainer = lightning.Trainer(
+            max_steps=max_steps, accelerator="cpu", logger=False, default_root_dir=tmp_path,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[NumguardLightningCallback()])
+        trainer.fit(Lit(), torch.utils.data.DataLoader(samples(), batch_size=4), **options)
+
+    fit(3)
+    checkpoint = next(tmp_path.rglob("*.ckpt"))
+    try:
+        with pytest.raises(NonFiniteError) as raised:
+            fit(6, ckpt_path=str(checkpoint))
+    finally:
+        NanWhenArmed.armed = False
+    assert raised.value.report.batch_number == 4  # as in an unbroken run
 
 
 def test_trainer_a_detection_in_evaluation_says_so(tmp_path):
