@@ -399,7 +399,8 @@ def _plain_stats(t: torch.Tensor, nonzero_min: bool) -> tuple:
         return (lo, hi, lo, lo) if nonzero_min else (lo, hi, lo)
     magnitude = t.abs()
     lo, hi = torch.aminmax(magnitude)
-    signs = t.sum() if t.is_floating_point() else hi
+    # (a complex value's infinities signed by its parts: log(0j) is -inf + 0j, a real -inf's kin)
+    signs = t.sum() if t.is_floating_point() else torch.view_as_real(t.resolve_conj()).sum()
     if nonzero_min:
         return (lo, hi, signs, magnitude.masked_fill_(magnitude == 0, _INF).amin())
     return (lo, hi, signs)

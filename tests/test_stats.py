@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from numguard_nb import row_sink, stats
+from numguard_nb import numerics, row_sink, stats
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 INF = math.inf
@@ -139,6 +139,23 @@ def test_other_dtypes(dtype):
     expected = t.abs() if dtype is not torch.bool else t
     assert (abs_min, abs_max) == (float(expected.min().real), float(expected.max().real))
     assert not nan and not posinf and not neginf
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device-path"])
+def test_a_complex_infinity_is_signed_by_its_parts(device_path, monkeypatch):
+    # log(0j) is -inf + 0j: a -inf as a real log(0) is (used up by exp(), a mask's kin), not +inf
+    if device_path:
+        monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    cases = {(-INF, 0.0): (False, True), (INF, 1.0): (True, False), (0.0, -INF): (False, True),
+             (float("nan"), 0.0): (None, None)}
+    for (real, imag), signs in cases.items():
+        t = torch.tensor([complex(real, imag), 2 + 1j], dtype=torch.complex64)
+        with torch.no_grad():
+            row = stats.device_stats(t, sign_hints={}, site="s")
+        _, _, nan, posinf, neginf, _ = stats.decode(stats.to_host([row])[0])
+        assert (posinf, neginf) == signs and nan == math.isnan(real), (real, imag)
+    flag = numerics.output_flag([torch.tensor([complex(-INF, 0.0)], dtype=torch.complex64)])
+    assert numerics.fine(float(flag))
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device-path"])
