@@ -28,7 +28,7 @@ from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
            "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
-           "readable", "stats_flag"]
+           "readable", "stats_flag", "stored_values"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -153,7 +153,7 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
     with torch.no_grad():
         for t in tensors:
             if t.layout != torch.strided or t.is_nested:
-                t = _stored_values(t)
+                t = stored_values(t)
             if t is None or not t.numel():
                 continue
             if t.is_floating_point():
@@ -170,7 +170,7 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
                             for m in maxima]).max().reshape(1)
 
 
-def _stored_values(t: torch.Tensor) -> Optional[torch.Tensor]:
+def stored_values(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The values a sparse or nested tensor stores, as one strided tensor (None: another kind)."""
     try:
         if t.is_sparse:

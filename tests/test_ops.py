@@ -64,6 +64,33 @@ def test_forward_names_the_op_and_line(case):
     assert loc.node is None
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_op_on_a_nested_tensor_is_named(mode):
+    from numguard_nb import Guard, NonFiniteError
+
+    class NestedLog(nn.Module):
+        def forward(self, x):
+            return x.log()  # log of negatives: nan, on a jagged nested tensor
+
+    class Ragged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+            self.log = NestedLog()
+
+        def forward(self, x):
+            y = self.layer(x)
+            return self.log(torch.nested.as_nested_tensor([y[:2], y[2:3]], layout=torch.jagged))
+
+    torch.manual_seed(0)
+    model = Ragged()
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, ops=mode == "full", mode=mode):
+            model(torch.randn(4, 8))
+    first = caught.value.report.first_nonfinite
+    assert (first.module_name, first.op) == ("log", "aten.log.default")
+
+
 def test_deliberate_minus_inf_is_not_blamed_softmax_of_a_masked_row_is():
     # torch.full(-inf), triu_ on it and mask[row] = -inf all hold -inf on purpose; the softmax
     # over a row that is -inf everywhere is what turns them into nan.

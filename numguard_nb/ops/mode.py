@@ -90,8 +90,10 @@ def nonfinite_kinds(values, limit=None) -> frozenset:
         try:
             if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
                 continue
-            if value.layout != torch.strided:
-                value = value.to_dense()
+            if value.layout != torch.strided or value.is_nested:
+                value = numerics.stored_values(value)  # (sparse and nested: what they store)
+                if value is None:
+                    continue
             nan = value.isnan().any()
             inf = (value.abs() > limit).any() if limit is not None else value.isinf().any()
             flags.setdefault(value.device, []).extend((nan, inf))
