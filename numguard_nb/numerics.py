@@ -157,6 +157,8 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
             if t is None or not t.numel():
                 continue
             if t.is_floating_point():
+                if t.element_size() == 1:  # float8: no max kernel of its own (on CPU at least)
+                    t = t.float()
                 maxima.append(_as_flag(t.amax()))
             elif t.is_complex():  # by its parts, as the host's rows sign it: -inf + 0j passes
                 maxima.append(_as_flag(torch.view_as_real(t.resolve_conj()).amax()))

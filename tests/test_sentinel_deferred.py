@@ -799,8 +799,8 @@ def test_a_complex_weight_s_gradient_is_checked_and_left_as_it_was(deferred_on_h
     assert "weight.grad holds nan" in str(caught.value)
 
 
-@pytest.mark.parametrize("kind", ["sparse", "nested"])
-def test_a_sparse_or_nested_output_holding_nan_is_seen(deferred_on_host, kind):
+@pytest.mark.parametrize("kind", ["sparse", "nested", "float8"])
+def test_a_sparse_nested_or_float8_output_holding_nan_is_seen(deferred_on_host, kind):
     class Out(nn.Module):
         def __init__(self):
             super().__init__()
@@ -810,6 +810,8 @@ def test_a_sparse_or_nested_output_holding_nan_is_seen(deferred_on_host, kind):
             y = self.layer(x) * torch.tensor([float("nan")] + [1.0] * 7)
             if kind == "sparse":
                 return y.to_sparse()
+            if kind == "float8":
+                return y.to(torch.float8_e4m3fn)
             return torch.nested.as_nested_tensor([y[:2], y[2:3]], layout=torch.jagged)
 
     model = Out()
