@@ -56,6 +56,11 @@ class DebugUnderflowOverflow:
         self._abort_handle = model.register_forward_hook(self._count_batch)
 
     @property
+    def detected_overflow(self) -> bool:
+        """Whether inf or nan was found (transformers' attribute of that name)."""
+        return self.guard.detection is not None
+
+    @property
     def report(self) -> Report:
         report = self.guard.report
         if report.kind == LATEST:  # the frames transformers would keep

@@ -268,6 +268,20 @@ def test_a_nan_made_by_the_models_own_code_prints_the_same_lines():
     assert lines_matching(text, r"^Detected") == ["Detected inf/nan during batch_number=3"]
 
 
+def test_detected_overflow_says_what_transformers_says():
+    for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
+        model = _exp_model()
+        detector = cls(model)
+        with contextlib.redirect_stdout(io.StringIO()):
+            model(_exp_batches()[0])
+            assert detector.detected_overflow is False, cls
+            with pytest.raises(ValueError):
+                model(_exp_batches()[-1])
+        assert detector.detected_overflow is True, cls
+        if cls is ng.DebugUnderflowOverflow:
+            detector.remove()
+
+
 def test_the_detectors_report_holds_the_frames_it_printed():
     model = _exp_model()
     detector = ng.DebugUnderflowOverflow(model, max_frames_to_save=4)
