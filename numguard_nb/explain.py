@@ -273,6 +273,10 @@ def _in_float32(facts: Facts) -> str:
         if any(row.dtype == "float16" for row in params):
             fix += f"; in a model made with `.half()` also `{path}.float()`"
         return fix + ")"
+    if not facts.report.autocast_device:  # a model made with `.half()`: no autocast to turn off
+        what = f"`{facts.line}`" if facts.line else facts.where
+        return (f"run {what} in float32 (its operands `.float()`, and what it gives `.half()` "
+                "again for the float16 layers after it)")
     if facts.line:
         return f"run `{facts.line}` in float32 (in `{off}`, its operands `.float()`)"
     return f"run {facts.where} in float32 (in `{off}`, its inputs `.float()`)"

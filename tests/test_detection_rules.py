@@ -192,3 +192,35 @@ def test_where_a_parent_may_make_inf_its_submodule_that_makes_nan_of_it_is_named
     with pytest.raises(NonFiniteError) as raised, Guard(model):  # not allowed: the parent's code
         model(torch.rand(4, 3), keep)
     assert raised.value.report.cause == "forward-inline" and raised.value.report.first_nonfinite.module_name == ""
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP: `down(act(gate(x)) * up(x))`, its product made in its own code."""
+
+    def __init__(self, sign: float):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        with torch.no_grad():
+            for layer, scale in ((self.gate, 300.0), (self.up, 300.0 * sign)):
+                layer.weight.copy_(torch.eye(4) * scale)
+                layer.bias.zero_()
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["+inf", "-inf"])
+def test_a_float16_product_that_overflows_to_minus_inf_alone_is_named_where_it_is_made(mode, sign):
+    """A product past 65504 is an overflow whatever its sign: -inf alone, handed to a Linear,
+    is no mask (no mask goes into a matmul), so the MLP's own code is named, not the Linear."""
+    model = GatedMLP(sign).half()
+    with pytest.raises(NonFiniteError) as raised, Guard(model, mode=mode, ops=mode == "full"):
+        model(torch.ones(2, 4, dtype=torch.float16))
+    report = raised.value.report
+    assert (report.cause, report.first_nonfinite.module_name) == ("forward-inline", "")
+    assert report.first_nonfinite.op == "aten.mul.Tensor"
+    assert "mask" not in report.reason
+    # a model made with .half() has no autocast to turn off: the fix casts back and forth
+    assert ("in float32 (its operands `.float()`, and what it gives `.half()` again for the float16 "
+            "layers after it)") in report.hint and "autocast" not in report.hint

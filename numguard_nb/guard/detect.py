@@ -153,21 +153,25 @@ def _inline_overflow(pass_: PassRecord, call, rules):
     `call` received was made by that call's own code between its submodules (an overflow, never
     a mask: `torch.exp(scores)` before a Linear or a softmax module), or None: when a call that
     closed before gave out a +inf (an allowed one: it carried it), the enclosing calls were
-    handed one, or that call may make inf (`allow_inf`)."""
+    handed one, or that call may make inf (`allow_inf`). For a linear map (a Linear, a conv)
+    -inf counts too: no mask is fed to a matmul, and an fp16 product (`act(gate) * up`) that
+    overflows may do so to -inf alone."""
     limit_max = rules.limit_max
-    inputs = [slot for slot in call.slots if slot[SLOT_CATEGORY] == INPUT
-              and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max)]
+    kinds = {PROBLEM_POSINF, PROBLEM_NEGINF} if is_linear_map(call.module_class) else {PROBLEM_POSINF}
+
+    def holds(slot) -> bool:
+        return not kinds.isdisjoint(value_kinds(pass_, slot, limit_max))
+
+    inputs = [slot for slot in call.slots if slot[SLOT_CATEGORY] == INPUT and holds(slot)]
     if not inputs:
         return None
     for other in pass_.calls:
         if other.seq < call.seq and other is not call and any(
-                slot[SLOT_CATEGORY] == OUTPUT and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max)
-                for slot in other.slots):
+                slot[SLOT_CATEGORY] == OUTPUT and holds(slot) for slot in other.slots):
             return None
     maker = call.parent
     while maker is not None and any(
-            slot[SLOT_CATEGORY] in (INPUT, PARAM, BUFFER)
-            and PROBLEM_POSINF in value_kinds(pass_, slot, limit_max) for slot in maker.slots):
+            slot[SLOT_CATEGORY] in (INPUT, PARAM, BUFFER) and holds(slot) for slot in maker.slots):
         maker = maker.parent
     if maker is None or rules.inf_allowed(maker.module_name):
         return None
