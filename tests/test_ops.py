@@ -64,6 +64,28 @@ def test_forward_names_the_op_and_line(case):
     assert loc.node is None
 
 
+class _BucketsThenZeroMean(nn.Module):
+    """T5's relative-position buckets take log(0) = -inf and drop it with `where`; then this
+    call's real fault: a mean over no element (0/0)."""
+
+    def forward(self, x, keep):
+        distance = torch.arange(4.0)
+        buckets = torch.where(distance < 1, distance, torch.log(distance))  # log(0): dropped
+        return (x + buckets)[keep].mean()  # keep all False: nan
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_op_named_made_what_the_call_returned_not_an_inf_it_dropped(mode):
+    from numguard_nb import Guard, NonFiniteError
+
+    model = _BucketsThenZeroMean()
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, ops=mode == "full", mode=mode):
+            model(torch.randn(2, 4), torch.zeros(2, 4, dtype=torch.bool))
+    first = caught.value.report.first_nonfinite
+    assert first.op == "aten.mean.default" and "mean()" in first.source
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_op_on_a_nested_tensor_is_named(mode):
     from numguard_nb import Guard, NonFiniteError

@@ -212,7 +212,8 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
     reason = mode.inexact_reason()
     if reason is not None:
         return _failure(f"the re-run cannot reproduce the failing step exactly: {reason}{errors}")
-    found = mode.found
+    # forward: the op that made what the call returned, before one that made a value it drops
+    found = (mode.output_root or mode.found) if not backward else mode.found
     where = ""
     if found is not None:
         line = _code_line(found["filename"], found["lineno"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -195,6 +196,9 @@ class RerunMode(TorchDispatchMode):
         self.target_done = False
         self.in_kinds = _EMPTY  # what the target call received (inputs and own weights)
         self.out_kinds = _EMPTY  # what it returned
+        self.made = 0  # ops that made inf or nan in the call (forward)
+        self.roots: dict = {}  # storage key -> (the tensor, weakly; the op that made its inf/nan)
+        self.output_root: Optional[dict] = None  # the op that made what the call returned
         self.grad_inputs: list = []  # its tensor inputs that require grad (backward)
         self.grad_out_kinds = _EMPTY  # what the gradients reaching its outputs held (backward)
         self.leaves: dict = {}  # id -> leaf requiring grad used by an op of the target call
@@ -343,6 +347,9 @@ class RerunMode(TorchDispatchMode):
                            for b in (module._buffers.get(name),)
                            if b is not None and (b is not old or _version(b) != version)]
                 self.out_kinds = nonfinite_kinds(_tree.tensors(output) + written, self.limit)
+                if self.stage == FORWARD:
+                    self.output_root = self._root_of(_tree.tensors(output) + written)
+                    self.roots = {}
                 if self.record_nodes:
                     self._resolve(final=True)
                     for t in _tree.tensors(output):
@@ -447,7 +454,7 @@ class RerunMode(TorchDispatchMode):
                 self._resolve()
                 where = _user_line()
             # a backward re-run checks ops in backward only: its forward may hold hidden inf
-            check = self.found is None and not info.skip and not self.record_nodes
+            check = not info.skip and not self.record_nodes  # (on past the first: `roots`)
             if not (check or self.record_nodes):
                 return None
             return (info, written, where, None, check, self._held(written) if check else _EMPTY)
@@ -478,7 +485,7 @@ class RerunMode(TorchDispatchMode):
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
                     self.leaves.setdefault(id(t), t)
-        if not check or self.found is not None:
+        if not check or (self.found is not None and self.stage != FORWARD):
             return
         with torch.no_grad():
             produced = nonfinite_kinds(outputs, self.limit)
@@ -501,6 +508,11 @@ class RerunMode(TorchDispatchMode):
                 elif not produced - received - self.ignored:
                     self.saved[node] = saved | {_storage_key(t) for t in outputs}
                     return
+        if self.stage == FORWARD and received:
+            made_here = self._root_of(inputs + [t for t, _ in written])
+            if made_here is not None:  # (nan from an inf an earlier op of the call made: that op)
+                self._carry(made_here, outputs)
+                return
         new = produced - received - self.ignored
         from_number = frozenset()
         if not new and self.stage == FORWARD:  # a Python number given nan (a scale; an inf one
@@ -511,8 +523,10 @@ class RerunMode(TorchDispatchMode):
             return
         if self.stage == FORWARD:
             filename, lineno = _user_line()
+            self.made += 1
             found = {"op": info.name, "node": None, "filename": filename, "lineno": lineno,
-                     "kinds": new, "from_number": bool(from_number)}
+                     "kinds": new, "from_number": bool(from_number), "order": self.made}
+            self._carry(found, outputs)
         else:
             _, filename, lineno = where
             found = {"op": info.name, "node": node.name(), "filename": filename,
@@ -520,6 +534,30 @@ class RerunMode(TorchDispatchMode):
         with self.lock:
             if self.found is None:
                 self.found = found
+
+    # ---- which op made what the call returned --------------------------------------------------
+    # The first op to make inf or nan may make one the call never returns (T5's log(0) of a
+    # relative position, which `where` drops): each tensor holding inf or nan made in the call
+    # keeps the op that first made its line of values, and the call's outputs name theirs.
+    def _carry(self, root: Optional[dict], outputs: list) -> None:
+        if root is None:
+            return
+        for t in outputs:
+            key = _storage_key(t)
+            if key is not None:
+                self.roots[key] = (weakref.ref(t), root)
+
+    def _root_of(self, values) -> Optional[dict]:
+        """The earliest op that made the inf or nan of a live tensor among `values` (None: none)."""
+        found = None
+        for value in values:
+            if not isinstance(value, torch.Tensor):
+                continue
+            entry = self.roots.get(_storage_key(value))
+            if entry is not None and entry[0]() is not None and (
+                    found is None or entry[1]["order"] < found["order"]):
+                found = entry[1]
+        return found
 
     def _saved_keys(self, node) -> frozenset:
         """Storage keys of the tensors an autograd node saved in forward (its `_saved_*`)."""
