@@ -173,10 +173,10 @@ def _syntax_errors_as_in_a_plain_cell(shell):
     def transform(lines: List[str]) -> List[str]:
         if not lines or not _CELL_MAGIC_LINE.match(lines[0]):
             return lines
-        try:
-            shell.compile.ast_parse(shell.transform_cell("".join(lines[1:])))
-        except SyntaxError:
-            return ["\n"] + lines[1:]
+        try:  # (compiled too: `return` or `break` outside their place parse, then fail here)
+            compile(shell.compile.ast_parse(shell.transform_cell("".join(lines[1:]))), "<cell>", "exec")
+        except SyntaxError as error:
+            return lines if is_top_level_await(error) else ["\n"] + lines[1:]
         except Exception:  # anything else: the magic meets it and says so
             return lines
         return lines

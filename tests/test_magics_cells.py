@@ -103,7 +103,8 @@ def test_the_report_comes_before_the_error_in_both_forms(ip, monkeypatch):
     ip.run_cell("%numguard off")
 
 
-@pytest.mark.parametrize("body", ["x = 1\ny = 2 +\n", "x = 1\ny = (2 +\n", "x = 1\n  y = 2\n"])
+@pytest.mark.parametrize("body", ["x = 1\ny = 2 +\n", "x = 1\ny = (2 +\n", "x = 1\n  y = 2\n",
+                                  "y = 1\nreturn y\n", "y = 1\nbreak\n"])  # (the last: compiling)
 def test_a_syntax_error_shows_as_in_a_plain_cell(ip, body):
     plain, plain_shown = run(ip, "# a plain cell\n" + body)  # the same line numbers
     guarded, guarded_shown = run(ip, "%%numguard net\n" + body)

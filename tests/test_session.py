@@ -336,6 +336,22 @@ def test_a_parameter_unfrozen_in_a_later_cell_gets_its_gradient_hook(ns):
     session.stop()
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_deleted_from_the_namespace_is_let_go_while_on(ns, mode):
+    """`del net` (or `%reset -f`) under `%numguard on`: its weights and gradients can be freed
+    at once (a bigger model comes next), not at `%numguard off`."""
+    import gc
+    import weakref
+
+    session = start_session(ns, mode=mode)
+    run_cell(session, lambda: step(ns["net"], ns["xs"][0]))
+    gone = weakref.ref(ns.pop("net"))
+    assert session.before_cell("").lines == ["numguard: net is gone from the namespace: not guarded"]
+    gc.collect()
+    assert gone() is None
+    session.stop()
+
+
 def test_a_name_that_stands_for_no_model_is_said_once_and_followed_when_it_is_back(ns):
     session = start_session(ns, ("net", "loss_fn"))
     session.before_cell("")

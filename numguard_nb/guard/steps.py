@@ -107,8 +107,10 @@ class StepWatch:
                 WeakHook(self, "note_step", on_error=_cannot_tell)))
 
     def stop(self) -> None:
-        """Remove the global hook (on detach; idempotent)."""
+        """Remove the global hook (on detach; idempotent), and let go of the models (a session
+        keeps its detached guard: a model deleted in the notebook must go)."""
         _remove(self._handles)
+        self._models = {}
 
     def forward_began(self, root_id: int, batch: int) -> None:
         """A top-level forward of the module `root_id` began, in `batch` (once per pass)."""
