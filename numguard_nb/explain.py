@@ -329,8 +329,8 @@ def _weights_hint(facts: Facts) -> str:
                 f"{reset}.")
     if origin == ORIGIN_BEFORE_ATTACH:
         since = f" (or {step.words} wrote them)" if step is not None else ""
-        return (f"{subject}, the guard's first forward of the model: they were already non-finite "
-                f"when it attached{since}. Check where they came from: the checkpoint "
+        return (f"{subject}: they were already non-finite when the guard attached{since}. "
+                "Check where they came from: the checkpoint "
                 "(`all(t.isfinite().all() for t in state_dict.values())` before "
                 "`load_state_dict`) or a custom initialisation (a division by a zero fan-in or "
                 "std). If the model trained before, guard it from its first step to have the "

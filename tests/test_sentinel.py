@@ -1390,3 +1390,24 @@ def test_a_grad_left_non_finite_but_zeroed_before_the_first_backward_is_not_blam
     report = raised.value.report
     assert report.cause == "weights" and not report.optimizer_step.stale_gradients
     assert "Lower the learning rate" in report.hint
+
+
+def test_weights_broken_before_attach_are_said_so_though_earlier_steps_ran():
+    """A nan row of an embedding (a bad checkpoint), first looked up in batch 2: the sentinel's
+    forwards never look at the weights, so the steps before are no evidence they were finite;
+    its one look as it attached is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight[7] = float("nan")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for step in range(4):
+                model(torch.tensor([[1, 2], [3, 7 if step == 2 else 4]])).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    report = caught.value.report
+    assert report.batch_number == 2 and report.weights_origin == "before attach"
+    assert "already non-finite when the guard attached" in report.reason
+    assert "learning rate" not in report.hint

@@ -205,6 +205,8 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
         return (f"{head}, and they changed outside the model's forward: the guard saw no "
                 f"optimizer step since the model's previous forward (batch {origin.finite_batch}"
                 "), which found no non-finite weight")
+    if kind == ORIGIN_BEFORE_ATTACH and origin.at_attach:
+        return f"{head}: they were already non-finite when the guard attached"
     if kind == ORIGIN_BEFORE_ATTACH:
         first = f"{head}, in the guard's first forward of the model: they were already non-finite"
         if step is not None:

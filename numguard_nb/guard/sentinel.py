@@ -256,7 +256,7 @@ class Sentinel:
                     for caller in outer:  # set aside in their calls
                         self.entries[id(caller)].inner.append((module, hook_ids))
             # optimizer steps: what wrote weights found non-finite
-            self.guard.steps.start(self.guard.models)
+            self.guard.steps.start(self.guard.models, weights=True)
             self.checks.start()
             self.guard.outside.deferred = self.checks  # the loss code's values: read alike
             self.ranks = RankFlags.attach_any(self.guard.models)

@@ -57,6 +57,7 @@ class Origin(NamedTuple):
     kind: str
     step: Optional[OptimizerStep]
     finite_batch: Optional[int]
+    at_attach: bool = False  # seen non-finite when the guard attached (a sentinel looks then)
 
 
 def _cannot_tell(watch: "StepWatch") -> None:
@@ -90,8 +91,11 @@ class StepWatch:
         # run started again after one that went non-finite may add to a .grad never zeroed.
         self._grads_at_attach: list = []
         self._grads_at_first_step: Optional[list] = None
+        # A sentinel's forwards never look at the weights: their norms at attach, by parameter
+        # id, on their devices (read only at a detection), say which were broken from the start.
+        self._weights_at_attach: list = []
 
-    def start(self, models: dict) -> None:
+    def start(self, models: dict, weights: bool = False) -> None:
         """Start watching steps (on attach) of optimizers of `models`' weights (name -> module):
         what earlier attaches saw is forgotten."""
         self.forwards, self.batch, self.lost_after = 0, None, -1
@@ -100,6 +104,7 @@ class StepWatch:
         self._optimizers.clear()
         self._models, self._warned = models, False
         self._grads_at_attach, self._grads_at_first_step = _gradient_norms(models), None
+        self._weights_at_attach = _weight_norms(models) if weights else []
         if not self._handles:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -170,6 +175,8 @@ class StepWatch:
         """How the weights `params` (parameters; none for buffers), found non-finite in the
         latest forward of the top-level module `root_id`, got that way."""
         latest, _, before, finite_batch = self._roots.get(root_id, (0, None, None, None))
+        if params and self._broken_at_attach(params):
+            return Origin(ORIGIN_BEFORE_ATTACH, None, None, at_attach=True)
         if before is None:  # its first forward since attach
             # A step that ran before it (after the guard attached) may have written them.
             earlier = [step for step in self._steps if step[STEP_FORWARD] < latest]
@@ -188,6 +195,17 @@ class StepWatch:
         if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
         return Origin(ORIGIN_OUTSIDE_FORWARD, None, finite_batch)
+
+    def _broken_at_attach(self, params) -> bool:
+        """Whether one of `params` held inf or nan when the guard attached (known where the
+        weights were looked at then: a sentinel's). A read: for a detection only."""
+        wanted = {id(p) for p in params}
+        for ids, norms in self._weights_at_attach:
+            positions = [i for i, pid in enumerate(ids) if pid in wanted]
+            if positions and any(not numerics.fine(float(x)) for x in numerics.read(
+                    norms[torch.tensor(positions, device=norms.device)])):
+                return True
+        return False
 
     def buffers_origin(self, root_id: int) -> Origin:
         """How buffers found non-finite in the latest forward of `root_id` got that way: no
@@ -220,6 +238,25 @@ def _gradient_norms(models: dict) -> list:
                 by_device.setdefault(grad.device, []).append(grad)
     norms = (numerics.grad_norms(grads) for grads in by_device.values())
     return [vector for vector in norms if vector is not None]
+
+
+def _weight_norms(models: dict) -> list:
+    """Per device, (the ids of `models`' parameters, their norms now): one launch per dtype."""
+    by_device: dict = {}
+    seen = set()
+    for model in models.values():
+        for param in model.parameters():
+            if id(param) not in seen and not param.is_sparse and numerics.readable(param) \
+                    and param.is_floating_point():
+                seen.add(id(param))
+                by_device.setdefault(param.device, []).append(param)
+    found = []
+    with torch.no_grad():
+        for params in by_device.values():
+            norms = numerics.grad_norms([p.detach() for p in params])
+            if norms is not None:
+                found.append((tuple(id(p) for p in params), norms))
+    return found
 
 
 def _group_holding(step: tuple, params):
