@@ -284,3 +284,45 @@ def test_stop_at_limit_names_data_already_beyond_the_limit_in_forward():
     assert report.reason.startswith("the data fed to Sequential in batch 0 is beyond float16's "
                                     "largest value 65504 (input[0] reaches")
     assert "standardise" in report.hint and "samples holding" not in str(raised.value)
+
+
+class _GatedMLP(nn.Module):
+    """Llama's MLP in float32: `down(act(gate(x)) * up(x))`, its product past 65504 made by its
+    own code, then brought back within by `down`. Its causal-mask-like helper hands `scores` an
+    additive mask filled with torch.finfo(float32).min, which is no overflow."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scores = _AddMask()
+        with torch.no_grad():
+            for layer, scale in ((self.gate, 300.0), (self.up, 300.0), (self.down, 1e-3)):
+                layer.weight.copy_(torch.eye(4) * scale)
+                layer.bias.zero_()
+
+    def forward(self, x):
+        mask = torch.full((4, 4), torch.finfo(torch.float32).min).triu(1)
+        return self.scores(self.down(nn.functional.silu(self.gate(x)) * self.up(x)), mask)
+
+
+class _AddMask(nn.Module):
+    def forward(self, h, mask):
+        return torch.softmax(h[:, None, :] + mask, -1)
+
+
+def test_an_overflow_a_module_s_own_code_hands_a_submodule_is_credited_to_it():
+    model = _GatedMLP()
+    with Guard(model, limit_dtype=torch.float16, ops=True) as guard:
+        model(torch.ones(2, 4))
+    overflows = [(e.module_name, e.role) for e in guard.headroom.entries() if e.kind == "overflow"]
+    assert overflows == [("", "input[0] of down")]  # not the mask (finfo(float32).min)
+    first = guard.headroom.first
+    assert (first.module_name, first.op) == ("", "aten.mul.Tensor")
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, limit_dtype=torch.float16, stop_at_limit=True):
+            model(torch.ones(2, 4))
+    report = caught.value.report
+    assert (report.cause, report.first_nonfinite.module_name) == ("forward-inline", "")
+    assert report.reason.startswith(
+        "_GatedMLP produced a value beyond float16's largest value 65504 in forward (call 0 of "
+        "batch 0), in its own code between its submodules: input[0] of down reaches 9e+04")

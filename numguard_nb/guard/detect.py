@@ -116,6 +116,10 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             return call, bad_params, CAUSE_WEIGHTS
         if bad_inputs:
             return call, bad_inputs, CAUSE_DATA
+        if PROBLEM_OVERFLOW in from_parent and call.parent is not None:
+            inline = _inline_overflow(pass_, call, rules)  # (a product past limit_dtype's range
+            if inline is not None:  # handed to a Linear that brings it back within)
+                return inline
         allowed = rules.inf_allowed(call.module_name)
         given, made = set(), set()
         for slot in call.slots:
@@ -157,10 +161,13 @@ def _inline_overflow(pass_: PassRecord, call, rules):
     -inf counts too: no mask is fed to a matmul, and an fp16 product (`act(gate) * up`) that
     overflows may do so to -inf alone."""
     limit_max = rules.limit_max
-    kinds = {PROBLEM_POSINF, PROBLEM_NEGINF} if is_linear_map(call.module_class) else {PROBLEM_POSINF}
+    kinds = {PROBLEM_POSINF, PROBLEM_OVERFLOW}  # (an overflow of limit_dtype: with stop_at_limit)
+    if is_linear_map(call.module_class):
+        kinds.add(PROBLEM_NEGINF)
 
     def holds(slot) -> bool:
-        return not kinds.isdisjoint(value_kinds(pass_, slot, limit_max))
+        found = value_kinds(pass_, slot, limit_max) & kinds
+        return bool(found) and not (found == OVERFLOW and is_mask_fill(pass_.values, slot))
 
     inputs = [slot for slot in call.slots if slot[SLOT_CATEGORY] == INPUT and holds(slot)]
     if not inputs:
@@ -176,6 +183,19 @@ def _inline_overflow(pass_: PassRecord, call, rules):
     if maker is None or rules.inf_allowed(maker.module_name):
         return None
     return maker, inputs, CAUSE_FORWARD_INLINE
+
+
+# The largest finite values of the floating dtypes: an additive mask is filled with
+# `torch.finfo(dtype).min` (transformers' causal masks), no overflow of limit_dtype.
+MASK_FILLS = frozenset(float(torch.finfo(dtype).max) for dtype in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def is_mask_fill(values: list, slot: tuple) -> bool:
+    """Whether a value's largest magnitude is a dtype's largest finite value: a mask's fill."""
+    index = slot[SLOT_INDEX]
+    row = values[index] if index is not None and values is not None else None
+    return row is not None and row[1] in MASK_FILLS
 
 
 def received_from_children(pass_: PassRecord, call, limit_max) -> set:

@@ -161,6 +161,10 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
         return (f"nan first shows in {where} in {frame.phase} ({call}: {what}), but numguard "
                 "could not tell which module produced it (the frames below show where it first "
                 "appears)")
+    if inline and cause == CAUSE_FORWARD_INLINE and predicted:
+        return (f"{where} produced a value beyond {limit} in forward ({call}), in its own code "
+                f"between its submodules: {what}, which its inputs and weights did not reach (a "
+                f"predicted overflow, handed to {evidence.label})")
     if inline and cause == CAUSE_FORWARD_INLINE:
         return (f"{where} produced a non-finite value in forward ({call}), in its own code between "
                 f"its submodules: {what}, which its inputs and weights did not hold (an overflow, "

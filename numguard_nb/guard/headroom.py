@@ -9,8 +9,11 @@ finds
 and credits each to the module call that made it. As in detection's producer rules, a value a
 call only carried on is not credited to it again: an output counts when it reaches further than
 anything the call received (its inputs, weights and its submodules' outputs; in backward, its
-output gradients and its submodules' input gradients), weights and the data always. Real inf and
-nan still stop the run: detection runs on `options.stop_rules`, the options without the limit.
+output gradients and its submodules' input gradients), weights and the data always; a value a
+call's own code hands a submodule beyond all it had (Llama's `act(gate(x)) * up(x)` before
+`down_proj`) counts for that call, as "input[0] of <submodule>" (not an additive mask's
+`torch.finfo(float32).min`). Real inf and nan still stop the run: detection runs on
+`options.stop_rules`, the options without the limit.
 
 Memory is bounded by the model, not by the run: one `HeadroomEntry` per (module, phase, role,
 kind) with the worst value, where it was, how many values went beyond the limit and in which
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 from .._schema import (
-    BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_DATA, CAUSE_FORWARD, CAUSE_LOSS_GRADIENT, CAUSE_WEIGHTS,
+    BACKWARD, BUFFER, CAUSE_BACKWARD, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_WEIGHTS,
     CAUSE_BACKWARD_INLINE, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, OUTPUT, PARAM, PROBLEM_OVERFLOW,
     PROBLEM_UNDERFLOW,
 )
@@ -43,6 +46,7 @@ _INF = math.inf
 # What a call received before any value: nothing large, nothing small.
 _NOTHING = (0.0, _INF)
 # Who made a value, by the category of its slot (output gradients: see `_cause`).
+_HANDED = " of "  # a value a call's own code handed a submodule: "input[0] of <submodule>"
 _CAUSE_OF = {OUTPUT: CAUSE_FORWARD, GRAD_INPUT: CAUSE_BACKWARD, GRAD_PARAM: CAUSE_BACKWARD,
              PARAM: CAUSE_WEIGHTS, BUFFER: CAUSE_WEIGHTS, INPUT: CAUSE_DATA}
 
@@ -176,7 +180,7 @@ class Headroom:
         frame = frames.build_frame(pass_, call, options, {id(slot)})
         cause = _cause(call, slot)
         if locate is not None and not options.stop_at_limit \
-                and cause in (CAUSE_FORWARD, CAUSE_BACKWARD):
+                and cause in (CAUSE_FORWARD, CAUSE_FORWARD_INLINE, CAUSE_BACKWARD):
             locate(frame, call, cause, options)
         with self._lock:
             if self.first is None:
@@ -235,6 +239,8 @@ class Headroom:
 def _cause(call: CallRecord, slot: tuple) -> str:
     """Who made a value, as detection's causes name it."""
     category = slot[SLOT_CATEGORY]
+    if category == OUTPUT and _HANDED in slot[SLOT_ROLE]:
+        return CAUSE_FORWARD_INLINE
     if category == GRAD_OUTPUT:
         forward = call.forward
         top = forward is None or forward.parent is None
@@ -301,12 +307,21 @@ class _Made:
 
 def _forward_made(pass_: PassRecord, limit_max: float, limit_tiny: float) -> list:
     """(call, slot, kind, value) of each value beyond the limits a forward pass's calls made, in
-    closing order: outputs reaching further than what the call received, weights, the data."""
+    closing order: outputs reaching further than what the call received, weights, the data, and
+    what a call's own code handed a submodule (`act(gate(x)) * up(x)` before `down`: credited
+    to the call, as "input[0] of <submodule>")."""
     values, made = pass_.values, _Made(limit_max, limit_tiny)
     received: Dict[int, list] = {}  # id(call) -> [largest, smallest non-zero] it received
+    handed: Dict[int, list] = {}  # id(call) -> the same, of its inputs and weights alone
+    for call in pass_.calls:
+        got = handed[id(call)] = list(_NOTHING)
+        for slot in call.slots:
+            value = _value(values, slot) if slot[SLOT_CATEGORY] != OUTPUT else None
+            if value is not None:
+                _received(got, value)
     for call in pass_.calls:  # closing order: a call's children come before it
         got = received.setdefault(id(call), list(_NOTHING))
-        outputs = []
+        outputs, inputs = [], []
         for slot in call.slots:
             value = _value(values, slot)
             if value is None:
@@ -318,8 +333,18 @@ def _forward_made(pass_: PassRecord, limit_max: float, limit_tiny: float) -> lis
             _received(got, value)
             if category != INPUT or call.parent is None:  # weights and buffers; the data
                 made.credit(call, slot, value, _NOTHING)
+            else:
+                inputs.append((slot, value))
         parent_got = (received.setdefault(id(call.parent), list(_NOTHING))
                       if call.parent is not None else None)
+        if inputs:  # beyond what the parent had by then: its own code made it
+            had = list(parent_got)
+            _received(had, handed[id(call.parent)])
+            for slot, value in inputs:
+                if detect.is_mask_fill(values, slot):
+                    continue  # an additive mask's torch.finfo(float32).min, built by the parent
+                made.credit(call.parent, (f"{slot[SLOT_ROLE]}{_HANDED}{call.module_name}", OUTPUT)
+                            + tuple(slot[SLOT_CATEGORY + 1:]), value, had)
         for slot, value in outputs:
             made.credit(call, slot, value, got)
             if parent_got is not None:  # what a child gives out, its parent receives

@@ -90,7 +90,7 @@ def _failure(note: str) -> OpLocation:
 
 
 def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, limit,
-              backward: bool, allow_inf: bool = False, buffers=None) -> OpLocation:
+              backward: bool, allow_inf: bool = False, buffers=None, handed: bool = False) -> OpLocation:
     problem = _problem(root, culprit, call_index, limit)
     if problem is not None:
         return _failure(f"could not localise the op: {problem}")
@@ -147,7 +147,7 @@ def _localise(root, args, kwargs, rng, root_grad_outputs, culprit, call_index, l
             outcome["unrestored"] = failed
         user_state.restore()
     try:
-        return _conclude(mode, outcome, culprit, call_index, limit, backward)
+        return _conclude(mode, outcome, culprit, call_index, limit, backward, handed)
     finally:
         mode.clear()
 
@@ -197,7 +197,10 @@ def _run_backward(mode: RerunMode, output, root_grad_outputs, culprit, outcome: 
         outcome["grad_in_kinds"] = nonfinite_kinds([r for r in results if r is not None], mode.limit)
 
 
-def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backward) -> OpLocation:
+def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backward,
+              handed: bool = False) -> OpLocation:
+    """`handed`: the value was one the call's own code handed a submodule, which it need not
+    return (a product past limit_dtype's range that the next Linear brings back)."""
     name = mode.culprit_class
     call = f"call {call_index} of {name}"
     errors = f" (numguard's own checks failed: {mode.errors[0]})" if mode.errors else ""
@@ -222,6 +225,8 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
 
     if not backward:
         produced = mode.out_kinds - mode.in_kinds - mode.ignored
+        if not produced and handed and found is not None:
+            produced = found["kinds"]
         if not produced:
             hint = (f" (an intermediate {found['op']}{where} did produce "
                     f"{kinds_phrase(found['kinds'])})" if found is not None else "")
@@ -267,7 +272,7 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
 
 # ---- the API -------------------------------------------------------------------------------------
 def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *,
-                     allow_inf=False, buffers=None) -> OpLocation:
+                     allow_inf=False, buffers=None, handed=False) -> OpLocation:
     """Re-run `root(*args, **kwargs)` under no_grad with the RNG state `rng` (from `rng_state()`,
     taken before the failing call) and name the first ATen op inside call `call_index` of
     `culprit` that turned finite inputs into inf/nan (or, with `limit`, beyond it). With
@@ -277,7 +282,7 @@ def localise_forward(root, args, kwargs, rng, culprit, call_index, limit=None, *
     """
     try:
         return _localise(root, args, kwargs, rng, None, culprit, call_index, limit, backward=False,
-                         allow_inf=allow_inf, buffers=buffers)
+                         allow_inf=allow_inf, buffers=buffers, handed=handed)
     except Exception as error:
         return _failure(f"op localisation failed: {error_line(error)}")
 

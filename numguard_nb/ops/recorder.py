@@ -13,7 +13,7 @@ from functools import partial
 from typing import Dict
 
 from .. import _tree
-from .._schema import FORWARD_CAUSES
+from .._schema import CAUSE_FORWARD_INLINE, FORWARD_CAUSES
 from ..rerun import (CallState, buffers_at_start, collective_in, forward_as, redirected_forward,
                      without_parallel_wrapper)
 from .localise import OpLocation, localise_backward, localise_forward
@@ -93,6 +93,7 @@ class OpRecorder:
         with forward_as(root, forward):  # the forward it ran under (Lightning's redirection)
             if cause in FORWARD_CAUSES:
                 return localise_forward(root, args, kwargs, state, culprit, index, limit,
-                                        allow_inf=allow_inf, buffers=buffers)
+                                        allow_inf=allow_inf, buffers=buffers,
+                                        handed=cause == CAUSE_FORWARD_INLINE)
             return localise_backward(root, args, kwargs, state, grads, culprit, index, limit,
                                      allow_inf=allow_inf, buffers=buffers)
