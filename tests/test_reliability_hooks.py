@@ -822,6 +822,24 @@ def test_fake_tensors_and_flop_counting_inside_the_guard():
     assert guard.detection is None and guard.report.frames
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_fault_made_under_a_flop_counter_is_caught_and_the_count_unchanged(mode):
+    """FLOP counting for MFU logging wraps the forward: its values are real, and watched."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    twin, model = exp_net(), exp_net()
+    with FlopCounterMode(display=False) as expected:
+        twin(x4())
+    with promises_kept(model), Guard(model, mode=mode):
+        with FlopCounterMode(display=False) as counted:
+            model(x4())
+        with pytest.raises(NonFiniteError) as caught:
+            with FlopCounterMode(display=False):
+                model(x4() * 1000)
+    assert counted.get_total_flops() == expected.get_total_flops()
+    assert culprit(caught.value) == ("1", "Exp", "forward")
+
+
 def test_make_fx_inside_the_guard_traces_only_the_model():
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -57,14 +57,35 @@ _PLAIN_PARAMETERS = (nn.Parameter, torch.Tensor)
 
 def inert_context() -> bool:
     """Whether module calls are being compiled or exported (`torch.compiler.is_compiling()`),
-    traced by `torch.jit.trace`, functionalized, run under a dispatch mode (fake tensors,
-    `make_fx`, FLOP counters) or captured into a CUDA graph: the values are not real, or the
-    guard's own ops would be recorded as the model's (in a CUDA graph, replayed later; and a
-    read-back there would end the capture with an error)."""
+    traced by `torch.jit.trace`, functionalized, run under a dispatch mode that makes no real
+    values (fake tensors, `make_fx`) or captured into a CUDA graph: the values are not real, or
+    the guard's own ops would be recorded as the model's (in a CUDA graph, replayed later; and a
+    read-back there would end the capture with an error). A mode that only looks on (a FLOP
+    counter, a user's logging mode) runs real values: the guard's statistics are computed
+    outside it (`stats.outside_tracing`)."""
     return (_is_compiling() or _get_tracing_state() is not None
-            or _dispatch_modes() > 0
+            or (_dispatch_modes() > 0 and _unreal_modes())
             or torch._C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
             or stream_capturing())
+
+
+# Where torch keeps the dispatch modes that make fake, proxy or functional values.
+_UNREAL_MODE_MODULES = ("torch._subclasses", "torch.fx", "torch._functorch", "torch._dynamo",
+                        "torch._export", "torch.export", "torch._inductor", "torch.distributed")
+
+
+def _unreal_modes() -> bool:
+    """Whether a dispatch mode on the stack is one of torch's that make no real values (or the
+    stack cannot be read: assumed so)."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        modes = _get_current_dispatch_mode_stack()
+    except Exception:
+        return True
+    if len(modes) < _dispatch_modes():
+        return True
+    return any(type(mode).__module__.startswith(_UNREAL_MODE_MODULES) for mode in modes)
 
 
 def _cuda_stream_capturing() -> bool:
