@@ -413,6 +413,7 @@ def test_fsdp2_a_nan_made_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(set
 
 @pytest.mark.parametrize("setup, mode, wrap", [
     ("loss", "sentinel", "ddp"), ("loss", "full", "ddp"), ("loss", "full", "fsdp2"),
+    ("loss", "sentinel", "fsdp2"),
     ("forward, root parameter", "full", "fsdp2"), ("forward, root parameter", "ops", "fsdp2"),
     ("backward, root parameter", "full", "fsdp2"),
     ("two models", "full", "ddp"), ("forward", "sentinel", "compiled ddp"),
@@ -430,6 +431,7 @@ def test_every_rank_stops_at_the_step_rank_1_made_a_nan_in(setup, mode, wrap):
     # (the -inf mask read by the loss: its maker is named)
     assert got[1][3] == {"loss": "outside", "backward, root parameter": "backward"}.get(
         setup, "forward"), got
+    assert "[rank 1/2, made on rank 1]" in got[1][6], got  # (the loss code's held one too)
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])

@@ -24,6 +24,7 @@ import torch
 from .. import numerics
 from .._schema import CAUSE_OTHER_RANK, DETECTION
 from .._util import qualified_name
+from ..errors import NonFiniteError
 from ..report import Frame, Report
 from . import frames
 from .sentinel_rerun import gradient_frame
@@ -42,6 +43,8 @@ def hold_until_every_rank_knows(guard, error: BaseException, in_forward: bool = 
     report = getattr(error, "report", None)
     if report is not None and report.source_rank is None:
         report.source_rank = flags.rank  # this rank's own code made it
+        if isinstance(error, NonFiniteError):
+            NonFiniteError.__init__(error, report)  # its message says so too
     return True
 
 

@@ -534,7 +534,7 @@ class Sentinel:
             held = self.ranks.take_held() if self.ranks is not None else None
             if held is not None:  # the loss code's, held until every rank knew (rank_reports)
                 self._held = None  # (its own forward problem, if any, is a later one)
-                raise held
+                raise _join_rerun_together(self, done, ranks, held)
             if ranks is not None and len(self.guard.models) == 1:
                 # DDP's reduction carried every rank's own check: no second read of the grads
                 if self.ranks.rank in ranks[0]:
@@ -706,6 +706,15 @@ def _read(call: _Call, phase: str, rows: list, nonzero_min: bool, sign_hints: di
     pass_.calls.append(record)
     pass_.read_back()
     return pass_, record
+
+
+def _join_rerun_together(sentinel: Sentinel, calls: List[_Call], ranks, held: BaseException):
+    """FSDP2, this rank's loss code made the value: the other ranks learnt a rank made one and
+    re-run the step together (`_rerun_together`), so this rank joins that re-run rather than
+    leave them waiting in its collectives; returns its own error, the loss code's, to raise."""
+    if ranks is not None and sentinel.ranks.sharded and (ranks[0] or ranks[1]):
+        sentinel._rerun(rerun_step_together, sentinel.guard, calls, bool(ranks[0]), sentinel.ranks)
+    return held
 
 
 def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool,
