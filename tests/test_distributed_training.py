@@ -204,6 +204,9 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
         if setup == "no_sync, then clean":
             results.put((rank, _no_sync_then_clean(rank, mode)))
             return
+        if setup == "unflagged":
+            results.put((rank, _warned_unflagged(wrap, mode)))
+            return
         model = _wrapped(NETS[setup](), wrap)
         guarded = model
         if setup == "two models":  # a generator feeding a critic, one guard over both
@@ -259,6 +262,31 @@ def _no_sync_then_clean(rank: int, mode: str) -> tuple:
             finally:
                 optimizer.zero_grad()
     return tuple(outcomes)
+
+
+def _warned_unflagged(wrap: str, mode: str) -> tuple:
+    """The warnings a guard gives as it attaches to a model run on several ranks in a way it
+    carries no flags on."""
+    import warnings
+
+    from numguard_nb import Guard
+
+    net = ForwardNet()
+    if wrap == "ddp, comm hook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model = nn.parallel.DistributedDataParallel(net)
+        model.register_comm_hook(None, fp16_compress_hook)
+    elif wrap == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        model = _wrapped(net, wrap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Guard(model, **MODES[mode]).attach().detach()
+    return tuple(str(w.message) for w in caught if "carries no flag" in str(w.message))
 
 
 def _first_source_rank(report):
@@ -432,6 +460,23 @@ def test_every_rank_stops_at_the_step_rank_1_made_a_nan_in(setup, mode, wrap):
     assert got[1][3] == {"loss": "outside", "backward, root parameter": "backward"}.get(
         setup, "forward"), got
     assert "[rank 1/2, made on rank 1]" in got[1][6], got  # (the loss code's held one too)
+
+
+@pytest.mark.parametrize("wrap, mode", [("ddp, comm hook", "full"), ("fsdp1", "sentinel"),
+                                        ("ddp", "sentinel")])
+def test_a_model_run_on_several_ranks_without_flags_is_said_so_as_the_guard_attaches(wrap, mode):
+    """Where the guard cannot stop every rank together (no flag rides on the reduction), each
+    rank is told so at once, rather than meet a hang at the first nan."""
+    got = _run("unflagged", mode, wrap=wrap)
+    for rank in (0, 1):
+        if wrap == "ddp":
+            assert got[rank] == (), got
+        else:
+            assert len(got[rank]) == 1, got
+            assert got[rank][0].startswith(
+                {"ddp, comm hook": "numguard: ForwardNet is wrapped in DDP with a communication hook of yours",
+                 "fsdp1": "numguard: ForwardNet is sharded with FSDP (FullyShardedDataParallel)"}[wrap]), got
+            assert "the others wait in their next collective" in got[rank][0], got
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])

@@ -20,11 +20,13 @@ guard's side is `guard.rank_reports`.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from .. import numerics
+from .._util import user_stacklevel
 
 __all__ = ["RankFlags", "flagged_allreduce", "several_processes"]
 
@@ -98,8 +100,17 @@ class RankFlags:
         # (a torch.compile wrapper of a DDP model: the DDP model inside it)
         found = next(filter(None, (cls.attach(eager(model)) for model in models.values())), None)
         if found is None and several_processes():
-            wrappers = filter(None, map(_ddp_around, models.values()))
+            wrappers = list(filter(None, map(_ddp_around, models.values())))
             found = next(filter(None, map(cls.attach, wrappers)), None)
+            unflagged = None if found is not None else next(filter(None, map(
+                _unflagged_parallel, [eager(model) for model in models.values()] + wrappers)), None)
+            if unflagged is not None:
+                warnings.warn(
+                    f"numguard: {unflagged}, on several ranks: the guard carries no flag "
+                    "on its gradients' reduction, so a rank that finds inf/nan stops alone and "
+                    "the others wait in their next collective until the process group's timeout "
+                    "(DDP without a comm hook of yours, and FSDP2's fully_shard on one mesh "
+                    "dimension, stop every rank together)", stacklevel=user_stacklevel())
         return found
 
     def hold(self, error: BaseException, in_forward: bool = True) -> bool:
@@ -218,6 +229,30 @@ def flagged_allreduce(flags: RankFlags, bucket) -> "torch.futures.Future":
         return buffer
 
     return dist.all_reduce(packed, group=flags.group, async_op=True).get_future().then(unpack)
+
+
+def _unflagged_parallel(model) -> Optional[str]:
+    """What `model` is where it runs on several ranks in a way the guard carries no flags on
+    (a DDP model with the user's comm hook, FSDP1, HSDP, `replicate()`), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return f"{type(model.module).__name__} is wrapped in DDP with a communication hook of yours"
+    try:
+        from torch.distributed._composable_state import _get_module_state
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # an older torch
+        return None
+    for module in model.modules():
+        if type(module).__module__.startswith("torch.distributed._composable.replicate"):
+            return f"{type(model).__name__} runs under replicate()"
+        if isinstance(module, FullyShardedDataParallel):
+            inner = model.module if isinstance(model, FullyShardedDataParallel) else model
+            return f"{type(inner).__name__} is sharded with FSDP (FullyShardedDataParallel)"
+        if _get_module_state(module) is not None:
+            return (f"{type(model).__name__} runs under fully_shard on a 2-D mesh (HSDP) or with "
+                    "a reduce-scatter of yours")
+    return None
 
 
 def several_processes() -> bool:
