@@ -1411,3 +1411,39 @@ def test_weights_broken_before_attach_are_said_so_though_earlier_steps_ran():
     assert report.batch_number == 2 and report.weights_origin == "before attach"
     assert "already non-finite when the guard attached" in report.reason
     assert "learning rate" not in report.hint
+
+
+@pytest.mark.parametrize("step", ["validation_step", "training_step"])
+def test_a_step_lightning_calls_through_the_ddp_wrapper_is_checked_as_in_one_process(step):
+    """Under strategy="ddp" Lightning calls the step through the wrapper, whose forward it
+    patches to the step: an evaluation step's own calls of submodules are checked (it returns
+    no output), the training step as the model's call (its loss)."""
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    class Lit(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def validation_step(self, x):
+            self.lin(torch.log(x - 2))  # nan, fed to lin; nothing returned
+
+        def training_step(self, x):
+            return self.lin(torch.log(x - 2)).sum()
+
+    class Wrapper(nn.Module):  # what DDP does with its module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    model = Lit()
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"), torch.set_grad_enabled(step == "training_step"):
+            _ForwardRedirection()(Wrapper(model), model, step, torch.rand(3, 4))
+    first = caught.value.report.first_nonfinite
+    assert first.module_name == ("lin" if step == "validation_step" else "")
+    assert hooks_left(model) == []

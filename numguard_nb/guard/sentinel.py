@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 import warnings
 import weakref
 from functools import partial
@@ -54,13 +53,13 @@ from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, s
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
+from .sentinel_calls import ThreadState, closes_top_level, entry_modules, pass_through
 from .sentinel_rerun import (forward_frame, gradient_frame, rerun_backward, rerun_forward,
                              rerun_step_together)
 
 __all__ = ["Sentinel"]
 
 _RAISED = object()  # the output an always-called forward hook gets after a forward that raised
-_UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 
 
 MAX_OPEN_CALL_VALUES = 64  # calls' values left open for a backward (several ranks), at most
@@ -71,36 +70,6 @@ def _queue_callback(callback) -> None:
 
 
 # ---- the modules watched: models and their first callable submodules ---------------------------
-def _entry_modules(prefix: str, root: nn.Module):
-    """(name, module, the entries it is inside) of the modules whose calls can be top-level:
-    `root`, then (unless it runs compiled) every callable submodule at any depth (a training
-    step may call `model.transformer` or `backbone.forward_features`, whose blocks it calls),
-    looking through containers; not into compiled or TorchScript code."""
-    if isinstance(root, torch.jit.ScriptModule):
-        raise TypeError(f"numguard: {prefix or 'the model'} is a TorchScript module, whose calls "
-                        "the sentinel cannot watch: guard the model before scripting it, or guard "
-                        "a module that calls it")
-    yield prefix, root, ()
-    if compiled_original(root) is not None:
-        return  # hooks inside compiled code would be traced into it
-    seen = {id(root)}
-    stack = [(qualified_name(prefix, key), child, (root,))
-             for key, child in reversed(root._modules.items()) if child is not None]
-    while stack:
-        name, module, outer = stack.pop()
-        if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
-            continue  # (a scripted one takes no hooks: its caller's checks see its output)
-        seen.add(id(module))
-        inside = outer
-        if type(module).forward is not _UNIMPLEMENTED_FORWARD or compiled_original(module) is not None:
-            yield name, module, outer
-            if compiled_original(module) is not None:
-                continue
-            inside = outer + (module,)
-        stack.extend((qualified_name(name, key), child, inside)
-                     for key, child in reversed(module._modules.items()) if child is not None)
-
-
 class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
@@ -175,32 +144,6 @@ def _made_order(call: _Call) -> int:
     return call.order
 
 
-class _ThreadState(threading.local):
-    """One thread's place: how deep in top-level calls, the top call's frame, the call kept."""
-
-    def __init__(self):
-        self.depth = 0
-        self.top_frame = 0  # id of the top-level call's `_call_impl` frame
-        self.top_module = 0  # id of its module
-        self.call = None
-
-
-def _closes_top_level(local: _ThreadState, module) -> bool:
-    """Whether `module`'s closing hook ends this thread's top-level call (then depth 0), not a
-    call inside it. By the module and its call's frame, not by the count alone: a call inside
-    whose opening hook did not run (another thread put the set-aside hooks back while it ran)
-    throws the count off, and must neither end the top-level call (nor let a recursive call of
-    the same model end it) nor let the next call inside pass for top-level."""
-    depth = local.depth - 1
-    if id(module) != local.top_module or own_call_frame_id() != local.top_frame:
-        if depth <= 0 and still_running(local.top_frame):
-            depth = 1
-        local.depth = max(depth, 0)
-        return False
-    local.depth = 0
-    return True
-
-
 class _OutputGradient:
     """The hook on one output tensor of a kept call: hands its gradient to the sentinel."""
 
@@ -229,7 +172,7 @@ class Sentinel:
         self._handles: list = []  # module hooks
         self.aside = SetAside()  # the inner entries' hooks while their model runs (reset: back)
         self._grad_handles = LiveHandles()  # hooks on output tensors (dead once their graph is freed)
-        self._local = _ThreadState()
+        self._local = ThreadState()
         self._sign_hints: dict = {}  # (module id, role) -> one sign last time (stats.device_stats)
         self._accepted: set = set()  # (module id, role, kinds) the full guard's rules accept
         self._recent = frames.RecentPasses()  # the last outputs checked, for `report()`
@@ -249,7 +192,7 @@ class Sentinel:
         """Hook the models' top-level modules; returns True (detaches itself if it fails)."""
         try:
             for position, (prefix, root) in enumerate(self.guard.models.items()):
-                for name, module, outer in _entry_modules(prefix, root):
+                for name, module, outer in entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, module is root)
                     hook_ids = tuple(self.entries[id(module)].hook_ids)
@@ -319,7 +262,7 @@ class Sentinel:
         self._sign_hints.clear()
         self._accepted.clear()
         self._call_counts.clear()
-        self._local = _ThreadState()
+        self._local = ThreadState()
         self._batch = -1
 
     def report(self) -> Report:
@@ -348,6 +291,8 @@ class Sentinel:
         depth = local.depth
         if depth and not still_running(local.top_frame):
             depth = 0
+        if not depth and pass_through(local, module, True):
+            return
         local.depth = depth + 1
         if depth:
             return
@@ -387,7 +332,7 @@ class Sentinel:
         if is_dynamo_compiling() or self.paused:
             return
         local = self._local
-        if not _closes_top_level(local, module):
+        if pass_through(local, module, False) or not closes_top_level(local, module):
             return
         self.aside.put_back()  # (the inner entries' hooks, if this call set them aside)
         call, local.call = local.call, None
@@ -648,9 +593,7 @@ class Sentinel:
         sentinel_buffers.forget(self.entries.values(), module, name)
 
     def parameter_names(self) -> dict:
-        return {id(p): rerun.original_name(qualified_name(prefix, name))
-                for prefix, root in self.guard.models.items()
-                for name, p in root.named_parameters()}
+        return _parameter_names(self.guard.models)
 
     # ---- re-runs and reports ---------------------------------------------------------------
     def _rerun(self, rerun, *args):
@@ -665,6 +608,12 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+def _parameter_names(models: dict) -> dict:
+    """id(parameter) -> its name, as reports give it, for the guarded models' parameters."""
+    return {id(p): rerun.original_name(qualified_name(prefix, name))
+            for prefix, root in models.items() for name, p in root.named_parameters()}
 
 
 def _parameters_beside_computed(tensors: list) -> set:

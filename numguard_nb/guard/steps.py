@@ -28,6 +28,7 @@ import weakref
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
+from torch.nn.parameter import UninitializedParameter
 
 from .. import numerics
 from .._schema import (ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
@@ -246,8 +247,8 @@ def _weight_norms(models: dict) -> list:
     seen = set()
     for model in models.values():
         for param in model.parameters():
-            if id(param) not in seen and not param.is_sparse and numerics.readable(param) \
-                    and param.is_floating_point():
+            if id(param) not in seen and not isinstance(param, UninitializedParameter) \
+                    and not param.is_sparse and numerics.readable(param) and param.is_floating_point():
                 seen.add(id(param))
                 by_device.setdefault(param.device, []).append(param)
     found = []

@@ -1,0 +1,108 @@
+"""Which calls of a guarded model the sentinel checks: its entries (the model and its callable
+submodules at every depth, each hooked, those inside a call set aside while it runs) and, per
+thread, the top-level call under way.
+
+Contract: `entry_modules` lists the modules to hook; a thread's `ThreadState` says how deep it is
+in calls of them; `closes_top_level` tells the closing hook of the top-level call from one
+inside it; `pass_through` marks calls that are no top-level ones (Lightning's evaluation step
+called through the DDP or FSDP wrapper).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from .._util import compiled_original, qualified_name
+
+from .hooks import own_call_frame_id, still_running
+
+__all__ = ["ThreadState", "closes_top_level", "entry_modules", "pass_through"]
+
+_UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
+
+
+def entry_modules(prefix: str, root: nn.Module):
+    """(name, module, the entries it is inside) of the modules whose calls can be top-level:
+    `root`, then (unless it runs compiled) every callable submodule at any depth (a training
+    step may call `model.transformer` or `backbone.forward_features`, whose blocks it calls),
+    looking through containers; not into compiled or TorchScript code."""
+    if isinstance(root, torch.jit.ScriptModule):
+        raise TypeError(f"numguard: {prefix or 'the model'} is a TorchScript module, whose calls "
+                        "the sentinel cannot watch: guard the model before scripting it, or guard "
+                        "a module that calls it")
+    yield prefix, root, ()
+    if compiled_original(root) is not None:
+        return  # hooks inside compiled code would be traced into it
+    seen = {id(root)}
+    stack = [(qualified_name(prefix, key), child, (root,))
+             for key, child in reversed(root._modules.items()) if child is not None]
+    while stack:
+        name, module, outer = stack.pop()
+        if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
+            continue  # (a scripted one takes no hooks: its caller's checks see its output)
+        seen.add(id(module))
+        inside = outer
+        if type(module).forward is not _UNIMPLEMENTED_FORWARD or compiled_original(module) is not None:
+            yield name, module, outer
+            if compiled_original(module) is not None:
+                continue
+            inside = outer + (module,)
+        stack.extend((qualified_name(name, key), child, inside)
+                     for key, child in reversed(module._modules.items()) if child is not None)
+
+
+class ThreadState(threading.local):
+    """One thread's place: how deep in top-level calls, the top call's frame, the call kept."""
+
+    def __init__(self):
+        self.depth = 0
+        self.top_frame = 0  # id of the top-level call's `_call_impl` frame
+        self.top_module = 0  # id of its module
+        self.call = None
+        self.passed_through: list = []  # ids of calls that are no top-level ones (`_pass_through`)
+
+
+# The steps Lightning's strategies call through the DDP or FSDP wrapper, whose forward they patch
+# to the step (`_ForwardRedirection`): an evaluation step's own calls of submodules are the
+# top-level calls, as in one process (it returns no output to check: a loss it logs, say).
+_STEPS_PASSED_THROUGH = ("validation_step", "test_step", "predict_step")
+
+
+def pass_through(local: ThreadState, module, opening: bool) -> bool:
+    """Whether this call of `module` is no top-level call (Lightning's redirected evaluation
+    step), noted as it opens and forgotten as it closes."""
+    if not opening:
+        if local.passed_through and local.passed_through[-1] == id(module):
+            local.passed_through.pop()
+            return True
+        return False
+    forward = module.__dict__.get("forward") if not local.depth else None
+    if forward is None or not getattr(forward, "__qualname__", "").startswith("_ForwardRedirection."):
+        return False
+    try:
+        cells = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__)))
+    except Exception:  # another version's redirection
+        return False
+    if cells.get("method_name") not in _STEPS_PASSED_THROUGH:
+        return False
+    local.passed_through.append(id(module))
+    return True
+
+
+def closes_top_level(local: ThreadState, module) -> bool:
+    """Whether `module`'s closing hook ends this thread's top-level call (then depth 0), not a
+    call inside it. By the module and its call's frame, not by the count alone: a call inside
+    whose opening hook did not run (another thread put the set-aside hooks back while it ran)
+    throws the count off, and must neither end the top-level call (nor let a recursive call of
+    the same model end it) nor let the next call inside pass for top-level."""
+    depth = local.depth - 1
+    if id(module) != local.top_module or own_call_frame_id() != local.top_frame:
+        if depth <= 0 and still_running(local.top_frame):
+            depth = 1
+        local.depth = max(depth, 0)
+        return False
+    local.depth = 0
+    return True
