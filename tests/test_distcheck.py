@@ -191,9 +191,12 @@ def test_launcher_timeout_kills_the_process_group_and_reports_it(monkeypatch, tm
 
 @pytest.mark.parametrize("arguments, message", [
     ({"nproc": 0}, "nproc must be a positive integer (got 0)"),
-    ({"timeout": 0}, "timeout must be a finite number of seconds > 0 (got 0)"),
-    ({"timeout": float("inf")}, "timeout must be a finite number of seconds > 0 (got inf)"),
+    ({"timeout": 0}, "timeout must be a number of seconds > 0 and at most 604800 (got 0)"),
+    ({"timeout": float("inf")}, "timeout must be a number of seconds > 0 and at most 604800 (got inf)"),
+    ({"timeout": 1e10}, "timeout must be a number of seconds > 0 and at most 604800 (got 10000000000.0)"),
+    ({"timeout": "60"}, "timeout must be a number of seconds > 0 and at most 604800 (got '60')"),
     ({"size_mb": -1}, "size_mb must be a finite number of MiB > 0 (got -1)"),
+    ({"size_mb": "1"}, "size_mb must be a finite number of MiB > 0 (got '1')"),
     ({"backend": "mpi"}, "unknown backend 'mpi': use 'nccl' (GPUs) or 'gloo' (CPU)"),
 ])
 def test_bad_arguments_raise_a_one_line_value_error(arguments, message):
@@ -203,6 +206,14 @@ def test_bad_arguments_raise_a_one_line_value_error(arguments, message):
     assert "\n" not in str(raised.value)
 
 
+def test_a_numpy_integer_is_a_number_of_processes():
+    import numpy as np
+
+    from numguard_nb.distributed import check
+
+    assert check._check_arguments(np.int64(2), "gloo", 60, 16) == "gloo"
+
+
 def test_nccl_without_cuda_says_to_use_gloo(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"^backend 'nccl' needs CUDA .*use backend 'gloo'"):
@@ -210,8 +221,8 @@ def test_nccl_without_cuda_says_to_use_gloo(monkeypatch):
 
 
 @pytest.mark.parametrize("arguments, env, message", [
-    (["--timeout", "0"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a finite number"),
-    (["--timeout", "inf"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a finite number"),
+    (["--timeout", "0"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a number of seconds"),
+    (["--timeout", "1e10"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a number of seconds"),
     (["--results-dir", "/proc/numguard"], {"RANK": "0", "WORLD_SIZE": "1"},
      "--results-dir /proc/numguard: cannot write there"),
     ([], {}, "RANK/WORLD_SIZE are not set: launch with torchrun"),

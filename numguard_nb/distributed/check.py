@@ -24,6 +24,7 @@ import datetime
 import faulthandler
 import json
 import math
+import numbers
 import os
 import signal
 import socket
@@ -65,17 +66,24 @@ RESULT_COLUMNS = (
 )
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: beyond it a process group's timeout overflows a time_t
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: float) -> str:
     """Validate the options shared by :func:`run` and the CLI; return the backend to use.
 
     Raises a one-line ValueError that says what to change.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    if isinstance(nproc, bool) or not isinstance(nproc, numbers.Integral) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer (got {nproc!r}): pass nproc=1 or more")
-    if not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r}): pass "
-                         "e.g. timeout=60")
-    if not 0 < size_mb < math.inf:
+    if not _number(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
+                         f"(got {timeout!r}): pass e.g. timeout=60")
+    if not _number(size_mb) or not 0 < size_mb < math.inf:
         raise ValueError(f"size_mb must be a finite number of MiB > 0 (got {size_mb!r}): pass e.g. "
                          "size_mb=64")
     if backend is None:
