@@ -15,7 +15,7 @@ check. The variants:
 - `sentinel`, `full`: as they are.
 - `sentinel-nested-hooked`: the hooks of the entries inside a model stay in place while it runs
   (what `guard/set_aside.py` saves).
-- `sentinel-model-only`: only the models hooked, not their first callable submodules.
+- `sentinel-model-only`: only the models hooked, not their callable submodules.
 - `sentinel-no-gradient-flag`, `sentinel-no-output-flag`, `sentinel-no-flags`: the step's device
   checks left out (with both, nothing is read back at all).
 - `full-abs-min`: every device row also measures abs min (a second reduction a row), as full
@@ -57,8 +57,8 @@ def parts_switched_off() -> list:
 
     return [
         (("sentinel-nested-hooked",), set_aside.SetAside, "take", lambda self, modules: None),
-        (("sentinel-model-only",), sentinel, "_entry_modules",
-         lambda prefix, root: iter([(prefix, root)])),
+        (("sentinel-model-only",), sentinel, "entry_modules",
+         lambda prefix, root: iter([(prefix, root, ())])),
         (("sentinel-no-gradient-flag", "sentinel-no-flags"), sentinel, "check_gradients_later",
          lambda owner, calls, parameters: calls),
         (("sentinel-no-output-flag", "sentinel-no-flags"), numerics, "output_flag",

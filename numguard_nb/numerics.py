@@ -19,6 +19,8 @@ once, as there is nothing to wait for; tests add "cpu" to run the deferred path 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -28,7 +30,7 @@ from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
            "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
-           "readable", "stats_flag", "stored_values"]
+           "readable", "stats_flag", "stored_values", "unseen"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -53,6 +55,27 @@ def count_read() -> None:
     READS.waited += 1
 
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_NOTHING_TO_LEAVE = contextlib.nullcontext()
+
+
+def unseen():
+    """Where a user's dispatch mode is on (a FLOP counter, a logging mode), the guard's own ops
+    run outside it, unseen and uncounted (`stats.outside_tracing`); elsewhere nothing to do."""
+    return _stats.outside_tracing() if _dispatch_modes() else _NOTHING_TO_LEAVE
+
+
+def _unseen(check):
+    @functools.wraps(check)
+    def run_unseen(*args, **kwargs):
+        if not _dispatch_modes():
+            return check(*args, **kwargs)
+        with _stats.outside_tracing():
+            return check(*args, **kwargs)
+    return run_unseen
+
+
+@_unseen
 def read(t: torch.Tensor, counted: bool = True):
     """`t`'s values on the host now (a number for a 0-d tensor, else nested lists). The one
     blocking read of device values outside `DeferredRead`: the engine reads nothing else (see
@@ -86,6 +109,7 @@ def readable(t: torch.Tensor) -> bool:
     return not (t.is_meta or isinstance(t, _stats.STAND_INS) or _stats.is_functorch_wrapped(t))
 
 
+@_unseen
 def all_finite(tensors, unread: Optional[list] = None) -> bool:
     """Whether every tensor is finite, read back once per device. A sum (CPU) or a norm (other
     devices: one fused kernel) is inf or nan where a tensor holds inf or nan; it can overflow for
@@ -123,6 +147,7 @@ def _sums(group: list, dtype) -> list:
     return sums
 
 
+@_unseen
 def nonfinite_of(named_tensors) -> list:
     """The (name, tensor) pairs whose tensor holds inf or nan, checked exactly (those with no
     numbers to read left out, as in `all_finite`)."""
@@ -143,6 +168,7 @@ def fine(value: float) -> bool:
     return value < _INF
 
 
+@_unseen
 def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]:
     """One float32 value on the device that is nan or +inf where an output holds nan or +inf
     (`fine` tells). -inf alone passes (an attention or action mask: the loss and the gradients
@@ -197,6 +223,7 @@ def _as_flag(maximum: torch.Tensor) -> torch.Tensor:
     return maximum.float()
 
 
+@_unseen
 def stats_flag(vectors: list, sink: Optional["_stats.RowSink"] = None) -> Optional[torch.Tensor]:
     """One float32 value on the device that is nan or inf where any of the `stats.device_stats`
     rows (or rows in `sink`, by handle) summarised a tensor holding inf or nan (from their
@@ -228,6 +255,7 @@ def stats_flag(vectors: list, sink: Optional["_stats.RowSink"] = None) -> Option
         return (maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()).reshape(1)
 
 
+@_unseen
 def grad_norms(tensors: list) -> Optional[torch.Tensor]:
     """Per tensor its norm, as one float32 vector on the device (the tensors' order; all on one
     device): inf or nan where the tensor holds inf or nan (`fine` tells), overflowing only for
@@ -260,6 +288,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 _ONES: Dict[torch.device, torch.Tensor] = {}  # device -> float32 1.0: a scale that changes nothing
 
 
+@_unseen
 def nonfinite_flag(groups: list) -> Optional[torch.Tensor]:
     """One float32 value on the tensors' device (all on one): +inf where any holds inf or nan,
     else -1 (`fine` tells). `groups`: the tensors in lists of one dtype each. GradScaler's fused

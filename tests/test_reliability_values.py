@@ -314,16 +314,21 @@ def test_torch_jit_trace_under_the_guard_is_no_detection_and_changes_nothing():
     assert bit_identical(same_run(lambda: run(False)), same_run(lambda: run(True)))
 
 
-def test_a_users_dispatch_mode_counts_the_same_ops_under_the_guard():
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_users_dispatch_mode_counts_the_same_ops_under_the_guard(mode):
+    """A logging mode around a training step sees the step's ops, none of the guard's (its
+    checks run outside it), and the guard still watches the step."""
     def run(guarded):
         model = _mlp()
         x = torch.randn(5, 4)
         with OpLog() as log:
             if guarded:
-                with ng.Guard(model):
+                with ng.Guard(model, mode=mode):
                     out = model(x)
+                    out.sum().backward()
             else:
                 out = model(x)
+                out.sum().backward()
         return out, str(log.ops)
 
     assert bit_identical(same_run(lambda: run(False)), same_run(lambda: run(True)))

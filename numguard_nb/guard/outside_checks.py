@@ -124,7 +124,8 @@ def _finite(t: torch.Tensor) -> bool:
     if grad_was_enabled:
         _set_grad_enabled(False)
     try:
-        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+        with numerics.unseen():  # (by a user's dispatch mode)
+            total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
         return math.isfinite(numerics.read(total))
     finally:
         if grad_was_enabled:

@@ -47,7 +47,7 @@ from .hooks import (
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
-from .set_aside import SetAside
+from .set_aside import Inner, SetAside
 from .sentinel_buffers import Before, BufferSlots
 from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
 from ..distributed.flags import RankFlags
@@ -85,7 +85,7 @@ class _Entry:
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
-        self.inner: list = []  # (entry inside it, its two hook ids), set aside in its calls
+        self.inner = Inner()  # (entry inside it, its two hook ids), set aside in its calls
         self.buffers: Optional[BufferSlots] = None  # where its floating buffers are (None: look up)
         self.inf_accepted = False  # a re-run of a call whose device flag read +inf found nothing
 
@@ -194,7 +194,7 @@ class Sentinel:
             for position, (prefix, root) in enumerate(self.guard.models.items()):
                 for name, module, outer in entry_modules(prefix, root):
                     if id(module) not in self.entries:
-                        self._hook(module, name, module is root)
+                        self._hook(module, name, module is root, len(outer) <= 1)
                     hook_ids = tuple(self.entries[id(module)].hook_ids)
                     for caller in outer:  # set aside in their calls
                         self.entries[id(caller)].inner.append((module, hook_ids))
@@ -218,8 +218,8 @@ class Sentinel:
         self.attached = True
         return True
 
-    def _hook(self, module: nn.Module, name: str, root: bool) -> None:
-        if getattr(module, "_compiled_call_impl", None) is not None:
+    def _hook(self, module: nn.Module, name: str, root: bool, said: bool) -> None:
+        if said and getattr(module, "_compiled_call_impl", None) is not None:  # (not a region's)
             warnings.warn(f"numguard: {name or 'the model'} was compiled in place (module.compile()):"
                           " the sentinel's checks would run inside its compiled code, where they do "
                           "nothing; guard torch.compile(model) instead", stacklevel=5)

@@ -254,7 +254,7 @@ def _weight_norms(models: dict) -> list:
     found = []
     with torch.no_grad():
         for params in by_device.values():
-            norms = numerics.grad_norms([p.detach() for p in params])
+            norms = numerics.grad_norms(params)  # (no_grad: no graph, and no detach to see)
             if norms is not None:
                 found.append((tuple(id(p) for p in params), norms))
     return found
