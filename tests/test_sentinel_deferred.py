@@ -105,26 +105,35 @@ def test_a_detected_step_leaves_the_weights_unchanged_however_the_step_is_made(
     torch.manual_seed(0)
     model = Net()
     optimizer = OPTIMIZERS[kind](GROUPS[groups](model, nn.Parameter(torch.ones(1))))
+    weights: dict = {}  # what the latest step began with
     with pytest.raises(NonFiniteError) as caught:
         with Guard(model, mode="sentinel"):
-            for step in range(5):
-                weights = {k: v.clone() for k, v in model.state_dict().items()}
-
-                def forward_backward():
-                    optimizer.zero_grad()
-                    loss = model(_batch(step, 2))
-                    loss.backward()
-                    return loss
-
-                if closure:
-                    optimizer.step(forward_backward)
-                else:
-                    forward_backward()
-                    optimizer.step()
-                deferred_on_host[0] = step < 2  # the device catches up after the failing step
+            _steps_until_nan_in_batch_2(model, optimizer, closure, deferred_on_host, weights)
     assert caught.value.report.batch_number == 2 and caught.value.report.cause == "data"
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), \
         "the step whose gradients held nan wrote the weights"
+
+
+def _steps_until_nan_in_batch_2(model, optimizer, closure: bool, deferred_on_host,
+                                weights: dict) -> None:
+    """Train 5 steps, the data of batch 2 holding nan (the device catching up after it), with
+    `weights` kept as each step begins (a detection ends the steps there)."""
+    for step in range(5):
+        weights.clear()
+        weights.update({k: v.clone() for k, v in model.state_dict().items()})
+
+        def forward_backward():
+            optimizer.zero_grad()
+            loss = model(_batch(step, 2))
+            loss.backward()
+            return loss
+
+        if closure:
+            optimizer.step(forward_backward)
+        else:
+            forward_backward()
+            optimizer.step()
+        deferred_on_host[0] = step < 2
 
 
 def test_an_optimizer_whose_step_is_patched_hides_no_closure_of_its_class(deferred_on_host,
@@ -139,20 +148,11 @@ def test_an_optimizer_whose_step_is_patched_hides_no_closure_of_its_class(deferr
     own_step = patched.step
     patched.step = lambda *args, **kwargs: own_step(*args, **kwargs)
     optimizer = OPTIMIZERS["foreach"](model.parameters())
+    weights: dict = {}
     with pytest.raises(NonFiniteError):
         with Guard(model, mode="sentinel"):
             patched.step(None)  # (no gradients yet: it writes nothing)
-            for step in range(5):
-                weights = {k: v.clone() for k, v in model.state_dict().items()}
-
-                def forward_backward():
-                    optimizer.zero_grad()
-                    loss = model(_batch(step, 2))
-                    loss.backward()
-                    return loss
-
-                optimizer.step(forward_backward)
-                deferred_on_host[0] = step < 2
+            _steps_until_nan_in_batch_2(model, optimizer, True, deferred_on_host, weights)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), \
         "the step whose gradients held nan wrote the weights"
 
