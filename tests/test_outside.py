@@ -479,6 +479,35 @@ def test_each_thread_has_its_own_watch_and_gets_its_own_error():
     assert function_stack() == []
 
 
+@pytest.mark.parametrize("left_at", ["loss code", "after backward"])
+def test_a_thread_left_in_its_loss_code_drops_the_mode_once_another_thread_detaches(left_at):
+    # A thread that called the model and went on with its own work (evaluation, a logger) and
+    # never reached an optimizer step: after a detach in another thread, its torch functions
+    # must neither be checked nor go on through the mode (several times slower).
+    model = mlp()
+    guard = Guard(model).attach()
+    called, detached, seen = threading.Event(), threading.Event(), {}
+
+    def worker():
+        out = model(torch.randn(3, 4))
+        if left_at == "after backward":
+            out.sum().backward()  # the mode stays on the stack until the region ends
+        seen["before"] = function_stack()
+        called.set()
+        detached.wait(30)
+        torch.log(out.detach() * 0)  # would be a detection if still checked
+        seen["after"] = function_stack()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    called.wait(30)
+    guard.detach()
+    detached.set()
+    thread.join(30)
+    assert seen["before"] and seen["after"] == [], seen
+    assert function_stack() == []
+
+
 class _Counting(TorchFunctionMode):
     def __init__(self):
         super().__init__()

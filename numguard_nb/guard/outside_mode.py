@@ -111,10 +111,15 @@ class OutsideMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         state = thread_state
-        if not state.active:  # the common case off the watched code: no owner looked up
+        if not state.active:  # the common case off the watched code: no owner called up
+            if state._owner is not None and not _still_attached(state):
+                _release_thread(state)
             return func(*args, **kwargs)
         watch = state.owner
-        if watch is None or is_dynamo_compiling():
+        if watch is None or not watch.attached:  # detached, or dropped, from another thread
+            _release_thread(state)
+            return func(*args, **kwargs)
+        if is_dynamo_compiling():
             return func(*args, **kwargs)
         if func is TENSOR_TO:  # in GradScaler.scale(loss)? the loop's scaler, found
             watch.guard.scaling.note_caller(sys._getframe(1))
@@ -128,6 +133,24 @@ class OutsideMode(TorchFunctionMode):
         if func in KEEPS_VALUES or type(func) is WRAPPER:
             return func(*args, **kwargs)
         return watch.run_function(state, func, args, kwargs)
+
+
+def _still_attached(state: ThreadState) -> bool:
+    watch = state.owner
+    return watch is not None and watch.attached
+
+
+def _release_thread(state: ThreadState) -> None:
+    """This thread's watch was detached (or its guard dropped) from another thread, whose stop
+    could take the mode off no stack but its own: this thread forgets the watch, and the mode
+    leaves its stack once torch puts it back after this call (else every torch function here
+    would go on passing through Python, several times slower)."""
+    if is_dynamo_compiling():  # traced into a graph: left for the next eager call
+        return
+    state.active = False
+    state.owner, state.pass_ = None, None
+    state.held = state.held_mask = None
+    leave_when_put_back(MODE, _HANDLER_CODES)
 
 
 def _run_recorded(recorder, watch, state, func, args, kwargs):
