@@ -106,6 +106,7 @@ ARITHMETIC_OPS = MATMUL_OPS | EXP_OPS | frozenset((
 ))
 DIVISION_OPS = frozenset(("div", "reciprocal", "true_divide", "remainder", "fmod", "addcdiv"))
 LOG_OPS = frozenset(("log", "log2", "log10", "log1p", "xlogy"))
+CTC_OPS = frozenset(("ctc_loss",))  # aten._ctc_loss, aten.ctc_loss
 SOFTMAX_OPS = frozenset(("softmax", "safe_softmax", "log_softmax"))
 NLL_OPS = frozenset(("nll_loss_forward", "nll_loss", "nll_loss2d_forward", "nll_loss_nd",
                      "cross_entropy_loss"))

@@ -15,23 +15,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Optional
 
 from ._schema import (
-    ARITHMETIC_OPS, BUFFER, CAUSE_DATA, CAUSE_FORWARD_INLINE, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE,
-    CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CODE_CAUSES, DIVISION_OPS, EXP_OPS, FORWARD, GRAD_OUTPUT,
-    INPUT, LOG_OPS, MATMUL_MODULES, MATMUL_NODES, MATMUL_OPS, NLL_OPS, NORM_NODES,
-    ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD,
-    OUTSIDE_MODULE, PARAM, RECURRENT_MODULES, SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
+    ARITHMETIC_OPS, BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED,
+    CAUSE_WEIGHTS, CODE_CAUSES, CTC_OPS, DIVISION_OPS, EXP_OPS, FORWARD, INPUT, LOG_OPS,
+    MATMUL_MODULES, MATMUL_NODES, MATMUL_OPS, NLL_OPS, NORM_NODES, ORIGIN_BEFORE_ATTACH,
+    ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, PARAM, RECURRENT_MODULES,
+    SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
 )
-from .report import Frame, Report, TensorRow, dtype_max
+from .hint_facts import (
+    OPS_ADVICE, Facts, facts_of, format_number, kinds_of, largest, limit_text, roles_of,
+)
+from .report import Report, TensorRow, dtype_max
 
 __all__ = ["hint_for", "format_number", "limit_text", "OPS_ADVICE"]
-
-# How to have the op and the line named, where op localisation did not run (the magics say it
-# in their own words).
-OPS_ADVICE = "Rerun with `Guard(model, ops=True)` to name the op and the line."
 
 # float16's smallest positive (subnormal) value: below half of it a value rounds to 0, as Adam's
 # default eps of 1e-8 does.
@@ -40,192 +37,7 @@ FLOAT16_SMALLEST = 2.0 ** -24
 CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
 FROM_LOGITS = "`F.log_softmax`, `F.logsigmoid` or `nn.BCEWithLogitsLoss`"
 
-
-# ---- numbers -------------------------------------------------------------------------------
-def format_number(value: float) -> str:
-    """A number as a hint prints it: '65504', '240', '4.39e+27', '0.365', 'inf'."""
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if value == int(value) and abs(value) < 1e6:
-        return str(int(value))
-    return f"{value:.3g}"
-
-
-def limit_text(dtype: Optional[str]) -> str:
-    """"float16's largest value 65504", or '' for a dtype without one."""
-    limit = dtype_max(dtype)
-    return f"{dtype}'s largest value {format_number(limit)}" if limit is not None else ""
-
-
 BFLOAT16 = f"bfloat16 (largest value {format_number(dtype_max('bfloat16'))})"
-
-
-def _largest(rows) -> Optional[TensorRow]:
-    """The row with the largest finite abs max, or None."""
-    best = None
-    for row in rows:
-        value = row.abs_max
-        if row.kind == VALUE_TENSOR and value is not None and math.isfinite(value) \
-                and (best is None or value > best.abs_max):
-            best = row
-    return best
-
-
-def _kinds(rows) -> str:
-    """'nan', '+inf', '+inf and -inf', 'nan and -inf': what the rows hold."""
-    words = []
-    if any(row.nan for row in rows):
-        words.append("nan")
-    pos, neg = any(row.posinf for row in rows), any(row.neginf for row in rows)
-    if pos or neg:
-        words.append("+inf and -inf" if pos and neg else "+inf" if pos else "-inf")
-    elif any(row.inf for row in rows):
-        words.append("inf")
-    return " and ".join(words)
-
-
-def _roles(rows) -> str:
-    """'output, output[1]', or 'values' for no rows (a report built by hand)."""
-    return ", ".join(row.role for row in rows) or "values"
-
-
-# ---- what the rules read -------------------------------------------------------------------
-@dataclass
-class Facts:
-    """What the rules read from a report with a culprit, worked out once."""
-
-    report: Report
-    frame: Frame  # the culprit
-    flagged: list  # its flagged rows (its non-finite ones when none is flagged)
-    dtype: Optional[str]  # whose limit matters: limit_dtype for a predicted overflow
-    node: str  # autograd node op localisation named, without "Backward<n>"; "" when none
-    op: str  # the ATen op it named, without "aten." and the overload; "" when none
-    line: str  # the code of the source line it named; "" when none
-
-    @property
-    def cause(self) -> str:
-        return self.report.cause
-
-    @property
-    def forward(self) -> bool:
-        return self.frame.phase == FORWARD
-
-    @property
-    def where(self) -> str:
-        frame = self.frame
-        if frame.module_name == OUTSIDE_MODULE:
-            return "the code outside the guarded modules"
-        return frame.words
-
-    @property
-    def nan(self) -> bool:
-        return any(row.nan for row in self.flagged)
-
-    @property
-    def inf(self) -> bool:
-        return any(row.inf for row in self.flagged)
-
-    @property
-    def predicted(self) -> bool:
-        return not self.nan and not self.inf and any(r.predicted_overflow for r in self.flagged)
-
-    @property
-    def found(self) -> str:
-        """What the culprit produced: 'nan', '+inf and -inf', '7.2e+04' (a predicted overflow)."""
-        if self.predicted:
-            top = _largest(self.flagged)
-            return f"{format_number(top.abs_max)}" if top is not None else "a value that large"
-        return _kinds(self.flagged) or "a non-finite value"
-
-    @property
-    def received(self) -> list:
-        """The non-finite values the culprit was given (inputs, weights, incoming gradients)."""
-        return [row for row in self.frame.rows
-                if row.category in (INPUT, PARAM, BUFFER, GRAD_OUTPUT) and row.nonfinite]
-
-    @property
-    def op_words(self) -> str:
-        """'`aten.mm.default`', '`SqrtBackward0` (`aten.div.Tensor`)', or '' without an op."""
-        text = self.frame.op or ""
-        if ": " in text:
-            node, _, op = text.partition(": ")
-            return f"`{node}` (`{op}`)"
-        return f"`{text}`" if text else ""
-
-    @property
-    def in_op(self) -> str:
-        """' in `aten.mm.default`', or ''."""
-        return f" in {self.op_words}" if self.op_words else ""
-
-    @property
-    def named_op(self) -> str:
-        """' `aten.mm.default`' (after a noun: 'the matmul `aten.mm.default`'), or ''."""
-        return f" {self.op_words}" if self.op_words else ""
-
-    @property
-    def at_line(self) -> str:
-        return f" at `{self.line}`" if self.line else ""
-
-    def rows_of(self, *categories) -> list:
-        return [row for row in self.frame.rows if row.category in categories]
-
-    def reached(self) -> str:
-        """'its input reached 240 and its weight 10': the largest values the culprit was given."""
-        parts = []
-        given = () if self.report.cause == CAUSE_FORWARD_INLINE else (  # (its op's input is none)
-            ((INPUT,), "input"), ((GRAD_OUTPUT,), "incoming gradient"), ((PARAM, BUFFER), "weight"))
-        for categories, noun in given:
-            top = _largest(self.rows_of(*categories))
-            if top is not None and top.abs_max > 0:
-                verb = "reached " if not parts else ""
-                parts.append(f"its {noun} {verb}{format_number(top.abs_max)}")
-        return " and ".join(parts)
-
-    def sources(self) -> str:
-        """Without op localisation: how to have the op and the line named. (Where it ran and
-        found no single op, its note says why, next to the hint in the views.)"""
-        frame = self.frame
-        if frame.op or frame.op_note:
-            return ""
-        return " " + OPS_ADVICE
-
-
-def _parse_op(op: Optional[str]):
-    """(node, op) from a frame's op: 'SqrtBackward0: aten.div.Tensor' -> ('Sqrt', 'div'),
-    'aten.mm.default' -> ('', 'mm'), 'aten::addmm' -> ('', 'addmm')."""
-    if not op:
-        return "", ""
-    node, _, aten = op.rpartition(": ")
-    node = re.sub(r"Backward\d*$", "", node.strip())
-    aten = aten.strip()
-    for prefix in ("aten::", "aten."):
-        if aten.startswith(prefix):
-            aten = aten[len(prefix):]
-    name = aten.split(".")[0].lstrip("_")
-    return node, name[:-1] if name.endswith("_") else name
-
-
-def _source_code(source: Optional[str]) -> str:
-    """The code of 'file.py:12: h = self.wo(h)' (or of 'Cell In[5], line 3: loss = ...')."""
-    if not source:
-        return ""
-    match = re.match(r"^.*?(?::|, line )\d+: (.*)$", source)
-    return (match.group(1) if match else source).strip()
-
-
-def facts_of(report: Report) -> Facts:
-    """The facts of a report with a culprit (`report.first_nonfinite` set)."""
-    frame = report.first_nonfinite
-    flagged = frame.flagged_rows or [row for row in frame.rows if row.nonfinite]
-    dtype = next((row.dtype for row in flagged if row.dtype), None)
-    if report.limit_dtype and any(row.predicted_overflow for row in flagged) \
-            and not any(row.nonfinite for row in flagged):
-        dtype = report.limit_dtype
-    node, op = _parse_op(frame.op)
-    return Facts(report=report, frame=frame, flagged=flagged, dtype=dtype, node=node, op=op,
-                 line=_source_code(frame.source))
 
 
 # ---- code to suggest -----------------------------------------------------------------------
@@ -292,7 +104,7 @@ def _pronoun(rows, object_: bool = False) -> str:
 def _subject(rows, where: str, adjective: str = "") -> str:
     """'The weight of fc (Linear) holds' / 'The weight, bias of fc (Linear) hold'."""
     verb = "holds" if len(rows) == 1 else "hold"
-    return f"The {adjective}{_roles(rows)} of {where} {verb}"
+    return f"The {adjective}{roles_of(rows)} of {where} {verb}"
 
 
 def _weights_hint(facts: Facts) -> str:
@@ -300,7 +112,7 @@ def _weights_hint(facts: Facts) -> str:
     where, batch = facts.where, facts.report.batch_number
     if facts.predicted:
         pronoun = "it" if len(rows) == 1 else "they"
-        return (f"The {_roles(rows)} of {where} reached {facts.found}, beyond "
+        return (f"The {roles_of(rows)} of {where} reached {facts.found}, beyond "
                 f"{limit_text(facts.dtype)}: cast to {facts.dtype} (by `.half()` or autocast) "
                 f"{pronoun} would be inf. Keep {where} in float32 or train in {BFLOAT16}, and "
                 "check what let the weights grow this large (the learning rate, no weight decay).")
@@ -417,7 +229,7 @@ def _data_hint(facts: Facts) -> str:
                 "values read as nan")
         fix = "guard the division, e.g. `(x - lo) / (hi - lo).clamp_min(1e-8)`"
     return (f"The batch fed to {facts.where} already holds {facts.found} in "
-            f"{_roles(facts.flagged)}, before any module ran: the data pipeline made it, {made}. "
+            f"{roles_of(facts.flagged)}, before any module ran: the data pipeline made it, {made}. "
             f"{find}; {fix}.")
 
 
@@ -438,7 +250,7 @@ def _loss_gradient_hint(facts: Facts) -> str:
 
 
 def _unattributed_hint(facts: Facts) -> str:
-    return (f"nan first shows in {facts.where} ({facts.frame.phase}, {_roles(facts.flagged)}), "
+    return (f"nan first shows in {facts.where} ({facts.frame.phase}, {roles_of(facts.flagged)}), "
             "but none of the values passed between the modules before it holds it, so no module "
             "can be named: code outside the modules' calls made it (a hook, an in-place change of "
             "a tensor two modules share, a custom autograd Function). Check the tensors at that "
@@ -454,9 +266,12 @@ def _overflow_hint(facts: Facts, what: str) -> str:
     reached = facts.reached()
     if facts.op in EXP_OPS:
         given = f"; {reached}" if reached else ""
+        # float32 is no wider than bfloat16's range: only float16 gains from it
+        wider = (", clamp the argument, or compute it in float32" if facts.dtype == "float16"
+                 else " or clamp the argument")
         return (f"{what} passed {limit_text(facts.dtype)}{facts.at_line}{given}: exp overflows "
                 f"{facts.dtype} above {math.log(limit):.4g}. Subtract the max first "
-                "(`torch.logsumexp`, `F.softmax`), clamp the argument, or compute it in float32.")
+                f"(`torch.logsumexp`, `F.softmax`){wider}.")
     if limit >= 1e38:
         return _diverged_hint(facts, what)
     if facts.predicted:
@@ -478,7 +293,7 @@ def _overflow_hint(facts: Facts, what: str) -> str:
 def _diverged_hint(facts: Facts, what: str) -> str:
     """An overflow of float32 or bfloat16: values grew without bound. '' when the frame shows no
     large value (then something else overflowed, and the general hint says what to check)."""
-    top = _largest(facts.frame.rows)
+    top = largest(facts.frame.rows)
     if top is None or top.abs_max < 1e6:
         return ""
     head = (f"{what} passed {limit_text(facts.dtype)}; values in this frame already reached "
@@ -501,6 +316,8 @@ def _forward_op_hint(facts: Facts) -> str:
                 "no token.")
     if received:
         return ""
+    if op in CTC_OPS and facts.inf:
+        return _ctc_hint(facts)
     if op in NLL_OPS and facts.nan:
         return (f"The cross-entropy{facts.named_op} in {where} is nan: with reduction='mean' it "
                 "divides by the number of labels other than ignore_index (-100), and that number "
@@ -532,9 +349,21 @@ def _forward_op_hint(facts: Facts) -> str:
 
 def _all_ignored(facts: Facts) -> str:
     for row in facts.rows_of(INPUT):
+        # |label| = 100 throughout, and the count was 0: every one is ignore_index's -100
         if row.dtype and row.dtype.startswith("int") and row.abs_min == 100 == row.abs_max:
-            return f" (every value of {row.role} is -100 or 100)"
+            return f" (every value of {row.role} is -100)"
     return ""
+
+
+def _ctc_hint(facts: Facts) -> str:
+    """CTC gives an infinite loss, and a nan gradient, for a target no alignment can fit."""
+    return (f"The CTC loss{facts.named_op} in {facts.where}{facts.at_line} is {facts.found}: a "
+            "target no alignment fits in its input, longer than the input's frames (each "
+            "repeated label needs a blank between, so a target needs its length plus its "
+            "repeats), e.g. input_lengths shortened by the model's downsampling or wrong "
+            "target_lengths. Check `input_lengths >= target_lengths` per sample, or let such "
+            "samples add nothing: `nn.CTCLoss(zero_infinity=True)` (`F.ctc_loss(..., "
+            "zero_infinity=True)`) zeroes their loss and gradient.")
 
 
 def _division_hint(facts: Facts) -> str:
@@ -589,6 +418,8 @@ def _backward_node_hint(facts: Facts) -> str:
     if node == "Pow":
         return (f"The gradient of x ** p{_paren(facts)} in {where}{at} is p x ** (p - 1), "
                 "infinite at x = 0 for p < 1 (e.g. x ** 0.5). Add an eps to x first.")
+    if node == "CtcLoss":
+        return _ctc_hint(facts)
     if node == "BinaryCrossEntropy" or facts.op == "binary_cross_entropy_backward":
         return _bce_hint(facts)
     if node in MATMUL_NODES and not facts.received:
@@ -637,13 +468,13 @@ def _first_of_its_pass(facts: Facts) -> bool:
 
 def _received_hint(facts: Facts) -> str:
     received = facts.received
-    kinds = _kinds(received)
+    kinds = kinds_of(received)
     first = facts.forward and _first_of_its_pass(facts)
     origin = (" It is the first module of the batch to finish, so the value came with the data: "
               "check the batch with `torch.isinf(x).any()`; log(0) in the preprocessing (a "
               "zero-width box, a zero count) is a common source of -inf." if first else
               " Look at the frames before it for where that value was made.")
-    return (f"{facts.where} was given {kinds} ({_roles(received)}) and turned it into "
+    return (f"{facts.where} was given {kinds} ({roles_of(received)}) and turned it into "
             f"{facts.found} (-inf times a negative weight is +inf, inf - inf is nan): the "
             f"non-finite value was made before this call.{origin}")
 

@@ -245,8 +245,43 @@ def test_a_loss_over_zero_labels_says_every_label_was_ignored():
     ids = torch.randint(0, 16, (2, 5))
     report = detect(model, lambda: model(ids, torch.full((2, 5), -100)))
     hint = hint_for(report)
-    assert "ignore_index (-100)" in hint and "every value of input[1] is -100 or 100" in hint
+    assert "ignore_index (-100)" in hint and "every value of input[1] is -100)" in hint
     assert "max(count, 1)" in hint
+
+
+class Speech(nn.Module):
+    """Frames -> per-frame log-probabilities over 5 labels (0: the blank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0]).log_softmax(-1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("allow_inf", [False, True])
+def test_a_ctc_target_longer_than_its_input_names_zero_infinity(allow_inf):
+    # 4 frames cannot hold 6 labels: the loss is inf (forward) and, with the inf allowed, its
+    # gradient nan (backward). Both point at the lengths and at zero_infinity.
+    torch.manual_seed(0)
+    model = Speech()
+    frames, targets = torch.randn(2, 4, 8), torch.randint(1, 5, (2, 6))
+
+    def step():
+        log_probs = model(frames)
+        loss = F.ctc_loss(log_probs, targets, torch.tensor([4, 4]), torch.tensor([6, 6]))
+        loss.backward()
+
+    with Guard(model, allow_inf=allow_inf) as guard:
+        with pytest.raises(NonFiniteError) as caught:
+            step()
+    report = caught.value.report
+    assert report.first_nonfinite.phase == ("backward" if allow_inf else "forward")
+    hint = hint_for(report)
+    assert "CTC loss" in hint and "zero_infinity=True" in hint, hint
+    assert "input_lengths >= target_lengths" in hint and "allow_inf" not in hint
 
 
 def test_an_exploding_learning_rate_lowers_it_and_clips():
@@ -412,6 +447,30 @@ def row(role, category, dtype="float32", shape=(2, 4), lo=0.1, hi=1.0, **kw):
 def hand_report(frame, cause="forward", **fields):
     return Report(frames=[frame], first_nonfinite=frame, batch_number=3, kind=DETECTION,
                   reason="the reason", cause=cause, **fields)
+
+
+def test_what_an_op_was_given_counts_neither_integer_ids_nor_a_masks_fill():
+    # ids up to 30000 and an additive mask of finfo(float32).min are no values that overflow:
+    # the input that matters reached 2.
+    frame = Frame("head", "Custom", FORWARD, 3, 0, [
+        row("input[0]", INPUT, hi=2.0),
+        row("input[1]", INPUT, dtype="int64", lo=0.0, hi=30000.0),
+        row("input[2]", INPUT, lo=0.0, hi=3.4028234663852886e38),
+        row("output", OUTPUT, lo=math.nan, hi=math.nan, nan=True, flagged=True),
+    ], op="aten.special_frobnicate.default", source="model.py:9: y = frobnicate(x, ids, mask)")
+    hint = hint_for(hand_report(frame))
+    assert "its input reached 2)" in hint, hint
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_an_exp_overflow_says_float32_only_where_it_is_wider(dtype):
+    frame = Frame("head", "Custom", FORWARD, 3, 0, [
+        row("input[0]", INPUT, dtype=dtype, hi=120.0),
+        row("output", OUTPUT, dtype=dtype, lo=1.0, hi=math.inf, posinf=True, flagged=True),
+    ], op="aten.exp.default", source="model.py:9: y = torch.exp(x)")
+    hint = hint_for(hand_report(frame))
+    assert "Subtract the max first" in hint, hint
+    assert ("compute it in float32" in hint) == (dtype == "float16"), hint
 
 
 def test_an_op_no_rule_knows_gets_the_general_hint_with_the_op_and_line():

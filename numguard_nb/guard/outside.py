@@ -297,7 +297,7 @@ class OutsideWatch(BackwardWatch):
         call.meta = _tree.rebuild((args, kwargs), lambda t, _: Meta(t))
         if immediate:
             pass_.read_back()
-            _learn_clean(pass_, call)
+            _learn_clean(pass_, call, self._inf_allowed())
         else:
             call.pass_ = pass_
         if call.clean is not False and self._records_graph(outputs):
@@ -340,7 +340,7 @@ class OutsideWatch(BackwardWatch):
         for call in pass_.calls:
             if call.checked:
                 continue
-            _learn_clean(pass_, call)
+            _learn_clean(pass_, call, inf_allowed)
             bad = _made_new(pass_, call, inf_allowed) if look and found is None else []
             if bad:
                 ops, _ = aten_ops(call.func, *call.meta, on_values=False)

@@ -88,15 +88,17 @@ def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
     return bad
 
 
-def _learn_clean(pass_: PassRecord, call: OutsideCall) -> None:
-    """Note whether a read-back forward call gave finite values (a -inf mask aside): only then
-    are the gradients of the nodes it made the nodes' own doing (else a non-finite value it
-    was given, and passed on, makes them)."""
+def _learn_clean(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> None:
+    """Note whether a read-back forward call gave finite values (a -inf mask aside, and the
+    infinities the guard allows): only then are the gradients of the nodes it made the nodes'
+    own doing (else a non-finite value it was given, and passed on, makes them). An allowed
+    inf is not passed on as a nan: the nan its node makes from it is new (CTC's infinite loss
+    of a target that cannot fit)."""
     made = set()
     for slot in call.slots:
         if slot[SLOT_CATEGORY] == OUTPUT:
             made |= detect.value_kinds(pass_, slot, None)
-    call.clean = made <= _MASK
+    call.clean = made <= (_MASK | _INF_KINDS if inf_allowed else _MASK)
     call.pass_ = None
 
 
@@ -212,7 +214,7 @@ class BackwardWatch:
             return None
         if forward.clean is None and forward.pass_ is not None:
             forward.pass_.read_back()
-            _learn_clean(forward.pass_, forward)
+            _learn_clean(forward.pass_, forward, self._inf_allowed())
         if not forward.clean:
             return None
         if forward.op is None:
