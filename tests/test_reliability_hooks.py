@@ -694,6 +694,33 @@ def test_a_scripted_submodule_is_an_opaque_leaf_seen_through_its_parent(kind, mo
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_weight_of_a_scripted_submodule_is_named_as_its_callers_weight(mode):
+    # Not "the parent made nan from finite inputs and weights": its scripted child's weight.
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([torch.jit.script(nn.Linear(4, 4))])
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 4))
+            self.blocks = blocks
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.blocks[0](self.body(x))))
+
+    model = Net()
+    with torch.no_grad():
+        model.blocks[0].weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        model(x4()).sum().backward()
+    report = caught.value.report
+    assert report.cause == "weights" and report.first_nonfinite.module_class == "Net"
+    assert "blocks.0.weight holds nan" in report.reason, report.reason
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_a_scripted_model_is_guarded_with_a_warning_and_its_weights_gradients_watched():
     torch.manual_seed(0)
     model = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))

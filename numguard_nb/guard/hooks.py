@@ -8,9 +8,9 @@ them off. `inert_context()`: calls are being compiled, traced, exported or run u
 mode (the hooks do nothing). `running_calls()`, `still_running(own_call_frame_id())` and
 `frame_local_of_call()` find calls an interrupt left open; `forward_raised()`: the call raised.
 
-Limits: a TorchScript module is an opaque leaf (its weights' gradients are watched); a model
-compiled before attaching is hooked on its wrapper; a parameter swapped in is hooked again at the
-next forward (`rehook_swapped`) unless it brought hooks of its own; one refusing hooks is warned of.
+Limits: a TorchScript module is an opaque leaf (its weights are read as its caller's, their
+gradients watched); a model compiled before attaching is hooked on its wrapper; a parameter
+swapped in is hooked again at the next forward (`rehook_swapped`) unless it brought hooks of its own; one refusing hooks is warned of.
 
     hooks = ModuleHooks()
     hooks.add(guard, {"": model}, watch_backward=True)   # as Guard.attach does
@@ -311,12 +311,17 @@ class _CompiledWeights:
     """A second forward pre-hook on a compiled model's wrapper, whose call is all the guard sees
     of the model: it gets the original model's weights and floating-point buffers, named as
     there, first among the call's rows; and the call is kept (`PassState.compiled_call`: its
-    inputs and state, by reference) until the next, to re-run it eagerly on a detection."""
+    inputs and state, by reference) until the next, to re-run it eagerly on a detection.
+    Without `keep_call`, on the caller of a TorchScript submodule: its weights, named from the
+    caller (`prefix`), are the caller's rows."""
 
-    def __init__(self, guard, original: nn.Module):
+    def __init__(self, guard, original: nn.Module, prefix: str = "", keep_call: bool = True):
         self.guard = guard
-        self.weights = [(name, PARAM, p) for name, p in original.named_parameters()] + [
-            (name, BUFFER, b) for name, b in original.named_buffers() if b.is_floating_point()]
+        self.keep_call = keep_call
+        self.weights = [(qualified_name(prefix, name), PARAM, p)
+                        for name, p in original.named_parameters()] + [
+            (qualified_name(prefix, name), BUFFER, b) for name, b in original.named_buffers()
+            if b.is_floating_point()]
 
     def __call__(self, module, args, kwargs):
         guard = self.guard
@@ -329,7 +334,7 @@ class _CompiledWeights:
         state.stack[-1].slots[0:0] = [
             pass_.weight_slot(t, name, category, (site, name), guard._nonzero_min, guard._sign_hints)
             for name, category, t in self.weights]
-        if len(state.stack) == 1:
+        if len(state.stack) == 1 and self.keep_call:
             state.compiled_call = (module, args, kwargs, rerun.take())
 
 
@@ -401,6 +406,8 @@ class ModuleHooks:
                 warnings.warn(f"numguard: {name or 'the model'} is a TorchScript module: its calls "
                               "cannot be watched, only its weights' gradients (guard the model "
                               "before scripting it)", stacklevel=4)
+            else:  # its weights are read as its caller's: a nan one is named, not the caller
+                self._hook_opaque_weights(guard, caller, module, name)
             if watch_backward:
                 cls = getattr(module, "original_name", type(module).__name__)
                 self.hook_params(guard, module, id(module), name, cls, recurse=True)
@@ -418,6 +425,16 @@ class ModuleHooks:
         for child_name, child in module._modules.items():
             if child is not None:
                 self._add_tree(guard, child, qualified_name(name, child_name), caller, watch_backward)
+
+    def _hook_opaque_weights(self, guard, caller: int, module: nn.Module, name: str) -> None:
+        """A pre-hook on the module that calls `module`, whose calls the guard cannot see (a
+        TorchScript one): `module`'s weights become rows of each call of the caller."""
+        caller_module, caller_name = self.modules[caller], self.names[caller][0]
+        prefix = name[len(caller_name) + 1:] if caller_name else name
+        handle = caller_module.register_forward_pre_hook(
+            _CompiledWeights(guard, module, prefix, keep_call=False), with_kwargs=True)
+        self.handles.append(handle)
+        self.hook_ids[caller].append(handle.id)
 
     def _add_compiled(self, guard, wrapper: nn.Module, original: nn.Module, name: str,
                       caller: Optional[int], watch_backward: bool) -> None:
