@@ -10,7 +10,8 @@ mode (the hooks do nothing). `running_calls()`, `still_running(own_call_frame_id
 
 Limits: a TorchScript module is an opaque leaf (its weights are read as its caller's, their
 gradients watched); a model compiled before attaching is hooked on its wrapper; a parameter
-swapped in is hooked again at the next forward (`rehook_swapped`) unless it brought hooks of its own; one refusing hooks is warned of.
+swapped in is hooked again at the next forward (`rehook_swapped`) unless it brought hooks of its
+own; one refusing hooks is warned of.
 
     hooks = ModuleHooks()
     hooks.add(guard, {"": model}, watch_backward=True)   # as Guard.attach does
