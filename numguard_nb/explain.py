@@ -200,13 +200,13 @@ def _data_hint(facts: Facts) -> str:
         search, which = f"`{test}.nonzero()` (x: {row.role})", "entries"
     features = row.nonfinite_features
     if features and row.shape and row.nonfinite_feature_count <= 3 and \
-            row.nonfinite_sample_count == row.shape[0] and row.shape[0] > 1:
+            row.nonfinite_sample_count == row.samples_in_batch and row.samples_in_batch > 1:
         # every sample, the same few columns: a feature broken upstream, not bad samples
         names = " and ".join(map(str, features))
         column = f"{'column' if len(row.shape) == 2 else 'channel'}{'s' if len(features) > 1 else ''}"
         return (f"The batch fed to {facts.where} already holds {facts.found} in {column} {names} of "
                 f"{row.role} (dim 1 of shape {_shape(row.shape)}) for every one of its "
-                f"{row.shape[0]} samples, before any module ran: a feature the data pipeline "
+                f"{row.samples_in_batch} samples, before any module ran: a feature the data pipeline "
                 f"broke, e.g. normalised by a std (or range) of 0 because it is constant, or "
                 f"missing everywhere. Guard the normalisation, `(x - mean) / std.clamp_min(1e-8)`, "
                 f"or drop the constant {column} ({names}).")

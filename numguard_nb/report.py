@@ -60,6 +60,9 @@ class TensorRow:
     # The same along dim 1 (a table's columns, an image's channels): None when unknown.
     nonfinite_features: Optional[Tuple[int, ...]] = None
     nonfinite_feature_count: Optional[int] = None
+    # The samples of a batch whose dim 0 is not them (a PackedSequence's data: its rows are time
+    # steps); None: dim 0.
+    batch_size: Optional[int] = None
 
     @property
     def inf(self) -> bool:
@@ -128,8 +131,15 @@ class TensorRow:
         return f"sample{'s' if count != 1 else ''} {listed}{self._of_batch}"
 
     @property
+    def samples_in_batch(self) -> Optional[int]:
+        if self.batch_size is not None:
+            return self.batch_size
+        return self.shape[0] if self.shape else None
+
+    @property
     def _of_batch(self) -> str:
-        return f" of {self.shape[0]}" if self.shape else ""
+        total = self.samples_in_batch
+        return f" of {total}" if total is not None else ""
 
     def hf_line(self) -> str:
         """This row in Hugging Face's DebugUnderflowOverflow format (`render.text`)."""

@@ -391,6 +391,25 @@ def test_nan_in_the_data_names_the_samples_that_hold_it():
     assert '<span class="ng-samples">in samples 1, 3 (2 of 6)</span>' in report._repr_html_()
 
 
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+def test_nan_in_a_packed_sequence_names_the_samples_not_the_packed_rows(enforce_sorted):
+    # A PackedSequence's data lies time step after time step, each step's samples in order of
+    # length: packed row 4 is sample 2 at time step 1 here, not "sample 4 of 10".
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    torch.manual_seed(0)
+    rnn = nn.LSTM(3, 4)
+    x = torch.randn(5, 3, 3)  # time, batch, features
+    lengths = torch.tensor([5, 3, 2]) if enforce_sorted else torch.tensor([2, 5, 3])
+    x[1, 2, 0] = x[0, 2, 1] = math.nan  # sample 2, twice
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=enforce_sorted)
+    report = detection(rnn, lambda: rnn(packed))
+    assert report.cause == CAUSE_DATA
+    row = report.first_nonfinite.flagged_rows[0]
+    assert (row.nonfinite_samples, row.nonfinite_sample_count) == ((2,), 1)
+    assert "holds nan in sample 2 of 3)" in report.reason, report.reason
+
+
 def test_many_samples_are_counted_and_the_first_ones_named():
     model = linear()
     x = torch.randn(40, 4)

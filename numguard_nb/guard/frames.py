@@ -253,6 +253,10 @@ def name_samples(pass_: PassRecord, call: CallRecord, flagged_ids, frame: Frame)
             with torch.no_grad():
                 bad = ~torch.isfinite(value)
                 held = (bad.flatten(1).any(1) if bad.dim() > 1 else bad).nonzero().flatten()
+                packed = _packed_samples(pass_, call, slot, value)
+                if packed is not None:  # a PackedSequence's rows: time steps of its samples
+                    samples, row.batch_size = packed
+                    held = samples[held].unique()
                 row.nonfinite_samples = tuple(numerics.read(held[:MAX_SAMPLES_NAMED]))
                 row.nonfinite_sample_count = held.numel()
                 if bad.dim() > 1:  # which columns (channels): one broken feature for every sample
@@ -261,6 +265,28 @@ def name_samples(pass_: PassRecord, call: CallRecord, flagged_ids, frame: Frame)
                     row.nonfinite_feature_count = features.numel()
         except Exception:  # a tensor subclass that cannot be read this way: samples unknown
             row.nonfinite_samples = row.nonfinite_sample_count = None
+
+
+def _packed_samples(pass_: PassRecord, call: CallRecord, slot: tuple, data: torch.Tensor):
+    """(the sample of each row, the number of samples) where `data` is a PackedSequence's data
+    (its slot `R[0]`, beside `R[1]`, batch_sizes, and `R[2]`, sorted_indices): rows are time
+    steps, each step's samples in sorted order. None for any other input."""
+    role = slot[SLOT_ROLE]
+    if not role.endswith("[0]"):
+        return None
+    siblings = {s[SLOT_ROLE]: s for s in call.slots if s[SLOT_CATEGORY] == INPUT}
+    sizes_slot, order_slot = siblings.get(role[:-3] + "[1]"), siblings.get(role[:-3] + "[2]")
+    sizes = value_of(pass_, sizes_slot) if sizes_slot is not None else None
+    if sizes is None or sizes.dtype != torch.int64 or sizes.dim() != 1 or not sizes.numel():
+        return None
+    steps = numerics.read(sizes)  # (a PackedSequence's batch_sizes are on the host)
+    if sum(steps) != data.shape[0] or any(b > a for a, b in zip(steps, steps[1:])):
+        return None
+    samples = torch.cat([torch.arange(n) for n in steps]).to(data.device)
+    order = value_of(pass_, order_slot) if order_slot is not None else None
+    if order is not None and order.dtype == torch.int64 and order.shape == (steps[0],):
+        samples = order.to(data.device)[samples]
+    return samples, steps[0]
 
 
 def weights_origin(pass_: PassRecord, call: CallRecord, bad_slots, steps):
