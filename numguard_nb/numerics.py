@@ -29,8 +29,9 @@ import torch
 from . import stats as _stats
 
 __all__ = ["DEFERRED_DEVICE_TYPES", "READS", "DeferredRead", "all_finite", "count_read",
-           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag", "nonfinite_of", "output_flag",
-           "readable", "stats_flag", "stored_values", "unseen"]
+           "deferred", "fine", "nonfinite_kinds", "read", "grad_norms", "nonfinite_flag",
+           "nonfinite_of", "output_flag", "output_flags", "readable", "stats_flag",
+           "stored_values", "unseen"]
 
 DEFERRED_DEVICE_TYPES = {"cuda"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -175,27 +176,53 @@ def output_flag(tensors, extra: Optional[list] = None) -> Optional[torch.Tensor]
     judge whether it does harm). `amax` propagates nan and is +inf where +inf is: one reduction
     per tensor, no copy. `extra`: float32 0-d values to judge with them (written buffers'). On a
     GPU's device where the tensors are on several (a model split across devices)."""
-    maxima = []
+    flags = _extreme_flags(tensors, extra, masks=False)
+    return None if flags is None else flags[0]
+
+
+@_unseen
+def output_flags(tensors, extra: Optional[list] = None) -> Optional[tuple]:
+    """`output_flag`, and beside it a second value that is +inf where an output holds -inf (nan
+    beside a nan): a mask, or a -inf the loss must judge. One reduction per tensor (`aminmax`)."""
+    return _extreme_flags(tensors, extra, masks=True)
+
+
+def _extreme_flags(tensors, extra: Optional[list], masks: bool) -> Optional[tuple]:
+    maxima, negated_minima = [], []
     with torch.no_grad():
         for t in tensors:
             if t.layout != torch.strided or t.is_nested:
                 t = stored_values(t)
             if t is None or not t.numel():
                 continue
-            if t.is_floating_point():
-                if t.element_size() == 1:  # float8: no max kernel of its own (on CPU at least)
-                    t = t.float()
+            if t.is_complex():  # by its parts, as the host's rows sign it: -inf + 0j passes
+                t = torch.view_as_real(t.resolve_conj())
+            elif not t.is_floating_point():
+                continue
+            elif t.element_size() == 1:  # float8: no max kernel of its own (on CPU at least)
+                t = t.float()
+            if masks:
+                low, high = torch.aminmax(t)
+                maxima.append(_as_flag(high))
+                negated_minima.append(_as_flag(-low))
+            else:
                 maxima.append(_as_flag(t.amax()))
-            elif t.is_complex():  # by its parts, as the host's rows sign it: -inf + 0j passes
-                maxima.append(_as_flag(torch.view_as_real(t.resolve_conj()).amax()))
         maxima += extra or ()
         if not maxima:
             return None
-        if len(maxima) == 1:
-            return maxima[0].reshape(1)
-        device = next((m.device for m in maxima if m.device.type == "cuda"), maxima[0].device)
-        return torch.stack([m if m.device == device else m.to(device, non_blocking=True)
-                            for m in maxima]).max().reshape(1)
+        if not masks:
+            return (_largest(maxima),)
+        return _largest(maxima), (_largest(negated_minima) if negated_minima else None)
+
+
+def _largest(values: list) -> torch.Tensor:
+    """The largest of float32 0-d values, as a vector of one on one device (a GPU's where the
+    values are on several)."""
+    if len(values) == 1:
+        return values[0].reshape(1)
+    device = next((m.device for m in values if m.device.type == "cuda"), values[0].device)
+    return torch.stack([m if m.device == device else m.to(device, non_blocking=True)
+                        for m in values]).max().reshape(1)
 
 
 def stored_values(t: torch.Tensor) -> Optional[torch.Tensor]:

@@ -819,3 +819,109 @@ def test_a_sparse_nested_or_float8_output_holding_nan_is_seen(deferred_on_host, 
         with torch.no_grad(), Guard(model, mode="sentinel"):
             model(torch.randn(4, 8))
     assert caught.value.report.phase == "forward"
+
+
+# ---- what a fused optimizer skips while the step is unread ----------------------------------------
+def _masked_loss(out):
+    valid = torch.tensor([True, True, False, True])  # class 2 masked out, never the target
+    return -out.masked_fill(~valid, float("-inf")).log_softmax(-1)[:, 0].mean()
+
+
+HARMLESS = {
+    # the loss code's -inf mask: its region's value is not fine, its read finds no culprit
+    "a -inf mask in the loss code": (lambda out: _masked_loss(out), {}),
+    # a +inf the rules allow in the model's output, dropped by the loss
+    "an allowed +inf output": (
+        lambda out: torch.where(torch.isinf(out), 0.0, out).square().mean(), {"allow_inf": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HARMLESS))
+def test_a_fused_optimizer_steps_through_what_the_read_will_accept(deferred_on_host, case):
+    # The step is still unread at optimizer.step() (a GPU still busy): the flag it lends a fused
+    # optimizer must count only what surely is a detection, or a healthy run never trains.
+    loss_of, options = HARMLESS[case]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    if options:
+        with torch.no_grad():
+            model[2].bias[1] = float("inf")
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    start = model[0].weight.detach().clone()
+    with Guard(model, mode="sentinel", **options) as guard:
+        for _ in range(3):
+            loss_of(model(torch.randn(8, 8))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert guard.detection is None
+    assert optimizer.state[model[0].weight]["step"].item() == 3
+    assert not torch.equal(start, model[0].weight), "every step was skipped"
+
+
+def test_healthy_steps_after_a_scalers_skipped_ones_are_taken(deferred_on_host):
+    # The scaler's warm-up overflows are the scaler's to skip: the steps after them, unread too,
+    # are not skipped for them.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2)
+    wrote = []
+    with Guard(model, mode="sentinel") as guard:
+        for step in range(8):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(out.float().square().mean()).backward()
+            before = model[0].weight.detach().clone()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            wrote.append(not torch.equal(before, model[0].weight))
+    skipped = [step.batch for step in guard.skipped_steps]
+    assert skipped and wrote == [batch not in skipped for batch in range(8)], (wrote, skipped)
+    assert any(wrote)
+
+
+class LogOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, own_loss=False):
+        out = torch.log(torch.relu(self.fc(x)))  # -inf where the ReLU gives 0
+        return out.mean() if own_loss else out
+
+
+@pytest.mark.parametrize("loss_at", ["the model's own loss", "a mean in the loop"])
+def test_a_minus_inf_the_model_gives_is_judged_by_the_loss(deferred_on_host, loss_at):
+    # A -inf output is a mask only while the loss stays finite: here the loss is -inf (the mean
+    # carries it, nothing new is made outside the model), and the gradients are finite (the
+    # ReLU's backward zeroes them). On the host the loss judges it at once; read later alike.
+    torch.manual_seed(0)
+    model = LogOut()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for _ in range(3):
+                x = torch.randn(8, 4)
+                loss = model(x, True) if loss_at == "the model's own loss" else model(x).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    report = caught.value.report
+    assert report.batch_number == 0 and report.first_nonfinite.op == "aten.log.default"
+    assert "-inf" in report.reason
+
+
+def test_a_minus_inf_mask_the_model_gives_and_the_loss_drops_is_no_error(deferred_on_host):
+    torch.manual_seed(0)
+    model = LogOut()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with Guard(model, mode="sentinel") as guard:
+        for _ in range(3):
+            out = model(torch.randn(8, 4))
+            torch.where(torch.isinf(out), 0.0, out).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert guard.detection is None
+    assert optimizer.state[model.fc.weight]["step"].item() == 3

@@ -182,7 +182,10 @@ class OutsideWatch(BackwardWatch):
         """`.backward()`: check what the loss made first, then run the backward unwatched."""
         __tracebackhide__ = True  # noqa: F841
         state.active = False  # the mode passes everything through until it can leave the stack
-        self.settle(state, loss=args[0] if args else None)
+        loss = args[0] if args else kwargs.get("tensors")
+        self.settle(state, loss=loss)
+        if self.judge_loss is not None and loss is not None and self.watching():
+            self.judge_loss(loss)  # (a sentinel on a device: a -inf its models gave)
         return func(*args, **kwargs)
 
     def run_function(self, state: ThreadState, func, args, kwargs):

@@ -142,6 +142,7 @@ class BackwardWatch:
         self.node_handles = LiveHandles(slack=16)  # node hooks (removed on stop)
         self.backward_passes = BackwardPasses()  # graph task id -> the watched nodes' pass
         self.deferred = None  # a sentinel's `StepChecks`: device values read when ready
+        self.judge_loss = None  # a sentinel's: given the loss each backward starts from
 
     def _unhook_nodes(self) -> None:
         self.node_handles.remove_all()
@@ -253,7 +254,8 @@ class BackwardWatch:
         value = numerics.stats_flag(pass_.vectors, pass_.sink)
         if value is None:
             return False
-        self.deferred.add(value, action)
+        # (never sure: the code may discard what it made, or have made a -inf mask)
+        self.deferred.add(value, action, sure=None)
         return True
 
     def _raise_backward(self, pass_: PassRecord, call: OutsideCall, bad) -> None:

@@ -49,7 +49,9 @@ from .passes import (
 )
 from .set_aside import Inner, SetAside
 from .sentinel_buffers import Before, BufferSlots
-from .sentinel_checks import StepChecks, check_gradients_later, kept_gradient, stood_in
+from .sentinel_checks import (
+    SURE_ANY, SURE_NAN, MasksForTheLoss, StepChecks, check_gradients_later, kept_gradient, stood_in,
+)
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
@@ -161,8 +163,6 @@ class _OutputGradient:
 class Sentinel:
     """The checks of `mode="sentinel"` for one Guard, its kept calls and its re-runs."""
 
-    MAX_PLANS = 8  # output layouts remembered per module
-
     def __init__(self, guard):
         self.guard = guard
         self.attached = False
@@ -183,6 +183,8 @@ class Sentinel:
         self._registration_handles: list = []  # torch's global hooks telling of new parameters
         weakref.finalize(self, _remove_all, self._registration_handles)
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
+        self.masks = MasksForTheLoss(self.checks, WeakHook(self, "_late_forward_problem", takes=2,
+                                                           raises=(NonFiniteError,)))
         self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
         self._held: Optional[_Call] = None  # its forward problem, held for the backward's end
         self.passes_checked = 0
@@ -202,6 +204,7 @@ class Sentinel:
             self.guard.steps.start(self.guard.models, weights=True)
             self.checks.start()
             self.guard.outside.deferred = self.checks  # the loss code's values: read alike
+            self.guard.outside.judge_loss = self.masks.judge_later
             self.ranks = RankFlags.attach_any(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
@@ -242,7 +245,8 @@ class Sentinel:
                 self.checks.unraised = self.checks.unraised or error
         if self.attached:
             self.checks.stop()
-            self.guard.outside.deferred = None
+            self.guard.outside.deferred = self.guard.outside.judge_loss = None
+            self.masks.forget()
             if self.ranks is not None:
                 self.ranks.detach()
                 self.ranks = None
@@ -359,10 +363,15 @@ class Sentinel:
         first = tensors[0] if tensors else written[0][1] if written else None
         if first is not None and numerics.deferred(first) and not self.guard.synchronous:
             # an asynchronous device: one value computed there, read when it is ready
-            value = numerics.output_flag((t for t in tensors if numerics.readable(t)),
-                                         sentinel_buffers.produced(written, deferred=True))
-            if value is not None:  # read with the gradients of the backward that follows
-                self.checks.add(value, partial(self._late_forward_problem, call))
+            flags = numerics.output_flags((t for t in tensors if numerics.readable(t)),
+                                          sentinel_buffers.produced(written, deferred=True))
+            if flags is not None:  # read with the gradients of the backward that follows
+                value, masks = flags
+                inf_ok = entry.inf_accepted or options.stop_rules.inf_allowed(entry.name)
+                self.checks.add(value, partial(self._late_forward_problem, call),
+                                sure=SURE_NAN if inf_ok else SURE_ANY)
+                if masks is not None and torch.is_grad_enabled() and options.backward:
+                    self.masks.add(call, masks)  # a -inf there: the loss judges it
                 if self.ranks is not None and torch.is_grad_enabled() and options.backward:
                     self.ranks.note_forward_flag(value)  # every rank learns of it, unread
         else:
@@ -427,25 +436,13 @@ class Sentinel:
     def _keep_for_backward(self, call: _Call, tensors: list) -> None:
         """Hook the outputs that take gradients: the hooks hold the call."""
         call.output_ids = [id(t) for t in tensors]
-        call.top = self._top_outputs(call.entry, tensors)
+        call.top = _top_outputs(call.entry, tensors)
         call.grads = [None] * len(tensors)
         hooked = _parameters_beside_computed(tensors)
         for position, t in enumerate(tensors):
             if t.requires_grad and id(t) not in hooked:
                 hooked.add(id(t))
                 self._grad_handles.add(t.register_hook(_OutputGradient(self, call, position)))
-
-    def _top_outputs(self, entry: _Entry, tensors: list) -> tuple:
-        """Per output: whether no other output was computed from it (the loss a model returns
-        was computed from its logits: the logits' gradient then comes from the model itself).
-        Found by walking the autograd graph once per output layout."""
-        layout = tuple((t.requires_grad, t.grad_fn is not None, t.output_nr) for t in tensors)
-        plan = entry.plans.get(layout)
-        if plan is None:
-            if len(entry.plans) >= self.MAX_PLANS:
-                entry.plans.clear()
-            plan = entry.plans[layout] = _top_of(tensors)
-        return plan
 
     def _on_output_gradient(self, call: _Call, position: int, grad) -> None:
         if self.paused or grad is None or not self.attached or is_dynamo_compiling():
@@ -608,6 +605,22 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+MAX_PLANS = 8  # output layouts remembered per module
+
+
+def _top_outputs(entry: _Entry, tensors: list) -> tuple:
+    """Per output: whether no other output was computed from it (the loss a model returns was
+    computed from its logits: the logits' gradient then comes from the model itself). Found by
+    walking the autograd graph once per output layout."""
+    layout = tuple((t.requires_grad, t.grad_fn is not None, t.output_nr) for t in tensors)
+    plan = entry.plans.get(layout)
+    if plan is None:
+        if len(entry.plans) >= MAX_PLANS:
+            entry.plans.clear()
+        plan = entry.plans[layout] = _top_of(tensors)
+    return plan
 
 
 def _parameter_names(models: dict) -> dict:

@@ -22,6 +22,7 @@ inside `step`, after the pre-hook: the closure is wrapped, and the same is done 
 from __future__ import annotations
 
 import inspect
+import math
 import weakref
 from collections import deque
 from functools import partial
@@ -29,12 +30,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import numerics
+from .. import _tree, numerics
 from .._util import WeakHook
 from .hooks import inert_context
+from .outside_mode import MAX_CALLS_WITHOUT_BACKWARD
 from ..errors import NonFiniteError
 
-__all__ = ["StepChecks", "check_gradients_later"]
+__all__ = ["StepChecks", "MasksForTheLoss", "check_gradients_later", "SURE_ANY", "SURE_NAN"]
 
 _FOUND_INF = "found_inf"
 MAX_SEALED = 64  # steps sealed and never looked at (no later call, no optimizer): past this, forgotten
@@ -43,24 +45,98 @@ MAX_SEALED = 64  # steps sealed and never looked at (no later call, no optimizer
 MAX_KEPT_GRAD_BYTES = 64 * 2**20
 
 
+# What a value not fine says of its step before its action has judged it (`StepChecks.add`):
+SURE_ANY = "any"  # nan or +inf: a detection (the gradients without a scaler; a model's outputs)
+SURE_NAN = "nan"  # nan only: +inf may be allowed (allow_inf, or accepted in a re-run)
+# None: nothing yet. Its action may find it harmless: the loss code's values (a -inf mask, a nan
+# it discards), a -inf the loss judges, gradients a GradScaler skips the step for itself.
+
+
 class _Sealed:
     """One step's values, in flight to the host, and what to do with each that is not fine."""
 
-    __slots__ = ("read", "actions", "device_values", "finish", "in_step")
+    __slots__ = ("read", "actions", "device_values", "finish", "in_step", "sure")
 
-    def __init__(self, values: list, actions: list, finish: list, in_step: bool):
+    def __init__(self, values: list, actions: list, finish: list, in_step: bool, sure: list):
         self.device_values = values  # kept on the device for an optimizer's found_inf
         self.read = numerics.DeferredRead(values)
         self.actions = actions
         self.finish = finish
         self.in_step = in_step  # acted on in program order, as every rank does (see `look`)
+        self.sure = sure  # per value: SURE_ANY, SURE_NAN or None
 
-    def found_inf(self, device: torch.device) -> torch.Tensor:
-        """1.0 where a value is not fine, else 0.0: a float32 flag on `device`, never read."""
+    def found_inf(self, device: torch.device) -> Optional[torch.Tensor]:
+        """1.0 where a value says for sure that the step is a detection, else 0.0: a float32
+        flag on `device`, never read; None where no value can say it."""
         flat = self.read.on_device
-        if flat is None:  # (read meanwhile, or values on the host)
-            flat = torch.cat([v.reshape(-1).to(device, non_blocking=True) for v in self.device_values])
-        return (~(flat < numerics._INF).all()).float().to(device, non_blocking=True)
+        if flat is not None and all(sure == SURE_ANY for sure in self.sure):
+            return (~(flat < numerics._INF).all()).float().to(device, non_blocking=True)
+        bad = []
+        for sure in (SURE_ANY, SURE_NAN):
+            values = [v.reshape(-1).to(device, non_blocking=True)
+                      for v, kind in zip(self.device_values, self.sure) if kind == sure]
+            if values:
+                values = torch.cat(values) if len(values) > 1 else values[0]
+                bad.append(~(values < numerics._INF) if sure == SURE_ANY else values.isnan())
+        if not bad:
+            return None
+        return (torch.cat(bad) if len(bad) > 1 else bad[0]).any().float()
+
+
+class _MaskNote:
+    """A call whose outputs may hold -inf (read later: `held`), until a loss judges it."""
+
+    __slots__ = ("call", "held")
+
+    def __init__(self, call):
+        self.call, self.held = call, False
+
+
+def _note_mask(note: _MaskNote, values: list) -> None:
+    note.held = True  # its outputs held -inf
+
+
+class MasksForTheLoss:
+    """On an asynchronous device, the -inf a call's outputs hold is a mask unless the loss of
+    the backward that follows is not finite (as on the host, where the loss code's watch holds
+    it: `outside.hold`). Each call's -inf flag is read with its step; the loss's own flag is
+    added as its backward starts (`judge_later`), and where it is not finite the calls whose
+    outputs held -inf are run again (`rerun`: the sentinel's re-run, which raises). Calls no
+    backward follows are forgotten after MAX_CALLS_WITHOUT_BACKWARD."""
+
+    def __init__(self, checks: "StepChecks", rerun: Callable):
+        self._checks = checks
+        self._rerun = rerun  # (call, values) -> raises what a re-run of the call finds
+        self._notes: deque = deque(maxlen=MAX_CALLS_WITHOUT_BACKWARD)
+
+    def add(self, call, flag: torch.Tensor) -> None:
+        note = _MaskNote(call)
+        self._notes.append(note)
+        self._checks.add(flag, partial(_note_mask, note), sure=None)
+
+    def judge_later(self, loss) -> None:
+        """The loss a backward starts from (a tensor, or several): judged when it is read."""
+        if not self._notes:
+            return
+        notes = list(self._notes)
+        self._notes.clear()
+        tensors = [t for t in _tree.tensors(loss) if t.is_floating_point() or t.is_complex()]
+        flags = numerics.output_flags(tensors) if tensors else None
+        if flags is None:
+            return
+        high, low = flags
+        value = high if low is None else torch.maximum(high, low)  # nan, +inf or -inf
+        self._checks.add(value, partial(_late_loss, self._rerun, notes), sure=None)
+
+    def forget(self) -> None:
+        self._notes.clear()
+
+
+def _late_loss(rerun: Callable, notes: list, values: list) -> None:
+    """The loss was not finite: the first call whose outputs held -inf is run again."""
+    for note in notes:
+        if note.held:
+            rerun(note.call, [math.nan])
 
 
 def _remove_all(handles: list) -> None:
@@ -118,6 +194,7 @@ class StepChecks:
         self._values: list = []  # the open step's device values
         self._actions: list = []  # per value: called with its host floats when not fine
         self._finish: list = []  # called once the step is read, fine or not
+        self._sure: list = []  # per value: what a value not fine says before it is judged
         self._sealed: deque = deque()
         self._handles: list = []  # torch's global step hooks (gone with this object too)
         weakref.finalize(self, _remove_all, self._handles)
@@ -166,13 +243,16 @@ class StepChecks:
 
     # ---- gathering -----------------------------------------------------------------------------
     def add(self, value: torch.Tensor, action: Callable[[list], None],
-            finish: Optional[Callable[[], None]] = None, first: bool = False) -> None:
+            finish: Optional[Callable[[], None]] = None, first: bool = False,
+            sure: Optional[str] = SURE_ANY) -> None:
         """A float32 vector on the device, and what to do with its host values if one is not
         fine (`numerics.fine`); `finish` runs once it is read either way. `first`: acted on
-        before the values added earlier."""
+        before the values added earlier. `sure`: which values not fine make a fused optimizer
+        skip the step while it is unread (SURE_ANY, SURE_NAN, None: see them)."""
         position = 0 if first else len(self._values)
         self._values.insert(position, value)
         self._actions.insert(position, action)
+        self._sure.insert(position, sure)
         if finish is not None:
             self._finish.append(finish)
 
@@ -183,8 +263,8 @@ class StepChecks:
             return
         if len(self._sealed) >= MAX_SEALED:
             self._sealed.popleft()
-        self._sealed.append(_Sealed(self._values, self._actions, self._finish, in_step))
-        self._values, self._actions, self._finish = [], [], []
+        self._sealed.append(_Sealed(self._values, self._actions, self._finish, in_step, self._sure))
+        self._values, self._actions, self._finish, self._sure = [], [], [], []
 
     # ---- reading -------------------------------------------------------------------------------
     def look(self, wait: bool = False) -> None:
@@ -227,7 +307,7 @@ class StepChecks:
         self._sealed.clear()
         for finish in self._finish:
             finish()
-        self._values, self._actions, self._finish = [], [], []
+        self._values, self._actions, self._finish, self._sure = [], [], [], []
 
     # ---- the optimizer step --------------------------------------------------------------------
     def _before_step(self, optimizer, args: tuple, kwargs: dict):
@@ -255,11 +335,14 @@ class StepChecks:
             return
         device = _first_device(optimizer)
         if _skips_on_flag(optimizer) and device is not None:
-            flag = self._sealed[0].found_inf(device)
-            for sealed in list(self._sealed)[1:]:
-                flag = torch.maximum(flag, sealed.found_inf(device))
-            _lend(optimizer, flag)
-            self._lent_to.add(optimizer)
+            flags = [flag for flag in (sealed.found_inf(device) for sealed in self._sealed)
+                     if flag is not None]
+            if flags:
+                flag = flags[0]
+                for other in flags[1:]:
+                    flag = torch.maximum(flag, other)
+                _lend(optimizer, flag)
+                self._lent_to.add(optimizer)
             return
         self.look(wait=True)  # the one read of a step that cannot skip on a device flag
 
@@ -331,7 +414,8 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
         sentinel.checks.add(flag if norms is None else norms,
                             partial(_late_backward_problem, sentinel, calls, parameters,
                                     None if norms is None else group),
-                            partial(_forget_gradients, calls))
+                            partial(_forget_gradients, calls),
+                            sure=None if per_parameter else SURE_ANY)  # (a scaler skips itself)
     verdict = sentinel.ranks.take_fresh_verdict() if sentinel.ranks is not None else None
     if verdict is not None:  # acted on first: what every rank made, as every rank learnt it
         sentinel.checks.add(verdict, partial(_late_rank_problem, sentinel, calls), first=True)
