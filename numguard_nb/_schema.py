@@ -61,6 +61,7 @@ PROBLEM_UNDERFLOW = "underflow"  # non-zero, but below limit_dtype's smallest va
 # ---- weights origins: how weights found non-finite got that way (Report.weights_origin) -------
 ORIGIN_OPTIMIZER_STEP = "optimizer step"  # a step the guard saw since the forward before wrote them
 ORIGIN_OUTSIDE_FORWARD = "outside the forward"  # no step since a forward that found them finite
+ORIGIN_SINCE_ATTACH = "since attach"  # no step, no forward since an attach that found them finite
 ORIGIN_BEFORE_ATTACH = "before attach"  # non-finite in the guard's first forward of the model
 # buffers: finite when the forward before began; written since, by that forward or code after it
 ORIGIN_SINCE_FORWARD = "since the forward before"

@@ -20,8 +20,8 @@ from ._schema import (
     ARITHMETIC_OPS, BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED,
     CAUSE_WEIGHTS, CODE_CAUSES, CTC_OPS, DIVISION_OPS, EXP_OPS, FORWARD, INPUT, LOG_OPS,
     MATMUL_MODULES, MATMUL_NODES, MATMUL_OPS, NLL_OPS, NORM_NODES, ORIGIN_BEFORE_ATTACH,
-    ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, PARAM, RECURRENT_MODULES,
-    SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
+    ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, PARAM,
+    RECURRENT_MODULES, SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
 )
 from .hint_facts import (
     OPS_ADVICE, Facts, facts_of, format_number, kinds_of, largest, limit_text, roles_of,
@@ -147,8 +147,10 @@ def _weights_hint(facts: Facts) -> str:
                 "`load_state_dict`) or a custom initialisation (a division by a zero fan-in or "
                 "std). If the model trained before, guard it from its first step to have the "
                 "step that wrote them named.")
-    if origin == ORIGIN_OUTSIDE_FORWARD:
-        return (f"{subject}, and no optimizer step ran since the model's previous forward, which "
+    if origin in (ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH):
+        before = ("the guard attached" if origin == ORIGIN_SINCE_ATTACH
+                  else "the model's previous forward")
+        return (f"{subject}, and no optimizer step ran since {before}, which "
                 "found them finite: code outside the model's forward wrote them, e.g. an in-place "
                 "update under `torch.no_grad()` (a hand-written optimizer, weight clipping, an "
                 "EMA) or `load_state_dict` from a checkpoint holding inf/nan. Check the code that "

@@ -31,6 +31,7 @@ from torch import nn
 
 from ._schema import MODE_SENTINEL
 from ._util import compiled_original
+from .explain import OPS_ADVICE
 from .rerun import run_alone
 from .guard import Guard, GuardOptions
 from .guard.scaler import SkippedStep, loss_scaler_of
@@ -46,10 +47,14 @@ class _GuardedRun:
     """What both callbacks share: one Guard per run, detached however the run ends."""
 
     def __init__(self, mode: str = MODE_SENTINEL, **guard_options):
+        if isinstance(mode, torch.nn.Module):  # (the callback finds the model itself)
+            raise TypeError(f"{type(self).__name__} takes no model: the trainer's is guarded as "
+                            "training begins; pass only options, e.g. "
+                            f"{type(self).__name__}(ops=True)")
         if mode == MODE_SENTINEL:  # one full look every FULL_EVERY batches, unless told otherwise
             guard_options.setdefault("full_every", FULL_EVERY)
         # Fail at construction on a misspelt option or a bad value, not when training starts.
-        self.options = GuardOptions(mode=mode, **guard_options)
+        self.options = GuardOptions.from_keywords({"mode": mode, **guard_options})
         self.guard: Guard | None = None
         self._modules_hooked: set = set()  # ids of the model's modules when the guard attached
         self._compiled_later = False  # the Trainer compiles the model after on_train_begin
@@ -141,6 +146,8 @@ class _GuardedRun:
             stage = "an evaluation (the model was in eval mode)"  # a Trainer's evaluate()
         if stage:
             report.reason = f"during {stage}: {report.reason}"
+        report.hint = report.hint.replace(  # (the engine's words name Guard)
+            OPS_ADVICE, f"Pass `{type(self).__name__}(ops=True)` to name the op and the line.")
         user_on_detect = self.options.on_detect
         return user_on_detect(report) if user_on_detect is not None else None
 

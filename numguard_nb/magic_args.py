@@ -18,6 +18,7 @@ from IPython.utils.process import arg_split
 from ._schema import MODE_FULL, MODE_SENTINEL
 from ._util import message_line
 from .guard import GuardOptions
+from .guard.options import LIMIT_DTYPES as _DTYPE_NAMES
 
 LIMIT_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
@@ -25,6 +26,16 @@ LIMIT_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 # ---- argument types ------------------------------------------------------------------------
 # argparse shows the message of an ArgumentTypeError raised by a `type=` function.
 _ArgError = argparse.ArgumentTypeError
+
+def limit_dtype(text: str) -> str:
+    """A name `limit_dtype` accepts ("fp16", "bf16", "e4m3", ...), as the Guard option takes it."""
+    name = text.lower()
+    name = name[len("torch."):] if name.startswith("torch.") else name
+    if name not in _DTYPE_NAMES:
+        raise _ArgError(f"expected one of {', '.join(LIMIT_DTYPES)} (or fp16, bf16, e4m3, "
+                        f"e5m2), got {text!r}")
+    return name
+
 
 def positive_int(text: str) -> int:
     try:
@@ -116,7 +127,7 @@ def _guard_parser(prog: str) -> MagicArgumentParser:
     add("--sentinel", action="store_true",
         help="check only the models' outputs and the gradients, at almost no cost (compiled models "
              "stay compiled); re-run a failing call with the full hooks")
-    add("--limit-dtype", choices=LIMIT_DTYPES, default=None,
+    add("--limit-dtype", type=limit_dtype, default=None, metavar="DTYPE",
         help="collect the values beyond this dtype's range (predicted overflow/underflow) and "
              "show them after the cell")
     add("--stop-at-limit", action="store_true",

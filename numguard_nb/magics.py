@@ -245,8 +245,9 @@ class NumguardMagics(Magics):
         guarded from the next statement on.
 
         A GradScaler in the namespace (a variable, or a Trainer's; --scaler NAME picks one) is
-        handed to the guard: a gradient overflow in a step it skips is recorded, not stopped, until
-        it has skipped 16 steps in a row; `%numguard status` says how many it skipped.
+        handed to the guard (the one whose scale(loss) runs, once seen): a gradient overflow in a
+        step it skips is recorded, not stopped, until its scale reaches 1; `%numguard status` says
+        how many it skipped.
 
         On a detection the report is displayed (the module tree, collapsible, with the path to the
         culprit open), then the cell fails with a one-line error naming the culprit and the batch; the
@@ -393,10 +394,12 @@ class NumguardMagics(Magics):
         parse_bare(OFF, rest)
         self._listen(False)
         run = self._session.run
-        stopped = self._session.stop()
+        stopped, found = self._session.stop_and_find()
         if run is not None:  # what detaching found: the code after the last model call
             self._show(run.show_collected())
         print(stopped)
+        if found is not None:  # the cell fails, in one line (under -q too)
+            _CellOutcome(error=found).result(run.hint)
 
     def _status(self, rest: str) -> None:
         parse_bare(STATUS, rest)
@@ -447,7 +450,7 @@ class NumguardMagics(Magics):
         summary = getattr(table, "attrs", {}).get("summary")
         if summary:
             print(summary)
-        self._display(table)
+        _display(table)
 
     # ---- %numguard_check -----------------------------------------------------------------
     @magic_arguments()
@@ -474,7 +477,7 @@ class NumguardMagics(Magics):
         except (TypeError, ValueError) as error:
             raise UsageError(f"{magic}: {message_line(error)}") from None
         self.shell.user_ns["_numguard_check"] = report
-        self._display(report)
+        _display(report)
 
     # ---- %numguard_replay ----------------------------------------------------------------
     @magic_arguments()
@@ -503,7 +506,7 @@ class NumguardMagics(Magics):
             named = "" if args.names or len(models) < 2 else f" (or name the model: {magic} PATH MODEL)"
             raise UsageError(f"{magic}: {message_line(error)}{named}") from None
         self.shell.user_ns["_numguard_replay"] = result
-        self._display(result)
+        _display(result)
 
     # ---- looking objects up --------------------------------------------------------------
     def _look_up(self, name: str, magic: str):
@@ -609,7 +612,7 @@ class NumguardMagics(Magics):
                   file=sys.stderr)
             return
         self.shell.user_ns["_numguard_replay"] = result
-        self._display(result)
+        _display(result)
 
     # ---- %numguard on: the session's events ----------------------------------------------
     def _listen(self, on: bool) -> None:
@@ -663,13 +666,13 @@ class NumguardMagics(Magics):
             for report in shown.reports:
                 display_report(report)
         for view in shown.views:
-            self._display(view)
+            _display(view)
 
-    @staticmethod
-    def _display(obj) -> None:
-        from IPython.display import display
 
-        display(obj)
+def _display(obj) -> None:
+    from IPython.display import display
+
+    display(obj)
 
 
 # ---- extension entry points ----------------------------------------------------------------

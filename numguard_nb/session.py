@@ -317,12 +317,13 @@ class GuardedRun:
     def scaling(self) -> str:
         """The status lines' clause on loss scaling: '; the steps scaler (GradScaler) skips are
         let through', then what it skipped; '' without a scaler."""
-        scaler = self.guard.scaler
+        # (the one seen scaling the loss first: a loop's own, or one of several in the namespace)
+        scaler = self.guard.scaling.scaler_of(self.guard.options)
         if scaler is None:
             return ""
         kind = type(scaler).__name__
         label = kind
-        if self.scaler_name is not None:
+        if self.scaler_name is not None and scaler is self.guard.scaler:
             try:
                 direct = lookup(self.namespace, self.scaler_name) is scaler
             except LookupError:
@@ -558,15 +559,27 @@ class Session:
 
     def stop(self) -> str:
         """Unhook the models; the line that says what was guarded."""
+        return self.stop_and_find()[0]
+
+    def stop_and_find(self) -> tuple:
+        """Unhook the models: (the line that says what was guarded, the NonFiniteError that
+        detaching found, or None: the code after the last model call, a loss with no backward,
+        which fails the `%numguard off` cell as a `with` block's exit does)."""
         run, self.run = self.run, None
         if run is None:
             armed, self._armed = self._armed, None
-            return "numguard: off (no model was guarded)" if armed else "numguard: already off"
+            return ("numguard: off (no model was guarded)" if armed else "numguard: already off",
+                    None)
         run.guard.detach()
-        run.guard.raise_found(False)  # (reported: `show_collected` has it)
+        found = None
+        try:
+            run.guard.raise_found()
+        except NonFiniteError as error:  # (its report: `show_collected` has it)
+            found = error
         if run.guard.history_every is not None:  # %numguard history still shows it
             run.namespace[HISTORY_NAME] = run.guard.history
-        return f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})"
+        return (f"numguard: off (guarded {run.describe()} up to batch {run.guard.batch_number})",
+                found)
 
     def status(self) -> str:
         """What is guarded now (as the last step found it), at which batch, and what was found."""

@@ -26,7 +26,8 @@ from numguard_nb import Guard, NonFiniteError
 from numguard_nb._schema import (
     CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
     CAUSE_LOSS_GRADIENT, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, CAUSES, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_FORWARD, CAUSE_OUTSIDE, OUTSIDE_MODULE, WRITTEN_IN_FORWARD,
+    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, CAUSE_OUTSIDE, OUTSIDE_MODULE,
+    WRITTEN_IN_FORWARD,
 )
 from numguard_nb.guard import frames
 from numguard_nb.guard.options import GuardOptions
@@ -166,6 +167,25 @@ def test_weights_non_finite_from_the_start_were_so_when_the_guard_attached():
         "they were already non-finite when it attached"), report.reason
     assert "checkpoint" in report.hint and "initialisation" in report.hint
     assert "learning rate" not in report.hint
+
+
+def test_weights_a_sentinel_saw_finite_at_attach_and_written_before_its_first_forward():
+    # The sentinel looks at the weights as it attaches: finite then, so not "already non-finite
+    # when it attached" (nor a checkpoint to check), but written since, outside the forward.
+    model = linear()
+
+    def write_then_forward():
+        with torch.no_grad():
+            model[0].weight[0, 0] = math.nan
+        model(batch()).sum().backward()
+
+    report = detection(model, write_then_forward, mode="sentinel")
+    assert report.weights_origin == ORIGIN_SINCE_ATTACH and report.optimizer_step is None
+    assert report.reason.endswith(
+        "they changed outside the model's forward since the guard attached, which found them "
+        "finite: the guard saw no optimizer step since"), report.reason
+    assert "since the guard attached, which found them finite" in report.hint
+    assert "checkpoint (`all(" not in report.hint
 
 
 def test_a_step_before_the_guards_first_forward_may_have_written_them():

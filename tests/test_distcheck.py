@@ -222,7 +222,9 @@ def test_nccl_without_cuda_says_to_use_gloo(monkeypatch):
 
 @pytest.mark.parametrize("arguments, env, message", [
     (["--timeout", "0"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a number of seconds"),
-    (["--timeout", "1e10"], {"RANK": "0", "WORLD_SIZE": "1"}, "timeout must be a number of seconds"),
+    (["--timeout", "1e10"], {"RANK": "0", "WORLD_SIZE": "1"},
+     "timeout must be a number of seconds > 0 and at most 604800 (got 10000000000.0): pass e.g. "
+     "--timeout 60"),
     (["--results-dir", "/proc/numguard"], {"RANK": "0", "WORLD_SIZE": "1"},
      "--results-dir /proc/numguard: cannot write there"),
     ([], {}, "RANK/WORLD_SIZE are not set: launch with torchrun"),

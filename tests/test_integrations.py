@@ -96,6 +96,9 @@ def test_trainer_stops_at_the_module_that_produced_inf_and_removes_its_hooks(tmp
     assert callback.report is report
     assert trainer.state.global_step == BLOW_UP_BATCH
     assert_no_hooks(model)
+    # without ops, the hint says how to have the op named in the callback's own terms
+    assert report.hint.endswith("Pass `NumguardCallback(ops=True)` to name the op and the line."), \
+        report.hint
 
 
 def test_trainer_run_that_ends_normally_detaches_and_keeps_the_report(tmp_path):
@@ -193,9 +196,15 @@ def test_a_culprit_found_when_the_run_ends_is_raised_not_dropped():
     assert_no_hooks(model)
 
 
-def test_callback_rejects_an_unknown_guard_option():
-    with pytest.raises(TypeError):
-        NumguardCallback(max_frame=3)
+@pytest.mark.parametrize("callback", ["NumguardCallback", "NumguardLightningCallback"])
+def test_callback_rejects_an_unknown_guard_option_naming_the_options(callback):
+    import numguard_nb
+
+    make = getattr(numguard_nb, callback)
+    with pytest.raises(TypeError, match=r"^unknown option 'max_frame': the options are max_frames, "):
+        make(max_frame=3)
+    with pytest.raises(TypeError, match=rf"^{callback} takes no model: the trainer's is guarded"):
+        make(nn.Linear(2, 2))  # (as Guard is called)
 
 
 def test_callback_checks_option_values_at_construction():

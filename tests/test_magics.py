@@ -277,7 +277,9 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     ("%%numguard net.nothing\n1", "net (Sequential) has no attribute 'nothing'"),
     ("%%numguard --frames 0\n1", "argument --frames: expected a positive integer, got '0'; see %%numguard?"),
     ("%%numguard --trace 1,x\n1", "argument --trace: expected batch numbers like 1,3 or 149-150"),
-    ("%%numguard --limit-dtype int8\n1", "invalid choice: 'int8'"),
+    ("%%numguard --limit-dtype int8\n1", "argument --limit-dtype: expected one of float16, bfloat16, "
+                                          "float8_e4m3fn, float8_e5m2 (or fp16, bf16, e4m3, e5m2), "
+                                          "got 'int8'"),
     ("%%numguard --bogus\n1", "unrecognized arguments: --bogus"),
     ("%%numguard -h\n1", "unrecognized arguments: -h"),
     ("%%numguard -o 1x\n1", "'1x' is not a Python variable name"),
@@ -473,7 +475,9 @@ def test_limit_dtype_takes_float8_names_and_rejects_others(ip):
     result, captured = run(ip, "%%numguard net --limit-dtype float8_e4m3fn\nstep(net, xs[0].float())")
     assert result.success and "in float8_e4m3fn" in headroom_views(captured)[0]["text/plain"]
     result, captured = run(ip, "%%numguard net --limit-dtype fp8\n1")
-    assert "invalid choice: 'fp8'" in usage_error_line(captured)
+    assert "got 'fp8'" in usage_error_line(captured)
+    result, captured = run(ip, "%%numguard net --limit-dtype E4M3\nstep(net, xs[0].float())")
+    assert result.success and "in float8_e4m3fn" in headroom_views(captured)[0]["text/plain"]
     assert "--stop-at-limit" in ip.find_cell_magic("numguard").__doc__
 
 
@@ -505,14 +509,19 @@ def test_a_nan_the_cell_s_own_code_makes_fails_the_cell_as_a_with_block_does(ip)
     assert error.report.cause == "outside" and error.report is ip.user_ns["_numguard"]
     assert len(reports_displayed(captured)) == 1
     assert hook_count(ip.user_ns["net"]) == 0
-    # the same cell under %numguard on: reported when it goes off at the latest
-    run(ip, "%numguard on net")
-    result, captured = run(ip, cell)
-    assert result.success
-    _, captured = run(ip, "%numguard off")
-    assert len(reports_displayed(captured)) == 1
-    assert ip.user_ns["_numguard"].cause == "outside"
-    assert captured.stdout.strip().endswith("numguard: off (guarded net (Sequential) up to batch 0)")
+    # the same cell under %numguard on: reported, and the cell failed, when it goes off at the
+    # latest (quiet: the one-line error alone)
+    for quiet in ("", " -q"):
+        run(ip, "%numguard on net" + quiet)
+        result, captured = run(ip, cell)
+        assert result.success
+        result, captured = run(ip, "%numguard off")
+        assert len(reports_displayed(captured)) == (0 if quiet else 1)
+        assert isinstance(result.error_in_exec, NonFiniteError), result.error_in_exec
+        assert result.error_in_exec.report is ip.user_ns["_numguard"]
+        assert ip.user_ns["_numguard"].cause == "outside"
+        assert "numguard: off (guarded net (Sequential) up to batch 0)" in captured.stdout
+        assert hook_count(ip.user_ns["net"]) == 0
 
 
 def test_a_sentinel_cell_whose_batches_all_ran_with_the_full_hooks_says_what_it_saw(ip):

@@ -284,11 +284,32 @@ def test_a_scale_of_1_or_a_disabled_scaler_lets_nothing_through():
 
 def test_a_scaler_whose_update_is_never_called_lets_through_no_more_than_the_rule():
     model, scaler = Siamese(), grad_scaler()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with pytest.raises(NonFiniteError) as raised:
         with Guard(model, scaler=scaler, max_skipped_steps=4):
-            siamese_steps(model, grad_scaler())  # the loop steps with another scaler
+            for _ in range(40):  # the loop scales its loss by hand: no scaler of its own seen
+                (model(torch.randn(3, 4)) * 2.0 ** 16).backward()
+                if all(p.grad is None or bool(p.grad.isfinite().all()) for p in model.parameters()):
+                    optimizer.step()  # (skips a step whose gradients overflowed)
+                optimizer.zero_grad(set_to_none=True)
     assert raised.value.report.batch_number == 4
     assert "GradScaler.update() has not been called since batch 0" in raised.value.report.reason
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_scaler_seen_scaling_the_loss_is_the_rules_over_one_given_that_the_loop_never_calls(
+        mode):
+    # A notebook's scaler from an earlier run, handed to the guard (by hand, or found in the
+    # namespace by the magics), while the loop makes its own: a warm-up from 2**40 skips more than
+    # 16 steps and is no false alarm.
+    expected = warm_up(mlp(), grad_scaler(init_scale=2.0 ** 40), steps=24)
+    assert len(expected) > 16
+    stale = grad_scaler()
+    model = mlp()
+    with Guard(model, scaler=stale, mode=mode) as guard:
+        skipped = warm_up(model, grad_scaler(init_scale=2.0 ** 40), steps=24)
+    assert skipped == expected and [step.batch for step in guard.skipped_steps] == expected
+    assert not watched(stale)
 
 
 def test_reset_forgets_the_overflow_of_a_step_interrupted_before_its_update():
@@ -563,6 +584,19 @@ def test_numguard_on_picks_up_the_scaler_and_status_shows_its_skips(ip):
     assert "scaler (GradScaler) skipped 4 steps (batches 0-3" in captured.stdout
     _, captured = run_cell(ip, "%numguard off")
     assert not watched(ip.user_ns["scaler"]) and hooks_left(ip.user_ns["net"]) == []
+
+
+@pytest.mark.parametrize("namespace", ["a scaler the loop makes", "two scalers"])
+def test_status_shows_the_skips_of_the_scaler_seen_scaling_the_loss(ip, namespace):
+    ip.run_cell("del scaler")
+    if namespace == "two scalers":
+        ip.run_cell('scaler, other = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")')
+    run_cell(ip, "%numguard on net -q")
+    made = "scaler" if namespace == "two scalers" else 'torch.amp.GradScaler("cpu")'
+    result, _ = run_cell(ip, f"warm_up(net, {made}, steps=6)")
+    assert result.success and result.result == [0, 1, 2, 3]
+    _, captured = run_cell(ip, "%numguard status")
+    assert "GradScaler skipped 4 steps (batches 0-3, scale 65536 down to 8192)" in captured.stdout
 
 
 def test_skipped_summary_counts_and_ranges():

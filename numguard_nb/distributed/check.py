@@ -73,19 +73,29 @@ def _number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: float) -> str:
-    """Validate the options shared by :func:`run` and the CLI; return the backend to use.
+# How the command line spells run()'s arguments, for the advice of an error.
+_FLAGS = {"nproc": "torchrun --nproc_per_node ", "timeout": "--timeout ", "size_mb": "--size "}
+
+
+def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: float,
+                     cli: bool = False) -> str:
+    """Validate the options shared by :func:`run` and the CLI (`cli`: advice in its flags);
+    return the backend to use.
 
     Raises a one-line ValueError that says what to change.
     """
+    def give(name: str, value) -> str:
+        return f"{_FLAGS[name]}{value}" if cli else f"{name}={value}"
+
     if isinstance(nproc, bool) or not isinstance(nproc, numbers.Integral) or nproc < 1:
-        raise ValueError(f"nproc must be a positive integer (got {nproc!r}): pass nproc=1 or more")
+        raise ValueError(f"nproc must be a positive integer (got {nproc!r}): pass "
+                         f"{give('nproc', 1)} or more")
     if not _number(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
-                         f"(got {timeout!r}): pass e.g. timeout=60")
+                         f"(got {timeout!r}): pass e.g. {give('timeout', 60)}")
     if not _number(size_mb) or not 0 < size_mb < math.inf:
         raise ValueError(f"size_mb must be a finite number of MiB > 0 (got {size_mb!r}): pass e.g. "
-                         "size_mb=64")
+                         f"{give('size_mb', 64)}")
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in BACKENDS:
@@ -97,7 +107,7 @@ def _check_arguments(nproc: int, backend: str | None, timeout: float, size_mb: f
     if backend == "nccl" and nproc > torch.cuda.device_count():
         gpus = torch.cuda.device_count()
         raise ValueError(f"backend 'nccl' runs one process per GPU, and {nproc} processes were asked "
-                         f"for with {gpus} GPU{'s' if gpus != 1 else ''} visible: pass nproc={gpus} "
+                         f"for with {gpus} GPU{'s' if gpus != 1 else ''} visible: pass {give('nproc', gpus)} "
                          "or fewer, or backend 'gloo'")
     return backend
 
@@ -329,7 +339,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         # torchrun owns the process count: this node's, checked against its GPUs for nccl.
         args.backend = _check_arguments(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.backend,
-                                        args.timeout, args.size)
+                                        args.timeout, args.size, cli=True)
     except ValueError as exc:
         parser.error(str(exc))
     if args.results_dir is not None:  # refused now, not after the check said OK

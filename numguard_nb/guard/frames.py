@@ -19,7 +19,8 @@ from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
     GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
-    ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, TRACE, VALUE_UNSUPPORTED,
+    ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, TRACE,
+    VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..errors import NonFiniteError
@@ -205,6 +206,9 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
         stale = (", from gradients whose .grad already held inf/nan when the guard attached"
                  if step.stale_gradients else "")
         return f"{head}, and an optimizer step wrote them: {step.words}{stale}"
+    if kind == ORIGIN_SINCE_ATTACH:
+        return (f"{head}, and they changed outside the model's forward since the guard attached, "
+                "which found them finite: the guard saw no optimizer step since")
     if kind == ORIGIN_OUTSIDE_FORWARD:
         return (f"{head}, and they changed outside the model's forward: the guard saw no "
                 f"optimizer step since the model's previous forward (batch {origin.finite_batch}"

@@ -67,7 +67,7 @@ OPTION_DOCS = """
             overflowing gradient is raised (None, the default: until its scale reaches 1).
         mode: "full" (hooks on every module call) or "sentinel" (a whole run at almost no cost:
             checks the outputs of the model's calls and the gradients after each backward; on
-            the first inf/nan, re-runs that call with the full guard, see `guard.sentinel`).
+            the first inf/nan, re-runs that call with the full guard; docs/sentinel.md).
 """
 
 # The names limit_dtype accepts (after dropping a "torch." prefix, in any case); the first name

@@ -2,7 +2,7 @@
 and recorded; the ones skipping does not cure are raised.
 
 Contract: `LossScaling.excuses` lets a non-finite gradient made in backward through while the
-scaler (the `scaler` option's, else the one seen running `scale(loss)`) is enabled, its scale is
+scaler (the one seen running `scale(loss)`, else the `scaler` option's) is enabled, its scale is
 above 1 and `max_skipped_steps`, when set, is not reached. Each step the scaler then skipped is a
 `SkippedStep` (`guard.skipped_steps`, `skipped_summary`). `is_loss_scaler` and `loss_scaler_of`
 recognise a scaler or find a trainer's.
@@ -202,10 +202,11 @@ class LossScaling:
             self._found = weakref.ref(scaler)
 
     def scaler_of(self, options):
-        """The scaler the rule applies to: the option's, else the one found scaling the loss."""
-        if options.scaler is not None:
-            return options.scaler
-        return self._found() if self._found is not None else None
+        """The scaler the rule applies to: the one found scaling the loss, else the option's (a
+        scaler the loop does not call, a notebook's from an earlier run, cannot have made the
+        overflow nor skip its step)."""
+        found = self._found() if self._found is not None else None
+        return found if found is not None else options.scaler
 
     # ---- the rule ---------------------------------------------------------------------------
     def excuses(self, options, pass_, call, bad_slots, cause) -> bool:

@@ -32,6 +32,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from .. import numerics
 from .._schema import (ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
+                       ORIGIN_SINCE_ATTACH,
                        ORIGIN_SINCE_FORWARD)
 from .._util import WeakHook, user_stacklevel
 from ..report import OptimizerStep
@@ -181,7 +182,10 @@ class StepWatch:
         if before is None:  # its first forward since attach
             # A step that ran before it (after the guard attached) may have written them.
             earlier = [step for step in self._steps if step[STEP_FORWARD] < latest]
-            return Origin(ORIGIN_BEFORE_ATTACH, self._first_holding(earlier[::-1], params), None)
+            step = self._first_holding(earlier[::-1], params)
+            if step is None and params and self._seen_at_attach(params):  # (finite then)
+                return Origin(ORIGIN_SINCE_ATTACH, None, None)
+            return Origin(ORIGIN_BEFORE_ATTACH, step, None)
         if not params:  # buffers: no optimizer writes them
             return Origin("", None, finite_batch)
         since = [step for step in self._steps if step[STEP_FORWARD] >= before]
@@ -207,6 +211,11 @@ class StepWatch:
                     norms[torch.tensor(positions, device=norms.device)])):
                 return True
         return False
+
+    def _seen_at_attach(self, params) -> bool:
+        """Whether every one of `params` was looked at when the guard attached."""
+        seen = {pid for ids, _ in self._weights_at_attach for pid in ids}
+        return all(id(p) in seen for p in params)
 
     def buffers_origin(self, root_id: int) -> Origin:
         """How buffers found non-finite in the latest forward of `root_id` got that way: no
