@@ -570,6 +570,7 @@ class Session:
             armed, self._armed = self._armed, None
             return ("numguard: off (no model was guarded)" if armed else "numguard: already off",
                     None)
+        run.guard.raise_found(False)  # what a detach before (following a name) left: not this one's
         run.guard.detach()
         found = None
         try:

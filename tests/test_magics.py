@@ -524,6 +524,19 @@ def test_a_nan_the_cell_s_own_code_makes_fails_the_cell_as_a_with_block_does(ip)
         assert hook_count(ip.user_ns["net"]) == 0
 
 
+def test_numguard_off_does_not_raise_what_an_earlier_detach_found(ip, deferred_on_host):
+    # A sentinel's check still unread (a GPU's) when the session guard detached to follow a
+    # rebuilt model: shown then or not, it is not the error of the cells that ran since.
+    run(ip, "%numguard on net --sentinel")
+    run(ip, "_ = net(torch.full((2, 4), float('nan')).half())")  # no backward: unread after it
+    run(ip, "net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()")
+    result, _ = run(ip, "for x in xs[:2]:\n    step(net, x)")
+    assert result.success
+    result, captured = run(ip, "%numguard off")
+    assert result.success, result.error_in_exec
+    assert "numguard: off (guarded net (Sequential)" in captured.stdout
+
+
 def test_a_sentinel_cell_whose_batches_all_ran_with_the_full_hooks_says_what_it_saw(ip):
     result, captured = run(ip, "%%numguard --sentinel --history-every 1\nfor x in xs[:3]:\n    step(net, x)")
     assert result.success

@@ -896,10 +896,12 @@ class LogOut(nn.Module):
 def test_a_minus_inf_the_model_gives_is_judged_by_the_loss(deferred_on_host, loss_at):
     # A -inf output is a mask only while the loss stays finite: here the loss is -inf (the mean
     # carries it, nothing new is made outside the model), and the gradients are finite (the
-    # ReLU's backward zeroes them). On the host the loss judges it at once; read later alike.
+    # ReLU's backward zeroes them). On the host the loss judges it at once; read later alike,
+    # and the fused step of that batch writes nothing (the re-run starts from its weights).
     torch.manual_seed(0)
     model = LogOut()
     optimizer = OPTIMIZERS["fused"](model.parameters())
+    start = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(NonFiniteError) as caught:
         with Guard(model, mode="sentinel"):
             for _ in range(3):
@@ -910,7 +912,81 @@ def test_a_minus_inf_the_model_gives_is_judged_by_the_loss(deferred_on_host, los
                 optimizer.zero_grad()
     report = caught.value.report
     assert report.batch_number == 0 and report.first_nonfinite.op == "aten.log.default"
-    assert "-inf" in report.reason
+    assert report.cause == "forward" and "-inf" in report.reason, report.reason
+    assert all(torch.equal(start[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_minus_inf_the_rules_allow_is_never_run_again(deferred_on_host, monkeypatch):
+    from numguard_nb.guard.sentinel import Sentinel
+
+    reruns = []
+    real = Sentinel._rerun
+    monkeypatch.setattr(Sentinel, "_rerun", lambda self, *a, **k: reruns.append(1) or real(self, *a, **k))
+    torch.manual_seed(0)
+    model = LogOut()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with Guard(model, mode="sentinel", allow_inf=True) as guard:
+        for step in range(4):
+            model(torch.randn(8, 4)).mean().backward()  # a -inf loss the rules allow
+            optimizer.step()
+            optimizer.zero_grad()
+            deferred_on_host[0] = step % 2 == 0
+    assert guard.detection is None and not reruns
+
+
+def test_calls_no_loss_judged_go_with_their_step(deferred_on_host):
+    # A backward through autograd.grad (a hand-made update): the loss watch sees no .backward(),
+    # and the calls, with their inputs, go once the step is done.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = LogOut()
+    params = list(model.parameters())
+    kept = []
+    with Guard(model, mode="sentinel"):
+        for _ in range(6):
+            deferred_on_host[0] = False
+            x = torch.randn(8, 4)
+            grads = torch.autograd.grad(model(x).clamp_min(-1).square().mean(), params)
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p -= 0.01 * g
+            kept.append(weakref.ref(x))
+            del x, grads
+        gc.collect()
+        assert sum(ref() is not None for ref in kept) <= 2  # (the last step's, unread)
+
+
+def test_a_disabled_scaler_does_not_stand_in_for_the_step_it_never_skips(deferred_on_host):
+    # GradScaler(enabled=False) passed through: its step is the optimizer's own, so a nan
+    # gradient must still make the fused optimizer skip (the re-run starts from those weights).
+    class Distance(nn.Module):  # finite forward, nan gradient where fc(x) == 0
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x):
+            return torch.sqrt(self.fc(x).pow(2)).mean()
+
+    torch.manual_seed(0)
+    model = Distance()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel", scaler=scaler):
+            for step in range(4):
+                if step == 2:
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
+                deferred_on_host[0] = True
+                x = torch.zeros(16, 4) if step == 2 else _batch(step, -1)
+                scaler.scale(model(x)).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                deferred_on_host[0] = False
+    assert caught.value.report.batch_number == 2
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
 def test_a_minus_inf_mask_the_model_gives_and_the_loss_drops_is_no_error(deferred_on_host):

@@ -208,6 +208,12 @@ class LossScaling:
         found = self._found() if self._found is not None else None
         return found if found is not None else options.scaler
 
+    def skips_for_itself(self, options) -> bool:
+        """Whether the scaler the rule applies to is enabled and was seen scaling the loss: its
+        `step` then skips a step whose gradients are not finite on its own flag."""
+        scaler = self._found() if self._found is not None else None
+        return scaler is not None and scaler is self.scaler_of(options) and scaler.is_enabled()
+
     # ---- the rule ---------------------------------------------------------------------------
     def excuses(self, options, pass_, call, bad_slots, cause) -> bool:
         """Whether a backward culprit is an overflow the scaler (`scaler_of`) handles by

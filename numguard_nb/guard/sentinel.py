@@ -183,8 +183,9 @@ class Sentinel:
         self._registration_handles: list = []  # torch's global hooks telling of new parameters
         weakref.finalize(self, _remove_all, self._registration_handles)
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
-        self.masks = MasksForTheLoss(self.checks, WeakHook(self, "_late_forward_problem", takes=2,
-                                                           raises=(NonFiniteError,)))
+        self.masks = MasksForTheLoss(
+            self.checks, WeakHook(self, "_late_forward_problem", takes=2, raises=(NonFiniteError,)),
+            WeakHook(self, "_share_forward_flag"))
         self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
         self._held: Optional[_Call] = None  # its forward problem, held for the backward's end
         self.passes_checked = 0
@@ -370,10 +371,9 @@ class Sentinel:
                 inf_ok = entry.inf_accepted or options.stop_rules.inf_allowed(entry.name)
                 self.checks.add(value, partial(self._late_forward_problem, call),
                                 sure=SURE_NAN if inf_ok else SURE_ANY)
-                if masks is not None and torch.is_grad_enabled() and options.backward:
+                if masks is not None and not inf_ok and torch.is_grad_enabled() and options.backward:
                     self.masks.add(call, masks)  # a -inf there: the loss judges it
-                if self.ranks is not None and torch.is_grad_enabled() and options.backward:
-                    self.ranks.note_forward_flag(value)  # every rank learns of it, unread
+                self._share_forward_flag(value)
         else:
             pass_, record = _outputs_read(call, output, sentinel_buffers.produced(written, False),
                                           options.limit_dtype is not None, self._sign_hints)
@@ -385,6 +385,10 @@ class Sentinel:
             self.guard.steps.forward_began(entry.run_id, call.batch_number)
         if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._keep_for_backward(call, tensors)
+
+    def _share_forward_flag(self, value: torch.Tensor) -> None:
+        if self.ranks is not None and torch.is_grad_enabled() and self.guard.options.backward:
+            self.ranks.note_forward_flag(value)  # every rank learns of it, unread
 
     def _late_forward_problem(self, call: _Call, values: list) -> None:
         """A call's outputs held nan or +inf (read after the call): run it again, and raise. The
@@ -465,6 +469,7 @@ class Sentinel:
         if not self.attached:
             return
         self._sampled.stop(paused_only=True)  # the traced batch is over
+        self.masks.forget()  # no loss judged them (a backward through autograd.grad, say)
         try:
             self.passes_checked += 1
             parameters = self._parameters()

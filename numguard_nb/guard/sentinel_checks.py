@@ -84,12 +84,13 @@ class _Sealed:
 
 
 class _MaskNote:
-    """A call whose outputs may hold -inf (read later: `held`), until a loss judges it."""
+    """A call whose outputs may hold -inf (`flag`: +inf where they do; read later: `held`),
+    until a loss judges it."""
 
-    __slots__ = ("call", "held")
+    __slots__ = ("call", "flag", "held")
 
-    def __init__(self, call):
-        self.call, self.held = call, False
+    def __init__(self, call, flag: torch.Tensor):
+        self.call, self.flag, self.held = call, flag, False
 
 
 def _note_mask(note: _MaskNote, values: list) -> None:
@@ -99,18 +100,21 @@ def _note_mask(note: _MaskNote, values: list) -> None:
 class MasksForTheLoss:
     """On an asynchronous device, the -inf a call's outputs hold is a mask unless the loss of
     the backward that follows is not finite (as on the host, where the loss code's watch holds
-    it: `outside.hold`). Each call's -inf flag is read with its step; the loss's own flag is
-    added as its backward starts (`judge_later`), and where it is not finite the calls whose
-    outputs held -inf are run again (`rerun`: the sentinel's re-run, which raises). Calls no
-    backward follows are forgotten after MAX_CALLS_WITHOUT_BACKWARD."""
+    it: `outside.hold`). Each call's -inf flag is read with its step; as the backward starts
+    (`judge_later`), one value joins them: the calls' flag where the loss is not finite, else
+    fine. A fused optimizer skips on it, every rank learns it with the gradients' reduction
+    (`share`), and where it is not fine the calls whose outputs held -inf are run again
+    (`rerun`: the sentinel's re-run, which raises). Notes no loss judged are dropped at the
+    backward's end (`forget`)."""
 
-    def __init__(self, checks: "StepChecks", rerun: Callable):
+    def __init__(self, checks: "StepChecks", rerun: Callable, share: Callable):
         self._checks = checks
         self._rerun = rerun  # (call, values) -> raises what a re-run of the call finds
+        self._share = share  # (value) -> every rank learns it (several ranks), or nothing
         self._notes: deque = deque(maxlen=MAX_CALLS_WITHOUT_BACKWARD)
 
     def add(self, call, flag: torch.Tensor) -> None:
-        note = _MaskNote(call)
+        note = _MaskNote(call, flag)
         self._notes.append(note)
         self._checks.add(flag, partial(_note_mask, note), sure=None)
 
@@ -124,9 +128,14 @@ class MasksForTheLoss:
         flags = numerics.output_flags(tensors) if tensors else None
         if flags is None:
             return
-        high, low = flags
-        value = high if low is None else torch.maximum(high, low)  # nan, +inf or -inf
-        self._checks.add(value, partial(_late_loss, self._rerun, notes), sure=None)
+        with torch.no_grad():
+            high, low = flags
+            size = high if low is None else torch.maximum(high, low)  # nan, or inf either way
+            masks = torch.stack([note.flag.to(size.device, non_blocking=True).reshape(())
+                                 for note in notes]).amax().reshape(1)
+            value = masks.masked_fill(size.isfinite(), -math.inf)  # fine unless both
+        self._checks.add(value, partial(_late_loss, self._rerun, notes))
+        self._share(value)
 
     def forget(self) -> None:
         self._notes.clear()
@@ -407,6 +416,9 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
     per_parameter = sentinel.guard.scaling.scaler_of(sentinel.guard.options) is not None
     if per_parameter:  # read after this step's scaler.update(), perhaps
         sentinel.guard.scaling.expect_late(sentinel.guard.options)
+    # A scaler seen scaling the loss skips a step whose gradients it finds not finite itself
+    # (and its warm-up's overflows are no reason to skip the steps after them).
+    skipped_by_scaler = sentinel.guard.scaling.skips_for_itself(sentinel.guard.options)
     for group, grads_by_dtype in groups:
         flag = None if per_parameter else numerics.nonfinite_flag(grads_by_dtype)
         norms = None if flag is not None else numerics.grad_norms(
@@ -415,7 +427,7 @@ def check_gradients_later(sentinel, calls: list, parameters: list) -> list:
                             partial(_late_backward_problem, sentinel, calls, parameters,
                                     None if norms is None else group),
                             partial(_forget_gradients, calls),
-                            sure=None if per_parameter else SURE_ANY)  # (a scaler skips itself)
+                            sure=None if skipped_by_scaler else SURE_ANY)
     verdict = sentinel.ranks.take_fresh_verdict() if sentinel.ranks is not None else None
     if verdict is not None:  # acted on first: what every rank made, as every rank learnt it
         sentinel.checks.add(verdict, partial(_late_rank_problem, sentinel, calls), first=True)
