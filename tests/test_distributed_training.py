@@ -2,6 +2,10 @@
 stops at the same step with a report (none waits on a collective the other never makes), rank 1
 names the module that made it, and rank 0 names rank 1 (received through the gradient
 all-reduce). A healthy run is bit-identical with and without the guard.
+
+The two rank processes are started once for the module and run one scenario after another,
+each in a process group of its own; after each, no torch function mode of the guard's may be
+left on a rank's stack (a leak that would change the next run: it did).
 """
 
 from __future__ import annotations
@@ -159,14 +163,22 @@ NETS = {"forward": ForwardNet, "backward": BackwardNet, "masked": MaskedNet,
         "two models": ForwardNet}
 
 
-def _as_on_a_gpu(rank: int) -> None:
+@contextlib.contextmanager
+def _as_on_a_gpu(rank: int):
     """The sentinel's checks read later, as on a GPU: rank 0's device has them at once, rank
     1's never before they are waited for (the earliest and the latest a rank could act)."""
     from numguard_nb import numerics
 
+    devices, ready = set(numerics.DEFERRED_DEVICE_TYPES), numerics.DeferredRead.ready
     numerics.DEFERRED_DEVICE_TYPES.add("cpu")
     if rank == 1:
         numerics.DeferredRead.ready = lambda self: self._values is not None
+    try:
+        yield
+    finally:  # (the rank's process runs the next scenario)
+        numerics.DEFERRED_DEVICE_TYPES.clear()
+        numerics.DEFERRED_DEVICE_TYPES.update(devices)
+        numerics.DeferredRead.ready = ready
 
 
 def _wrapped(net: nn.Module, wrap: str) -> nn.Module:
@@ -193,10 +205,10 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
     # The optimizer skips a step on a device flag, no read (DTensor has no fused SGD: FSDP2's
     # optimizer reads at its step).
     fused = mode == "sentinel on a gpu" and wrap == "ddp"
-    if mode == "sentinel on a gpu":
-        _as_on_a_gpu(rank)
-        mode = "sentinel"
+    on_a_gpu = _as_on_a_gpu(rank) if mode == "sentinel on a gpu" else contextlib.nullcontext()
+    mode = "sentinel" if mode == "sentinel on a gpu" else mode
     try:
+        on_a_gpu.__enter__()
         torch.manual_seed(0)
         if setup == "healthy":
             results.put((rank, _healthy(rank, setup, wrap)))
@@ -234,7 +246,9 @@ def _rank_main(rank: int, world: int, port: int, setup: str, results, mode: str 
     except BaseException:
         results.put((rank, ("crashed", traceback.format_exc())))
     finally:
+        on_a_gpu.__exit__(None, None, None)
         dist.destroy_process_group()
+        torch._dynamo.reset()  # (a compiled scenario's caches)
 
 
 def _no_sync_then_clean(rank: int, mode: str) -> tuple:
@@ -326,26 +340,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Outcome:
+    def __init__(self):
+        self.item = (None, ("no outcome",))
+
+    def put(self, item) -> None:
+        self.item = item
+
+
+def _rank_loop(rank: int, jobs, results) -> None:
+    """A rank's process, kept for the module's scenarios: each in a process group of its own
+    (starting two processes, each importing torch, took most of a scenario's 4-5 s). With each
+    outcome goes how many torch function modes the scenario left on the stack (the guard's
+    must leave with it), cleared for the next."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        port, setup, mode, wrap, options = job
+        outcome = _Outcome()
+        _rank_main(rank, 2, port, setup, outcome, mode, wrap, options)
+        left = torch._C._len_torch_function_stack()
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        results.put((rank, outcome.item[1], left))
+
+
+class _Ranks:
+    """Two rank processes (spawned), given one scenario at a time; started again after one
+    did not finish in time."""
+
+    def __init__(self):
+        self.processes: list = []
+        self.jobs: list = []
+        self.results = None
+
+    def start(self) -> None:
+        context = mp.get_context("spawn")
+        self.results = context.Queue()
+        self.jobs = [context.SimpleQueue() for _ in range(2)]
+        self.processes = [context.Process(target=_rank_loop, args=(rank, self.jobs[rank], self.results),
+                                          daemon=True) for rank in range(2)]
+        for process in self.processes:
+            process.start()
+
+    def run(self, job: tuple, timeout: float = 60) -> tuple:
+        """(each rank's outcome, the modes each left on its stack, whether one was still
+        running after `timeout`)."""
+        if not self.processes or not all(p.is_alive() for p in self.processes):
+            self.stop()
+            self.start()
+        for queue in self.jobs:
+            queue.put(job)
+        got, left, deadline = {}, {}, time.monotonic() + timeout
+        while len(got) < 2:
+            try:
+                rank, outcome, modes = self.results.get(
+                    timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # queue.Empty: a rank still running
+                self.stop()
+                return got, left, True
+            got[rank], left[rank] = outcome, modes
+        return got, left, False
+
+    def stop(self) -> None:
+        for queue, process in zip(self.jobs, self.processes):
+            if process.is_alive():
+                queue.put(None)
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.processes, self.jobs = [], []
+
+
+_RANKS = _Ranks()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_stopped_after_the_module():
+    yield
+    _RANKS.stop()
+
+
 def _run(setup: str, mode: str = "sentinel", wrap: str = "ddp", options: dict = None) -> dict:
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    port = _free_port()
-    processes = [context.Process(target=_rank_main,
-                                 args=(rank, 2, port, setup, results, mode, wrap, options))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=60)
-    alive = [process.is_alive() for process in processes]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    got = {}
-    while not results.empty():
-        rank, outcome = results.get()
-        got[rank] = outcome
-    assert not any(alive), f"a rank was still running after 60 s: {got}"
+    got, left, still_running = _RANKS.run((_free_port(), setup, mode, wrap, options))
+    assert not still_running, f"a rank was still running after 60 s: {got}"
+    assert not any(left.values()), f"torch function modes left on the ranks' stacks: {left}"
     return got
 
 

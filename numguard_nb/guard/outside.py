@@ -125,10 +125,11 @@ class OutsideWatch(BackwardWatch):
         read is reported (`on_detect`) and kept for `raise_found`."""
         state = thread_state
         try:
-            if state.owner is self:
+            owner = state.owner
+            if owner is self or owner is None:  # (None: a re-run's guard took the thread and left)
                 withdraw(state, detaching=True)
-                if self.attached:
-                    self.unraised = self.settle(state, raising=False, final=True)
+            if owner is self and self.attached:
+                self.unraised = self.settle(state, raising=False, final=True)
         finally:
             self.attached = False
             release_step_hook(self._step_hold)
