@@ -858,20 +858,34 @@ def test_a_fused_optimizer_steps_through_what_the_read_will_accept(deferred_on_h
     assert not torch.equal(start, model[0].weight), "every step was skipped"
 
 
-def test_healthy_steps_after_a_scalers_skipped_ones_are_taken(deferred_on_host):
+class _Counting(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("how", ["one loss", "a list of losses", "under a mode of the user's"])
+def test_healthy_steps_after_a_scalers_skipped_ones_are_taken(deferred_on_host, how):
     # The scaler's warm-up overflows are the scaler's to skip: the steps after them, unread too,
-    # are not skipped for them.
+    # are not skipped for them, however the loop hands it its losses.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     optimizer = OPTIMIZERS["fused"](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2)
     wrote = []
-    with Guard(model, mode="sentinel") as guard:
+    with Guard(model, mode="sentinel", scaler=scaler) as guard:
         for step in range(8):
             x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
             with torch.autocast("cpu", dtype=torch.float16):
                 out = model(x)
-            scaler.scale(out.float().square().mean()).backward()
+            loss = out.float().square().mean()
+            if how == "a list of losses":
+                torch.autograd.backward(scaler.scale([loss, out.float().abs().mean()]))
+            elif how == "under a mode of the user's":
+                with _Counting():
+                    scaled = scaler.scale(loss)
+                scaled.backward()
+            else:
+                scaler.scale(loss).backward()
             before = model[0].weight.detach().clone()
             scaler.step(optimizer)
             scaler.update()

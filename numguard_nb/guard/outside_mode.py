@@ -125,8 +125,12 @@ class OutsideMode(TorchFunctionMode):
             watch.guard.scaling.note_caller(sys._getframe(1))
         if func in ENDS_REGION:
             return watch.run_backward(state, func, args, kwargs)
-        if func is _AUTOGRAD_GRAD and (state.held is not None or state.held_mask is not None):
-            watch.settle(state, loss=args[0] if args else kwargs.get("outputs"))  # its loss
+        if func is _AUTOGRAD_GRAD:  # its outputs judge what is held, as a loss does
+            loss = args[0] if args else kwargs.get("outputs")
+            if state.held is not None or state.held_mask is not None:
+                watch.settle(state, loss=loss)
+            if watch.judge_loss is not None and watch.watching():
+                watch.judge_loss(loss)  # (a sentinel on a device: a -inf its models gave)
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)

@@ -43,6 +43,8 @@ _UPDATE_WINDOW = 16
 # sentinel's checks are read a step or two late (its StepChecks forget steps past 64 unread).
 _ENDED_KEPT = 64
 _SCALE_CODE = torch.amp.GradScaler.scale.__code__  # torch.cuda.amp's GradScaler inherits it
+# Frames from a `Tensor.to` up to `scale`: scale(list) -> apply_scale -> _MultiDeviceReplicator.get
+_SCALE_DEPTH = 4
 
 # Where training objects keep their GradScaler: accelerate's Accelerator (trainer.accelerator),
 # an AcceleratedOptimizer or an older Hugging Face Trainer (.scaler), Lightning's Trainer.
@@ -193,8 +195,12 @@ class LossScaling:
     # ---- the scaler ---------------------------------------------------------------------------
     def note_caller(self, frame) -> None:
         """A torch function called by `frame` ran while the guard watched: where that is
-        `GradScaler.scale(loss)`, the loop scales its loss with that scaler (the one the rule
-        applies to when no `scaler` option names one)."""
+        `GradScaler.scale(loss)` (or, for several losses, its replicator a few frames below),
+        the loop scales its loss with that scaler (the one the rule applies to)."""
+        for _ in range(_SCALE_DEPTH):
+            if frame is None or frame.f_code is _SCALE_CODE:
+                break
+            frame = frame.f_back
         if frame is None or frame.f_code is not _SCALE_CODE:
             return
         scaler = frame.f_locals.get("self")

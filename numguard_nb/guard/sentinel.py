@@ -186,6 +186,7 @@ class Sentinel:
         self.masks = MasksForTheLoss(
             self.checks, WeakHook(self, "_late_forward_problem", takes=2, raises=(NonFiniteError,)),
             WeakHook(self, "_share_forward_flag"))
+        self.checks.forget_shared = partial(_forget_shared_flags, weakref.ref(self))
         self.ranks: Optional[RankFlags] = None  # a DDP model's: which rank made it
         self._held: Optional[_Call] = None  # its forward problem, held for the backward's end
         self.passes_checked = 0
@@ -312,7 +313,7 @@ class Sentinel:
         # capture an event recorded is the graph's, and asking it fails).
         inert = inert_context()
         if self.checks.pending and not inert:
-            if not self._backward_due():
+            if not _backward_due(self):
                 self.checks.seal()  # a call no backward followed
             self.checks.look()  # the steps before, if the device has their values by now
         # ...or recomputed in backward (activation checkpointing).
@@ -348,13 +349,6 @@ class Sentinel:
             call.inputs_changed = call.entry.copy_inputs = True
         self._check_outputs(call, output)
         self.guard.outside.leave_model()  # watch the code that follows, up to its backward
-
-    def _backward_due(self) -> bool:
-        """Several ranks, a forward flag riding on the coming reduction: the calls before that
-        backward stay open, to be sealed with it and acted on at the same point on every rank
-        (a bound keeps calls that never get a backward from piling up)."""
-        return (self.ranks is not None and isinstance(self.ranks.forward_problem, torch.Tensor)
-                and self.checks.open_values < MAX_OPEN_CALL_VALUES)
 
     def _check_outputs(self, call: _Call, output) -> None:
         entry, options = call.entry, self.guard.options
@@ -610,6 +604,22 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+def _backward_due(sentinel) -> bool:
+    """Several ranks, a forward flag riding on the coming reduction: the calls before that
+    backward stay open, to be sealed with it and acted on at the same point on every rank (a
+    bound keeps calls that never get a backward from piling up)."""
+    return (sentinel.ranks is not None and isinstance(sentinel.ranks.forward_problem, torch.Tensor)
+            and sentinel.checks.open_values < MAX_OPEN_CALL_VALUES)
+
+
+def _forget_shared_flags(sentinel_ref) -> None:
+    """A step no reduction carried (a no_sync micro-step) raised: its flags do not ride on the
+    next reduction."""
+    sentinel = sentinel_ref()
+    if sentinel is not None and sentinel.ranks is not None:
+        sentinel.ranks.forget_step()
 
 
 MAX_PLANS = 8  # output layouts remembered per module

@@ -204,6 +204,9 @@ class StepChecks:
         self._actions: list = []  # per value: called with its host floats when not fine
         self._finish: list = []  # called once the step is read, fine or not
         self._sure: list = []  # per value: what a value not fine says before it is judged
+        # Called when a step no reduction carried raises: this rank's flags shared for the next
+        # reduction go (several ranks: the sentinel's `RankFlags.forget_step`).
+        self.forget_shared: Optional[Callable[[], None]] = None
         self._sealed: deque = deque()
         self._handles: list = []  # torch's global step hooks (gone with this object too)
         weakref.finalize(self, _remove_all, self._handles)
@@ -287,22 +290,26 @@ class StepChecks:
         that none raises while another waits for it in a collective."""
         if wait and self._sealed:
             self._sealed[-1].read.values(wait=True)  # one wait: the steps before it are done too
+        # A step sealed in_step with a later one sealed is acted on now on every rank: the steps
+        # before it too (a no_sync micro-step's), waiting, so that no rank acts on them later.
+        due = max((i for i, sealed in enumerate(list(self._sealed)[:-1]) if sealed.in_step),
+                  default=-1)
         while self._sealed:
             sealed = self._sealed[0]
-            if sealed.in_step and not wait:
-                if sealed is self._sealed[-1]:
-                    return
-                values = sealed.read.values(wait=True, counted=False)
-            else:
-                values = sealed.read.values(wait, counted=False)
+            if sealed.in_step and not wait and due < 0:
+                return  # (the newest: every rank acts on it once a later step is sealed)
+            values = sealed.read.values(wait or due >= 0, counted=False)
             if values is None:
                 return
             self._sealed.popleft()
+            due -= 1
             try:
                 for vector, action in zip(values, sealed.actions):
                     if not all(numerics.fine(x) for x in vector):
                         action(vector)
             except BaseException:
+                if not sealed.in_step and self.forget_shared is not None:
+                    self.forget_shared()  # (no reduction carried it: not on the next one)
                 self._drop()
                 raise
             finally:
