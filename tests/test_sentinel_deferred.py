@@ -1015,3 +1015,28 @@ def test_a_minus_inf_mask_the_model_gives_and_the_loss_drops_is_no_error(deferre
             optimizer.zero_grad()
     assert guard.detection is None
     assert optimizer.state[model.fc.weight]["step"].item() == 3
+
+
+def test_a_detach_from_on_detect_reads_no_later_step_over_the_detection(deferred_on_host):
+    # The callbacks detach in on_detect. Under accumulation the next micro-batch's gradients
+    # carry the nan too: read then, their re-run (finite) replaced the detection with a
+    # "transient" one of batch 3.
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x * torch.where(x[:, :1] > 100, float("nan"), 1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Bad(), nn.Linear(4, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(2, 2, 2, 4)
+    x[1, 0, 0, 0] = 1000.0  # step 1, micro-batch 0: batch 2
+    guard = Guard(model, mode="sentinel", on_detect=lambda report: guard.detach())
+    with pytest.raises(NonFiniteError) as caught:
+        with guard:
+            for step in range(2):
+                for micro in range(2):
+                    model(x[step, micro]).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert caught.value.report.batch_number == 2 and caught.value.report.cause == "forward"
+    assert guard.report is caught.value.report

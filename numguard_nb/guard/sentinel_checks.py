@@ -207,6 +207,7 @@ class StepChecks:
         # Called when a step no reduction carried raises: this rank's flags shared for the next
         # reduction go (several ranks: the sentinel's `RankFlags.forget_step`).
         self.forget_shared: Optional[Callable[[], None]] = None
+        self._acting = False  # an action runs (`look`): a detach from it reads nothing more
         self._sealed: deque = deque()
         self._handles: list = []  # torch's global step hooks (gone with this object too)
         weakref.finalize(self, _remove_all, self._handles)
@@ -233,8 +234,9 @@ class StepChecks:
             _take_back(optimizer)
         self._lent_to = weakref.WeakSet()
         try:
-            self.seal()
-            self.look(wait=True)
+            if not self._acting:  # (a detach from an action's detection: the steps after it
+                self.seal()       # ran from what the failing step left, and go unread)
+                self.look(wait=True)
         except NonFiniteError as error:
             self.unraised = self.unraised or error
         finally:
@@ -303,6 +305,7 @@ class StepChecks:
                 return
             self._sealed.popleft()
             due -= 1
+            self._acting = True
             try:
                 for vector, action in zip(values, sealed.actions):
                     if not all(numerics.fine(x) for x in vector):
@@ -313,6 +316,7 @@ class StepChecks:
                 self._drop()
                 raise
             finally:
+                self._acting = False
                 for finish in sealed.finish:
                     finish()
 
