@@ -1040,3 +1040,29 @@ def test_a_detach_from_on_detect_reads_no_later_step_over_the_detection(deferred
                 optimizer.zero_grad()
     assert caught.value.report.batch_number == 2 and caught.value.report.cause == "forward"
     assert guard.report is caught.value.report
+
+
+def test_an_evaluation_call_read_after_train_is_run_again_in_eval_mode(deferred_on_host):
+    # A nan only eval mode makes (a module of the user's): its check, read once the loop has
+    # gone back to model.train(), is re-run in the modes the call ran in, not called transient.
+    class EvalOnly(nn.Module):
+        def forward(self, x):
+            return x if self.training else x * float("nan")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), EvalOnly(), nn.Dropout(0.5), nn.Linear(4, 1))
+    optimizer = OPTIMIZERS["foreach"](model.parameters())
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            model(torch.randn(8, 4)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(8, 4))  # unread: the device is busy
+            model.train()
+            model(torch.randn(8, 4)).square().mean().backward()
+            optimizer.step()
+    report = caught.value.report
+    assert report.cause == "forward" and report.first_nonfinite.module_name == "1", report.reason
+    assert model.training and all(m.training for m in model.modules())  # (set back)

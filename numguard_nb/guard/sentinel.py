@@ -76,7 +76,7 @@ class _Entry:
     """A module whose calls can be top-level: how reports name it, what it is hooked with."""
 
     __slots__ = ("module", "name", "cls", "root", "run_id", "hook_ids", "copy_inputs", "plans",
-                 "inner", "buffers", "inf_accepted")
+                 "inner", "buffers", "inf_accepted", "submodules")
 
     def __init__(self, module: nn.Module, name: str, root: bool):
         self.module = module
@@ -84,6 +84,7 @@ class _Entry:
         self.cls = type(compiled_original(module) or module).__name__
         self.root = root  # a model's own module: its calls may start batches
         self.run_id = id(rerun.run_alone(module))  # the module a re-run calls, as a full guard sees it
+        self.submodules: Optional[list] = None  # module.modules(), until one is registered
         self.hook_ids: list = []
         self.copy_inputs = False  # a call of it was seen changing its inputs in place
         self.plans: dict = {}  # output layout -> which outputs nothing else in the output uses
@@ -97,7 +98,7 @@ class _Call:
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
                  "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
-                 "held", "forward", "ranks_settled", "buffers")
+                 "held", "forward", "ranks_settled", "buffers", "training")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
@@ -109,6 +110,10 @@ class _Call:
         self.kwargs = kwargs
         self.versions = _versions((args, kwargs))
         self.state = rerun.take()
+        if entry.submodules is None:
+            entry.submodules = list(entry.module.modules())
+        # each module's mode: a check read later (a GPU's) re-runs an evaluation call in it
+        self.training = tuple(module.training for module in entry.submodules)
         self.batch_number = batch_number
         self.call_index = call_index  # calls of this module before it in the batch
         self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
@@ -584,6 +589,7 @@ class Sentinel:
 
     def new_parameters(self, module, name, value) -> None:
         self._known_parameters = self.checks.guarded_ids = None
+        _forget_submodules(self.entries)
 
     def new_buffer(self, module, name, value) -> None:
         sentinel_buffers.forget(self.entries.values(), module, name)
@@ -604,6 +610,11 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+def _forget_submodules(entries: dict) -> None:
+    for entry in entries.values():
+        entry.submodules = None
 
 
 def _backward_due(sentinel) -> bool:

@@ -97,10 +97,29 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
     `grad` (inference mode where the call ran in it)."""
     with contextlib.ExitStack() as stack:
         rerun.entered(call.state, stack, grad)
+        stack.enter_context(_modes_as_called(call))
         if module is call.entry.module:  # (not a compiled one's)
             # the forward the call ran under (Lightning redirects it to training_step)
             stack.enter_context(rerun.forward_as(module, getattr(call, "forward", None)))
         return module(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _modes_as_called(call):
+    """Each module in the train/eval mode it was in when the call ran (a check read later: an
+    evaluation call is re-run after the loop went back to `model.train()`)."""
+    modules, modes = getattr(call.entry, "submodules", None), getattr(call, "training", None)
+    now = tuple(module.training for module in modules) if modules and modes else modes
+    if now == modes or len(modules) != len(modes):
+        yield
+        return
+    for module, mode in zip(modules, modes):
+        module.training = mode
+    try:
+        yield
+    finally:
+        for module, mode in zip(modules, now):
+            module.training = mode
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
