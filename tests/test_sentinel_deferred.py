@@ -1066,3 +1066,26 @@ def test_an_evaluation_call_read_after_train_is_run_again_in_eval_mode(deferred_
     report = caught.value.report
     assert report.cause == "forward" and report.first_nonfinite.module_name == "1", report.reason
     assert model.training and all(m.training for m in model.modules())  # (set back)
+
+
+def test_weights_a_step_wrote_non_finite_name_that_step_when_read_later(deferred_on_host):
+    # The check of batch 3's forward is read after more forwards ran: the step named is the one
+    # before batch 3's forward, not "outside the forward" judged from the latest ones.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            for batch in range(6):
+                if batch == 2:
+                    optimizer.param_groups[0]["lr"] = float("inf")  # its step: inf weights
+                with torch.no_grad() if batch > 2 else contextlib.nullcontext():
+                    loss = model(torch.randn(2, 4)).square().mean()  # batch 3 on: evaluation
+                if batch <= 2:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    report = caught.value.report
+    assert report.cause == "weights" and report.batch_number == 3, report.reason
+    assert report.weights_origin == "optimizer step", report.reason
+    assert "the 3rd SGD step since the guard attached, after batch 2 (lr inf)" in report.reason

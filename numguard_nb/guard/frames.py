@@ -299,10 +299,10 @@ def weights_origin(pass_: PassRecord, call: CallRecord, bad_slots, steps):
     if steps is None:
         return None
     if all(slot[SLOT_CATEGORY] == BUFFER for slot in bad_slots):
-        return steps.buffers_origin(call.root_id)
+        return steps.buffers_origin(call.root_id, call.batch_number)
     params = [value for value in (value_of(pass_, slot) for slot in bad_slots
                                   if slot[SLOT_CATEGORY] == PARAM) if value is not None]
-    return steps.weights_origin(call.root_id, params)
+    return steps.weights_origin(call.root_id, params, call.batch_number)
 
 
 def _note_origin(report: Report, origin) -> None:

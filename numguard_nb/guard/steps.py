@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import warnings
 import weakref
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch.nn.parameter import UninitializedParameter
@@ -41,6 +41,9 @@ __all__ = ["MAX_STEPS", "Origin", "StepWatch"]
 
 # The steps kept: enough for many optimizers (or an inner loop of steps) between two forwards.
 MAX_STEPS = 64
+# Forwards kept per top-level module: a sentinel's checks are read a step or two late, and
+# forget a step past 64 unread (`sentinel_checks.MAX_SEALED`).
+FORWARDS_KEPT = 64
 
 # Step record fields: (optimizer, by weak reference; class name; position among the optimizers
 # seen, from 1; step number; counted by the guard; forwards begun before it; batch of the latest
@@ -77,9 +80,9 @@ class StepWatch:
     def __init__(self):
         self.forwards = 0  # top-level forwards begun since attach
         self.batch: Optional[int] = None  # the batch of the latest of them
-        # module id of a top-level call -> (number of its latest forward, its batch, number of
-        # the forward before it or None, that one's batch)
-        self._roots: Dict[int, Tuple[int, int, Optional[int], Optional[int]]] = {}
+        # module id of a top-level call -> its latest forwards, (number, batch), oldest first (a
+        # check read later, a GPU's, asks about one a few steps back)
+        self._roots: Dict[int, collections.deque] = {}
         self._steps: collections.deque = collections.deque(maxlen=MAX_STEPS)
         self.lost_after = -1  # the forwards begun before the latest step not kept (MAX_STEPS)
         # optimizer -> [position, steps seen, holds guarded weights (None: not looked up yet)]
@@ -123,16 +126,27 @@ class StepWatch:
         """A top-level forward of the module `root_id` began, in `batch` (once per pass)."""
         self.forwards += 1
         self.batch = batch
-        latest = self._roots.get(root_id)
-        self._roots[root_id] = ((self.forwards, batch) + latest[:2] if latest is not None
-                                else (self.forwards, batch, None, None))
+        forwards = self._roots.get(root_id)
+        if forwards is None:
+            forwards = self._roots[root_id] = collections.deque(maxlen=FORWARDS_KEPT)
+        forwards.append((self.forwards, batch))
 
     def forward_ran_again(self, root_id: int, batch: int) -> None:
         """A re-run of a forward of `root_id` in `batch`: counted unless that forward was (the
         sentinel's check on a device counts a call as it runs, and re-runs it later)."""
-        latest = self._roots.get(root_id)
-        if latest is None or latest[1] != batch:
+        if not any(seen == batch for _, seen in self._roots.get(root_id, ())):
             self.forward_began(root_id, batch)
+
+    def _forward_of(self, root_id: int, batch: Optional[int]) -> tuple:
+        """(number of the forward of `root_id` in `batch`, or its latest; number of the one
+        before it, or None; that one's batch)."""
+        forwards = list(self._roots.get(root_id, ()))
+        at = next((i for i in range(len(forwards) - 1, -1, -1) if forwards[i][1] == batch),
+                  len(forwards) - 1)
+        if at < 0:
+            return 0, None, None
+        before = forwards[at - 1] if at > 0 else (None, None)
+        return forwards[at][0], before[0], before[1]
 
     def note_step(self, optimizer) -> None:
         """An optimizer step ended (the global hook)."""
@@ -173,10 +187,10 @@ class StepWatch:
         norms = (self._grads_at_first_step or []) if at_first_step else self._grads_at_attach
         return any(not numerics.fine(float(numerics.read(vector.max()))) for vector in norms)
 
-    def weights_origin(self, root_id: int, params) -> Origin:
+    def weights_origin(self, root_id: int, params, batch: Optional[int] = None) -> Origin:
         """How the weights `params` (parameters; none for buffers), found non-finite in the
-        latest forward of the top-level module `root_id`, got that way."""
-        latest, _, before, finite_batch = self._roots.get(root_id, (0, None, None, None))
+        forward of the top-level module `root_id` in `batch` (None: its latest), got that way."""
+        latest, before, finite_batch = self._forward_of(root_id, batch)
         if params and self._broken_at_attach(params):
             return Origin(ORIGIN_BEFORE_ATTACH, None, None, at_attach=True)
         if before is None:  # its first forward since attach
@@ -188,7 +202,7 @@ class StepWatch:
             return Origin(ORIGIN_BEFORE_ATTACH, step, None)
         if not params:  # buffers: no optimizer writes them
             return Origin("", None, finite_batch)
-        since = [step for step in self._steps if step[STEP_FORWARD] >= before]
+        since = [step for step in self._steps if before <= step[STEP_FORWARD] < latest]
         step = self._first_holding(since, params)
         if step is not None:
             # The first step since attach applied gradients already non-finite (the backward's own
@@ -217,11 +231,11 @@ class StepWatch:
         seen = {pid for ids, _ in self._weights_at_attach for pid in ids}
         return all(id(p) in seen for p in params)
 
-    def buffers_origin(self, root_id: int) -> Origin:
-        """How buffers found non-finite in the latest forward of `root_id` got that way: no
-        optimizer writes them, so they were non-finite when the guard attached, or changed since
-        the forward before (which found them finite)."""
-        latest, _, before, finite_batch = self._roots.get(root_id, (0, None, None, None))
+    def buffers_origin(self, root_id: int, batch: Optional[int] = None) -> Origin:
+        """How buffers found non-finite in the forward of `root_id` in `batch` (None: its
+        latest) got that way: no optimizer writes them, so they were non-finite when the guard
+        attached, or changed since the forward before (which found them finite)."""
+        _, before, finite_batch = self._forward_of(root_id, batch)
         if before is None:
             return Origin(ORIGIN_BEFORE_ATTACH, None, None)
         return Origin(ORIGIN_SINCE_FORWARD, None, finite_batch)
