@@ -110,10 +110,7 @@ class _Call:
         self.kwargs = kwargs
         self.versions = _versions((args, kwargs))
         self.state = rerun.take()
-        if entry.submodules is None:
-            entry.submodules = list(entry.module.modules())
-        # each module's mode: a check read later (a GPU's) re-runs an evaluation call in it
-        self.training = tuple(module.training for module in entry.submodules)
+        self.training: Optional[tuple] = None  # each module's mode, where it is read later
         self.batch_number = batch_number
         self.call_index = call_index  # calls of this module before it in the batch
         self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
@@ -362,7 +359,9 @@ class Sentinel:
         rerun = False
         first = tensors[0] if tensors else written[0][1] if written else None
         if first is not None and numerics.deferred(first) and not self.guard.synchronous:
-            # an asynchronous device: one value computed there, read when it is ready
+            # an asynchronous device: one value computed there, read when it is ready (its
+            # re-run then, after the loop's model.train(), puts each module back in its mode)
+            call.training = _modes_of(entry)
             flags = numerics.output_flags((t for t in tensors if numerics.readable(t)),
                                           sentinel_buffers.produced(written, deferred=True))
             if flags is not None:  # read with the gradients of the backward that follows
@@ -610,6 +609,12 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
+
+
+def _modes_of(entry: _Entry) -> tuple:
+    if entry.submodules is None:
+        entry.submodules = list(entry.module.modules())
+    return tuple(module.training for module in entry.submodules)
 
 
 def _forget_submodules(entries: dict) -> None:
