@@ -1089,3 +1089,62 @@ def test_weights_a_step_wrote_non_finite_name_that_step_when_read_later(deferred
     assert report.cause == "weights" and report.batch_number == 3, report.reason
     assert report.weights_origin == "optimizer step", report.reason
     assert "the 3rd SGD step since the guard attached, after batch 2 (lr inf)" in report.reason
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "full"])
+def test_a_step_between_two_calls_of_one_batch_is_named_for_the_second(mode):
+    # A GAN's discriminator: called, stepped, called again in the same batch; its step wrote
+    # inf weights, which its second call is the first to see.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(b.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard({"a": a, "b": b}, mode=mode):
+            for batch in range(4):
+                h = a(torch.randn(2, 4)).detach()  # starts the batch
+                b(h).square().mean().backward()
+                optimizer.param_groups[0]["lr"] = float("inf") if batch == 2 else 1e-2
+                optimizer.step()
+                optimizer.zero_grad()
+                b(h).square().mean().backward()
+    report = caught.value.report
+    assert report.batch_number == 2 and report.weights_origin == "optimizer step", report.reason
+    assert "the 3rd SGD step since the guard attached, after batch 2 (lr inf)" in report.reason
+
+
+@pytest.mark.parametrize("made_meanwhile", [False, True])
+def test_a_backward_re_run_read_after_eval_keeps_the_training_modes(deferred_on_host,
+                                                                     made_meanwhile):
+    # Activation checkpointing recomputes in the re-run's backward: in the modes the step ran
+    # in (Dropout's), not the evaluation's the loop is in when the check is read. A module made
+    # meanwhile (anywhere) does not lose them.
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 4))
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            if not self.training:
+                return self.head(self.block(x))
+            h = checkpoint(self.block, x, use_reentrant=False)
+            return self.head(h + torch.sqrt(h * 0.0))  # training only: a nan gradient
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = OPTIMIZERS["fused"](model.parameters())
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard(model, mode="sentinel"):
+            model(torch.randn(8, 4)).square().mean().backward()
+            optimizer.step()  # fused: handed the flag, no read
+            optimizer.zero_grad()
+            model.eval()
+            if made_meanwhile:
+                nn.Linear(4, 2)  # (a module registered anywhere)
+            deferred_on_host[0] = False
+            with torch.no_grad():
+                model(torch.randn(8, 4))  # the check is read here
+    assert caught.value.report.cause == "backward-inline", caught.value.report.reason
+    assert not model.training and not any(m.training for m in model.modules())

@@ -110,7 +110,8 @@ class _Call:
         self.kwargs = kwargs
         self.versions = _versions((args, kwargs))
         self.state = rerun.take()
-        self.training: Optional[tuple] = None  # each module's mode, where it is read later
+        # (its modules, each one's mode) where its check is read later
+        self.training: Optional[tuple] = None
         self.batch_number = batch_number
         self.call_index = call_index  # calls of this module before it in the batch
         self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
@@ -356,7 +357,6 @@ class Sentinel:
         entry, options = call.entry, self.guard.options
         tensors = list(_tree.output_tensors(output))
         written = call.buffers.written()  # buffers the forward wrote: checked as outputs
-        rerun = False
         first = tensors[0] if tensors else written[0][1] if written else None
         if first is not None and numerics.deferred(first) and not self.guard.synchronous:
             # an asynchronous device: one value computed there, read when it is ready (its
@@ -375,11 +375,14 @@ class Sentinel:
         else:
             pass_, record = _outputs_read(call, output, sentinel_buffers.produced(written, False),
                                           options.limit_dtype is not None, self._sign_hints)
-            rerun = (detect.has_problem(pass_, options.stop_rules.limit_max)
-                     and self._forward_problem(call, pass_, record))
+            # counted before a re-run (which then finds it counted), so that a step between
+            # two calls of one batch is before this forward
+            self.guard.steps.forward_began(entry.run_id, call.batch_number)
+            if detect.has_problem(pass_, options.stop_rules.limit_max):
+                self._forward_problem(call, pass_, record)
             self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
-        if not rerun:  # (a re-run counted it in the full guard)
+        if call.training is not None:  # (read later: counted now)
             self.guard.steps.forward_began(entry.run_id, call.batch_number)
         if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._keep_for_backward(call, tensors)
@@ -612,9 +615,10 @@ class Sentinel:
 
 
 def _modes_of(entry: _Entry) -> tuple:
+    """(the entry's modules, each one's train/eval mode now)."""
     if entry.submodules is None:
         entry.submodules = list(entry.module.modules())
-    return tuple(module.training for module in entry.submodules)
+    return entry.submodules, tuple(module.training for module in entry.submodules)
 
 
 def _forget_submodules(entries: dict) -> None:

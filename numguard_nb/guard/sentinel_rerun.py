@@ -97,7 +97,6 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
     `grad` (inference mode where the call ran in it)."""
     with contextlib.ExitStack() as stack:
         rerun.entered(call.state, stack, grad)
-        stack.enter_context(_modes_as_called(call))
         if module is call.entry.module:  # (not a compiled one's)
             # the forward the call ran under (Lightning redirects it to training_step)
             stack.enter_context(rerun.forward_as(module, getattr(call, "forward", None)))
@@ -105,20 +104,19 @@ def _call_again(module: nn.Module, call, args, kwargs, grad: bool):
 
 
 @contextlib.contextmanager
-def _modes_as_called(call):
-    """Each module in the train/eval mode it was in when the call ran (a check read later: an
-    evaluation call is re-run after the loop went back to `model.train()`)."""
-    modules, modes = getattr(call.entry, "submodules", None), getattr(call, "training", None)
-    now = tuple(module.training for module in modules) if modules and modes else modes
-    if now == modes or len(modules) != len(modes):
-        yield
-        return
-    for module, mode in zip(modules, modes):
-        module.training = mode
+def _modes_as_called(calls):
+    """Each module in the train/eval mode it was in when the calls ran (checks read later: an
+    evaluation call is re-run after the loop went back to `model.train()`), for the whole re-run,
+    its backward too (activation checkpointing recomputes there); set back after."""
+    taken = [call.training for call in calls if getattr(call, "training", None) is not None]
+    before = [(module, module.training) for modules, _ in taken for module in modules]
+    for modules, modes in taken:
+        for module, mode in zip(modules, modes):
+            module.training = mode
     try:
         yield
     finally:
-        for module, mode in zip(modules, now):
+        for module, mode in before:
             module.training = mode
 
 
@@ -265,7 +263,7 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
     if refused:
         return _not_rerun(seen, call, options, refused)
     allow_inf = options.inf_allowed(call.entry.name)
-    with rerun.Kept(models.values()):
+    with rerun.Kept(models.values()), _modes_as_called([call]):
         sentinel_buffers.set_back([call])  # what the call's forward found
         rerun.finite_running_statistics(models.values())
         parts = _all_parts(models)
@@ -330,7 +328,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
     if refused:
         return _not_rerun(seen, calls[0], options, refused)
     batch = calls[0].batch_number
-    with rerun.Kept(models.values()):
+    with rerun.Kept(models.values()), _modes_as_called(calls):
         sentinel_buffers.set_back(calls)
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
@@ -377,7 +375,7 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
     models, batch = guard.models, calls[0].batch_number
     parameters = [p for model in models.values() for p in model.parameters()] if backward else []
     kept_grads, flagging = [p.grad for p in parameters], ranks.active
-    with rerun.Kept(models.values()):
+    with rerun.Kept(models.values()), _modes_as_called(calls):
         sentinel_buffers.set_back(calls)
         full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
                           on_trace=None, on_detect=None, history_every=None, scaler=None)
