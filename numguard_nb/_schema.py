@@ -83,6 +83,9 @@ MODE_FULL = "full"  # hooks on every module call, forward and backward
 MODE_SENTINEL = "sentinel"  # cheap checks per step; the full hooks only to re-run a failing call
 MODES = (MODE_FULL, MODE_SENTINEL)
 
+# ---- what the loop ran when the values were made (Report.stage), unless its caller said -------
+STAGE_EVALUATION = "an evaluation (the model was in eval mode)"  # a Trainer's evaluate(), say
+
 # ---- who found a detection (Report.found_by) -------------------------------------------------
 FOUND_BY_HOOKS = ""  # the full guard's hooks, as the values were made
 FOUND_BY_RERUN = "re-run"  # a sentinel's re-run of the failing call with the full guard

@@ -59,9 +59,6 @@ class _GuardedRun:
         self._modules_hooked: set = set()  # ids of the model's modules when the guard attached
         self._compiled_later = False  # the Trainer compiles the model after on_train_begin
         self._figures_taken = 0  # history samples whose figures were logged
-        # What the loop runs besides training ("validation batch 1, after training batch 2"),
-        # said by a detection: its batch number is the last training batch's.
-        self.stage = ""
 
     @property
     def history(self):
@@ -95,7 +92,6 @@ class _GuardedRun:
                                        scaler=given if given is not None else scaler)
         self.guard = Guard(model, **options.as_kwargs()).attach()
         self._figures_taken = 0
-        self.stage = ""  # (a run that ended inside validation left its stage said)
         self._modules_hooked = {id(module) for module in model.modules()}
 
     def start_when_compiled(self) -> None:
@@ -135,17 +131,17 @@ class _GuardedRun:
             self.guard.raise_found(raising)
 
     def during(self, stage: str) -> None:
-        """Say what the loop runs now besides training ("" for training again)."""
-        self.stage = stage
+        """Say what the loop runs now besides training ("validation batch 1, after training
+        batch 2"; "" for training again): a detection in it says so (its batch number is the
+        last training batch's)."""
+        if self.guard is not None:
+            self.guard.batches.stage = stage
 
     def _on_detect(self, report: Report):
         # The NonFiniteError about to be raised ends the run: leave no hooks behind.
         self.detach()
-        stage = self.stage
-        if not stage and not all(model.training for model in self.guard.models.values()):
-            stage = "an evaluation (the model was in eval mode)"  # a Trainer's evaluate()
-        if stage:
-            report.reason = f"during {stage}: {report.reason}"
+        if report.stage:  # (taken when its values were made: a check read later says so too)
+            report.reason = f"during {report.stage}: {report.reason}"
         report.hint = report.hint.replace(  # (the engine's words name Guard)
             OPS_ADVICE, f"Pass `{type(self).__name__}(ops=True)` to name the op and the line.")
         user_on_detect = self.options.on_detect

@@ -270,6 +270,10 @@ class Report:
     # Who found it: FOUND_BY_HOOKS ("") as the values were made, or FOUND_BY_RERUN ("re-run")
     # when a sentinel (mode="sentinel") re-ran the failing call with the full guard.
     found_by: str = ""
+    # What the loop ran besides training when the values were made (`Guard.batches.stage`, said
+    # by the training callbacks: "validation batch 1, after training batch 2"), or
+    # STAGE_EVALUATION where the model was in eval mode; "" in training; None: not known.
+    stage: Optional[str] = None
     # What the guarded model is called in the user's code, for the code a hint suggests
     # (`net[2].float()`): the notebook layer knows its name.
     model_variable: str = "model"

@@ -344,9 +344,18 @@ class NanInTraining(nn.Module):
         return hidden * float("nan") if self.training else hidden
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def mode_on_its_path(mode: str, request) -> str:
+    """"sentinel-gpu-path": the sentinel with its checks read late, as on a GPU (after the loop
+    went on: model.train(), the next batch)."""
+    if mode == "sentinel-gpu-path":
+        request.getfixturevalue("deferred_on_host")
+        return "sentinel"
+    return mode
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel", "sentinel-gpu-path"])
 @pytest.mark.parametrize("sanity_check", [True, False])
-def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
+def test_lightning_a_detection_in_validation_says_so(mode, sanity_check, request):
     # Validation batches are not training batches: the report's batch is the last training one
     import lightning
 
@@ -367,7 +376,7 @@ def test_lightning_a_detection_in_validation_says_so(mode, sanity_check):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    module, callback = Lit(), NumguardLightningCallback(mode=mode)
+    module, callback = Lit(), NumguardLightningCallback(mode=mode_on_its_path(mode, request))
 
     def lightning_trainer(**options):
         return lightning.Trainer(
@@ -427,16 +436,19 @@ def test_lightning_fit_resumed_from_a_checkpoint_numbers_batches_as_the_run_goes
     assert raised.value.report.batch_number == 4  # as in an unbroken run
 
 
-def test_trainer_a_detection_in_evaluation_says_so(tmp_path):
+@pytest.mark.parametrize("mode", ["full", "sentinel", "sentinel-gpu-path"])
+def test_trainer_a_detection_in_evaluation_says_so(tmp_path, mode, request):
     model = Classifier()
     model.scale = NanInEval()
-    callback = NumguardCallback()
+    callback = NumguardCallback(mode=mode_on_its_path(mode, request))
     trainer = make_trainer(tmp_path, model, callback)
     trainer.args.eval_strategy, trainer.args.eval_steps = "steps", 2
     trainer.eval_dataset = samples(8)
     with pytest.raises(NonFiniteError, match=r"^during an evaluation \(the model was in eval mode\): scale "):
         trainer.train()
-    assert trainer.state.global_step == 2
+    # On the GPU path held unread to the end, the evaluation's check is read as training ends,
+    # after model.train(): the report still says where its values were made.
+    assert trainer.state.global_step == (4 if mode == "sentinel-gpu-path" else 2)
     assert_no_hooks(model)
 
 

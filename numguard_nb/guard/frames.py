@@ -19,8 +19,8 @@ from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
     GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
-    ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, TRACE,
-    VALUE_UNSUPPORTED,
+    ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, STAGE_EVALUATION,
+    TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
 from ..errors import NonFiniteError
@@ -33,7 +33,7 @@ from .passes import (
 )
 
 __all__ = [
-    "detection_error",
+    "detection_error", "stage_now",
     "build_frame", "mask_source", "reason_sentence", "value_of", "name_samples", "weights_origin",
     "unwatched_note", "make_report", "detection_report",
     "add_to_trace", "add_op_location", "RecentPasses",
@@ -357,10 +357,21 @@ def detection_error(guard, report: Report) -> BaseException:
     """The one way every mode stops on a detection: the report kept as `guard.detection`, the
     `on_detect` option called with it, and the exception to raise: the one it returned, or
     `NonFiniteError(report)`."""
+    if report.stage is None:  # (a sentinel's check read later says its call's)
+        report.stage = stage_now(guard)
     guard.detection = report
     on_detect = guard.options.on_detect
     error = on_detect(report) if on_detect is not None else None
     return error if isinstance(error, BaseException) else NonFiniteError(report)
+
+
+def stage_now(guard, module=None) -> str:
+    """What the loop runs now besides training (`Report.stage`): what its caller said, else
+    an evaluation where `module` (or any of the guard's models) is in eval mode."""
+    if guard.batches.stage:
+        return guard.batches.stage
+    modules = (module,) if module is not None else guard.models.values()
+    return "" if all(m.training for m in modules) else STAGE_EVALUATION
 
 
 def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots, culprit: Frame,

@@ -417,6 +417,8 @@ class BatchCounter:
         self.model_id: Optional[int] = None  # the model whose calls start batches
         self.from_first_call = False
         self.by_caller = False  # the guard's begin_batch() starts them: no call does
+        # What the loop runs now besides training batches, said by its caller ("" for training)
+        self.stage = ""
 
     def attached(self, models: dict) -> None:
         """The guard attaches to `models` (name -> module)."""

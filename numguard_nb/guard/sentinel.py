@@ -98,11 +98,12 @@ class _Call:
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
                  "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
-                 "held", "forward", "ranks_settled", "buffers", "training")
+                 "held", "forward", "ranks_settled", "buffers", "training", "stage")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
-    def __init__(self, entry: _Entry, args, kwargs, batch_number: int, call_index: int):
+    def __init__(self, entry: _Entry, args, kwargs, batch_number: int, call_index: int,
+                 stage: str = ""):
         if entry.copy_inputs:  # seen changing its inputs in place: keep them as they are now
             args, kwargs = _tree.rebuild((args, kwargs), _copy, keep_unchanged=True)
         self.entry = entry
@@ -114,6 +115,7 @@ class _Call:
         self.training: Optional[tuple] = None
         self.batch_number = batch_number
         self.call_index = call_index  # calls of this module before it in the batch
+        self.stage = stage  # what the loop ran besides training (Report.stage), said when read
         self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
         self.top: tuple = ()  # per output: nothing else in the output was computed from it
         self.grads: list = []  # per output: the gradient it got from outside the call
@@ -335,7 +337,8 @@ class Sentinel:
             return  # a traced or sampled batch: the full hooks watch it
         index = self._call_counts.get(id(module), 0)
         self._call_counts[id(module)] = index + 1
-        local.call = _Call(entry, args, kwargs, guard.batch_number, index)
+        local.call = _Call(entry, args, kwargs, guard.batch_number, index,
+                           frames.stage_now(guard, module))
 
     def _post_hook(self, module, args, kwargs, output=_RAISED):
         if is_dynamo_compiling() or self.paused:
@@ -400,7 +403,7 @@ class Sentinel:
             return
         report = self._rerun(rerun_forward, self.guard, call, forward_frame(call))
         if report is not None:
-            self._raise(report)
+            self._raise(report, call)
         call.buffers.keep_noting()  # accepted: what its buffers keep is not judged again
         entry.inf_accepted = entry.inf_accepted or inf
 
@@ -432,7 +435,7 @@ class Sentinel:
         seen = frames.build_frame(pass_, record, options, set(bad))
         report = self._rerun(rerun_forward, self.guard, call, seen)
         if report is not None:
-            self._raise(report)
+            self._raise(report, call)
         # The same values again, which the full guard's rules accept.
         self._accepted.update((module_id, role, kinds) for role, kinds in bad.values())
         return True
@@ -549,7 +552,7 @@ class Sentinel:
         report = self._rerun(rerun_backward, self.guard, calls, seen, parameters)
         if report is not None:
             report.reason += self.guard.scaling.refusal() + stood_in(calls)
-            self._raise(report)
+            self._raise(report, first)
 
     def across_ranks(self, calls: List[_Call], seen, producers=None,
                       own_named_later: bool = False) -> bool:
@@ -575,18 +578,13 @@ class Sentinel:
         self._raise(received_report(seen or gradient_frame(
             first.entry.name, first.entry.cls, first.batch_number, first.call_index,
             self._bad_gradients(self._parameters())), source, source in forward,
-            self.guard.options))
+            self.guard.options), first)
 
     def _parameters(self) -> list:
         """The guarded parameters (each once), as of the last parameter or submodule set."""
-        if self._known_parameters is None:
-            seen, parameters = set(), []
-            for root in self.guard.models.values():
-                for p in root.parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        parameters.append(p)
-            self._known_parameters = parameters
+        if self._known_parameters is None:  # (those models share, once)
+            self._known_parameters = list({id(p): p for root in self.guard.models.values()
+                                           for p in root.parameters()}.values())
         return self._known_parameters
 
     def new_parameters(self, module, name, value) -> None:
@@ -607,8 +605,10 @@ class Sentinel:
         finally:
             self.paused = False
 
-    def _raise(self, report: Report) -> None:
-        """Raise a detection as full mode does: on_detect's exception, or NonFiniteError."""
+    def _raise(self, report: Report, call: Optional[_Call] = None) -> None:
+        """Raise a detection as full mode does: on_detect's exception, or NonFiniteError; in
+        the stage `call` ran in (read later: the loop may be past it)."""
+        report.stage = call.stage if call is not None else None
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
@@ -722,7 +722,7 @@ def _rerun_together(sentinel: Sentinel, calls: List[_Call], made_here: bool,
     found = sentinel._rerun(rerun_step_together, sentinel.guard, calls, backward, sentinel.ranks)
     if found is not None and made_here:
         sentinel._held, found.source_rank = None, sentinel.ranks.rank
-        sentinel._raise(found)
+        sentinel._raise(found, calls[0])
 
 
 def _top_of(tensors: list) -> tuple:

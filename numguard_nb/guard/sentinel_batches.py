@@ -11,7 +11,7 @@ such batch: a guard made for each would leave its reference cycles to the garbag
 from __future__ import annotations
 
 from ..report import Report
-from .frames import RecentPasses
+from .frames import RecentPasses, stage_now
 from .sentinel_rerun import full_guard
 
 __all__ = ["SampledBatches"]
@@ -90,5 +90,6 @@ class SampledBatches:
     def _detected(self, report: Report):
         """A batch run with the full hooks stopped at a detection: it is the sentinel's guard's."""
         self.guard.detection = report
+        report.stage = stage_now(self.guard)  # (its twin's batches know no stage)
         on_detect = self.guard.options.on_detect
         return on_detect(report) if on_detect is not None else None
