@@ -1091,6 +1091,27 @@ def test_weights_a_step_wrote_non_finite_name_that_step_when_read_later(deferred
     assert "the 3rd SGD step since the guard attached, after batch 2 (lr inf)" in report.reason
 
 
+def test_weights_a_step_wrote_name_it_for_the_first_of_two_calls_of_a_batch_read_later(
+        deferred_on_host):
+    # A module called twice in a batch (a GAN's discriminator on real and fake samples): its
+    # first call's check read after the second names the step before the first, not "changed
+    # outside the forward" judged from the second call's.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(b.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as caught:
+        with Guard({"a": a, "b": b}, mode="sentinel"):
+            for batch in range(4):
+                h = a(torch.randn(2, 4)).detach()  # starts the batch
+                (b(h).square().mean() + b(h * 2).square().mean()).backward()
+                optimizer.param_groups[0]["lr"] = float("inf") if batch == 2 else 1e-2
+                optimizer.step()
+                optimizer.zero_grad()
+    report = caught.value.report
+    assert report.batch_number == 3 and report.weights_origin == "optimizer step", report.reason
+    assert "the 3rd SGD step since the guard attached, after batch 2 (lr inf)" in report.reason
+
+
 @pytest.mark.parametrize("mode", ["sentinel", "full"])
 def test_a_step_between_two_calls_of_one_batch_is_named_for_the_second(mode):
     # A GAN's discriminator: called, stepped, called again in the same batch; its step wrote

@@ -98,7 +98,8 @@ class _Call:
 
     __slots__ = ("entry", "args", "kwargs", "versions", "state", "batch_number", "call_index",
                  "output_ids", "top", "grads", "task", "top_seen", "inputs_changed", "order",
-                 "held", "forward", "ranks_settled", "buffers", "training", "stage")
+                 "held", "forward", "ranks_settled", "buffers", "training", "stage",
+                 "forward_number")
 
     _made = itertools.count()  # calls in the order they were made (re-runs keep it)
 
@@ -116,6 +117,7 @@ class _Call:
         self.batch_number = batch_number
         self.call_index = call_index  # calls of this module before it in the batch
         self.stage = stage  # what the loop ran besides training (Report.stage), said when read
+        self.forward_number: Optional[int] = None  # its number among the steps' forwards
         self.output_ids: list = []  # ids of its output tensors (a later call may take them in)
         self.top: tuple = ()  # per output: nothing else in the output was computed from it
         self.grads: list = []  # per output: the gradient it got from outside the call
@@ -380,13 +382,13 @@ class Sentinel:
                                           options.limit_dtype is not None, self._sign_hints)
             # counted before a re-run (which then finds it counted), so that a step between
             # two calls of one batch is before this forward
-            self.guard.steps.forward_began(entry.run_id, call.batch_number)
+            call.forward_number = self.guard.steps.forward_began(entry.run_id, call.batch_number)
             if detect.has_problem(pass_, options.stop_rules.limit_max):
                 self._forward_problem(call, pass_, record)
             self._recent.remember(pass_, options.max_frames)
         self.passes_checked += 1
         if call.training is not None:  # (read later: counted now)
-            self.guard.steps.forward_began(entry.run_id, call.batch_number)
+            call.forward_number = self.guard.steps.forward_began(entry.run_id, call.batch_number)
         if options.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             self._keep_for_backward(call, tensors)
 

@@ -50,8 +50,11 @@ class _LentSteps:
     guard's forwards are counted in it and its weights' origins read from it; starting and
     stopping it (which forgets what it saw) stay the sentinel's."""
 
-    def __init__(self, watch):
+    def __init__(self, watch, forwards: Optional[dict] = None):
         self.watch = watch
+        # root module id -> the number of the forward re-run (a check read later, a GPU's: the
+        # latest forward of its batch may be a later call of it)
+        self.forwards = forwards or {}
 
     def start(self, models: dict) -> None:
         """Already watching, for the sentinel."""
@@ -62,29 +65,39 @@ class _LentSteps:
     def forward_began(self, root_id: int, batch: int) -> None:
         self.watch.forward_ran_again(root_id, batch)
 
+    def weights_origin(self, root_id: int, params, batch: Optional[int] = None):
+        return self.watch.weights_origin(root_id, params, batch, self.forwards.get(root_id))
+
+    def buffers_origin(self, root_id: int, batch: Optional[int] = None):
+        return self.watch.buffers_origin(root_id, batch, self.forwards.get(root_id))
+
     def __getattr__(self, name):
         return getattr(self.watch, name)
 
 
-def full_guard(guard, models: Dict[str, nn.Module], batch: int, **changes):
+def full_guard(guard, models: Dict[str, nn.Module], batch: int, calls=(), **changes):
     """A full-mode guard of the sentinel's class and options on `models`, whose batches are
     counted by its caller, starting at `batch`, and which knows the optimizer steps the sentinel
-    saw (its weights' origins are the sentinel's)."""
+    saw (its weights' origins are the sentinel's, for the forwards of `calls` it re-runs)."""
     options = guard.options.replace(mode=MODE_FULL, capture=False, abort_after_batch=None,
                                     full_every=None,
                                     **changes)
     full = guard.twin(models, options)
     full.outside.may_hold = False  # the code after the call is the sentinel's to judge
-    full.steps = _LentSteps(guard.steps)
+    forwards: dict = {}
+    for call in calls:  # (the first of a module's calls: the first to see its weights)
+        if getattr(call, "forward_number", None) is not None:
+            forwards.setdefault(call.entry.run_id, call.forward_number)
+    full.steps = _LentSteps(guard.steps, forwards)
     full.batches.started = batch  # numbered as the sentinel numbers its batches
     full.begin_batch()
     return full
 
 
-def _rerun_guard(guard, models, batch: int):
+def _rerun_guard(guard, models, batch: int, calls):
     # No scaler: the sentinel asked the loss scaling rule before re-running (see Sentinel).
-    full = full_guard(guard, models, batch, ops=True, sync=False, trace_batches=(), on_trace=None,
-                      on_detect=None, history_every=None, scaler=None)
+    full = full_guard(guard, models, batch, calls, ops=True, sync=False, trace_batches=(),
+                      on_trace=None, on_detect=None, history_every=None, scaler=None)
     # Started at a backward's end: its calls there are the step's, not a recomputation.
     full.rerun_task = graph_task_id()
     full.abs_min_everywhere = True  # a report of every row of one step: measure them all
@@ -268,7 +281,7 @@ def rerun_forward(guard, call, seen: Frame) -> Optional[Report]:
         rerun.finite_running_statistics(models.values())
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
-            full = _rerun_guard(guard, _eager_models(models), call.batch_number)
+            full = _rerun_guard(guard, _eager_models(models), call.batch_number, [call])
             try:
                 with full:
                     output = _call_again(rerun.run_alone(call.entry.module), call, call.args,
@@ -332,7 +345,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
         sentinel_buffers.set_back(calls)
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
-            full = _rerun_guard(guard, _eager_models(models), batch)
+            full = _rerun_guard(guard, _eager_models(models), batch, calls)
             try:
                 with full:
                     outputs, leaves = _forwards(calls, rerun.run_alone, True)
@@ -377,7 +390,7 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
     kept_grads, flagging = [p.grad for p in parameters], ranks.active
     with rerun.Kept(models.values()), _modes_as_called(calls):
         sentinel_buffers.set_back(calls)
-        full = full_guard(guard, models, batch, ops=False, sync=False, trace_batches=(batch,),
+        full = full_guard(guard, models, batch, calls, ops=False, sync=False, trace_batches=(batch,),
                           on_trace=None, on_detect=None, history_every=None, scaler=None)
         full.rerun_task = graph_task_id()
         try:

@@ -122,14 +122,16 @@ class StepWatch:
         _remove(self._handles)
         self._models = {}
 
-    def forward_began(self, root_id: int, batch: int) -> None:
-        """A top-level forward of the module `root_id` began, in `batch` (once per pass)."""
+    def forward_began(self, root_id: int, batch: int) -> int:
+        """A top-level forward of the module `root_id` began, in `batch` (once per pass); its
+        number."""
         self.forwards += 1
         self.batch = batch
         forwards = self._roots.get(root_id)
         if forwards is None:
             forwards = self._roots[root_id] = collections.deque(maxlen=FORWARDS_KEPT)
         forwards.append((self.forwards, batch))
+        return self.forwards
 
     def forward_ran_again(self, root_id: int, batch: int) -> None:
         """A re-run of a forward of `root_id` in `batch`: counted unless that forward was (the
@@ -137,12 +139,15 @@ class StepWatch:
         if not any(seen == batch for _, seen in self._roots.get(root_id, ())):
             self.forward_began(root_id, batch)
 
-    def _forward_of(self, root_id: int, batch: Optional[int]) -> tuple:
-        """(number of the forward of `root_id` in `batch`, or its latest; number of the one
-        before it, or None; that one's batch)."""
+    def _forward_of(self, root_id: int, batch: Optional[int], number: Optional[int]) -> tuple:
+        """(number of the forward of `root_id` numbered `number`, else the latest in `batch`, else
+        its latest; number of the one before it, or None; that one's batch)."""
         forwards = list(self._roots.get(root_id, ()))
-        at = next((i for i in range(len(forwards) - 1, -1, -1) if forwards[i][1] == batch),
-                  len(forwards) - 1)
+        at = next((i for i in range(len(forwards) - 1, -1, -1) if forwards[i][0] == number),
+                  None)
+        if at is None:
+            at = next((i for i in range(len(forwards) - 1, -1, -1) if forwards[i][1] == batch),
+                      len(forwards) - 1)
         if at < 0:
             return 0, None, None
         before = forwards[at - 1] if at > 0 else (None, None)
@@ -187,10 +192,12 @@ class StepWatch:
         norms = (self._grads_at_first_step or []) if at_first_step else self._grads_at_attach
         return any(not numerics.fine(float(numerics.read(vector.max()))) for vector in norms)
 
-    def weights_origin(self, root_id: int, params, batch: Optional[int] = None) -> Origin:
+    def weights_origin(self, root_id: int, params, batch: Optional[int] = None,
+                       number: Optional[int] = None) -> Origin:
         """How the weights `params` (parameters; none for buffers), found non-finite in the
-        forward of the top-level module `root_id` in `batch` (None: its latest), got that way."""
-        latest, before, finite_batch = self._forward_of(root_id, batch)
+        forward of the top-level module `root_id` numbered `number` (`forward_began`'s), else
+        its latest in `batch`, else its latest, got that way."""
+        latest, before, finite_batch = self._forward_of(root_id, batch, number)
         if params and self._broken_at_attach(params):
             return Origin(ORIGIN_BEFORE_ATTACH, None, None, at_attach=True)
         if before is None:  # its first forward since attach
@@ -231,11 +238,12 @@ class StepWatch:
         seen = {pid for ids, _ in self._weights_at_attach for pid in ids}
         return all(id(p) in seen for p in params)
 
-    def buffers_origin(self, root_id: int, batch: Optional[int] = None) -> Origin:
-        """How buffers found non-finite in the forward of `root_id` in `batch` (None: its
-        latest) got that way: no optimizer writes them, so they were non-finite when the guard
+    def buffers_origin(self, root_id: int, batch: Optional[int] = None,
+                       number: Optional[int] = None) -> Origin:
+        """How buffers found non-finite in a forward of `root_id` (as `weights_origin` finds
+        it) got that way: no optimizer writes them, so they were non-finite when the guard
         attached, or changed since the forward before (which found them finite)."""
-        _, before, finite_batch = self._forward_of(root_id, batch)
+        _, before, finite_batch = self._forward_of(root_id, batch, number)
         if before is None:
             return Origin(ORIGIN_BEFORE_ATTACH, None, None)
         return Origin(ORIGIN_SINCE_FORWARD, None, finite_batch)
