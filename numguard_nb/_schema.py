@@ -86,6 +86,9 @@ MODES = (MODE_FULL, MODE_SENTINEL)
 # ---- what the loop ran when the values were made (Report.stage), unless its caller said -------
 STAGE_EVALUATION = "an evaluation (the model was in eval mode)"  # a Trainer's evaluate(), say
 
+# The end of a detection's reason where a model's -inf mask made its loss non-finite
+MASK_REACHED_LOSS = "and the -inf reaches the model's output"
+
 # ---- who found a detection (Report.found_by) -------------------------------------------------
 FOUND_BY_HOOKS = ""  # the full guard's hooks, as the values were made
 FOUND_BY_RERUN = "re-run"  # a sentinel's re-run of the failing call with the full guard

@@ -19,7 +19,7 @@ import re
 from ._schema import (
     ARITHMETIC_OPS, BUFFER, CAUSE_DATA, CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED,
     CAUSE_WEIGHTS, CODE_CAUSES, CTC_OPS, DIVISION_OPS, EXP_OPS, FORWARD, INPUT, LOG_OPS,
-    MATMUL_MODULES, MATMUL_NODES, MATMUL_OPS, NLL_OPS, NORM_NODES, ORIGIN_BEFORE_ATTACH,
+    MASK_REACHED_LOSS, MATMUL_MODULES, MATMUL_NODES, MATMUL_OPS, NLL_OPS, NORM_NODES, ORIGIN_BEFORE_ATTACH,
     ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, PARAM,
     RECURRENT_MODULES, SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
 )
@@ -534,7 +534,13 @@ def _general_hint(facts: Facts) -> str:
     text = (f"{where} made {found}{facts.in_op}{facts.at_line} from finite inputs and weights"
             f"{given}{into}. {'; '.join(origins) or 'An overflow'}: check that computation's "
             "operands for zeros, negatives and large values (`t.abs().max()`).")
-    if facts.inf and not facts.nan:
+    if facts.inf and not facts.nan and facts.report.reason.endswith(MASK_REACHED_LOSS):
+        text += (" Here the -inf reached the loss and made it non-finite: a loss that takes every "
+                 "class (cross_entropy with label_smoothing, a KL or entropy term) takes the "
+                 "masked ones too. Fill the mask with a large negative finite value (-1e4: its "
+                 "probability is 0 all the same; `torch.finfo(dtype).min` overflows once a loss "
+                 "sums it), or leave the masked classes out of the loss.")
+    elif facts.inf and not facts.nan:
         allowed = f'["{facts.frame.module_name}"]' if facts.frame.module_name else "True"
         text += (" If the inf is a mask on purpose, allow it: "
                  f"`Guard(model, allow_inf={allowed})`.")

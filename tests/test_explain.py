@@ -403,15 +403,28 @@ def test_float16_gradient_overflow_mentions_the_grad_scaler():
     assert "float16's largest value 65504" in hint and "torch.amp.GradScaler" in hint
 
 
-def test_an_inf_mask_written_on_purpose_is_allowed_by_name():
+def test_an_inf_mask_that_reaches_the_loss_is_told_to_be_finite_not_allowed():
     model = nn.ModuleDict({"masks": MaskBuilder()})
     bias = torch.zeros(1, 2, requires_grad=True)
-    # the mask reaches the loss (a mask alone, with no loss, only gets a note)
+    # the mask reaches the loss (a mask alone, with no loss, only gets a note): allowing its
+    # -inf would leave the loss infinite
     report = detect(model, lambda: (model["masks"](torch.tensor([[1, 0]])) + bias).sum().backward())
     hint = hint_for(report)
     assert "masks (MaskBuilder) made -inf from finite inputs" in hint
-    assert 'allow it: `Guard(model, allow_inf=["masks"])`' in hint
+    assert "the -inf reached the loss and made it non-finite" in hint
+    assert "large negative finite value" in hint and "allow_inf" not in hint
     assert report.first_nonfinite.op_note and "Rerun" not in hint  # op localisation did run
+
+
+class PlusInfFill(nn.Module):
+    def forward(self, ids):
+        return torch.zeros(ids.shape).masked_fill(ids == 0, float("inf"))  # a "no limit" marker
+
+
+def test_an_inf_a_module_writes_on_purpose_is_allowed_by_name():
+    model = nn.ModuleDict({"limits": PlusInfFill()})
+    report = detect(model, lambda: model["limits"](torch.tensor([[1, 0]])))
+    assert 'allow it: `Guard(model, allow_inf=["limits"])`' in hint_for(report)
 
 
 def test_an_inf_given_with_the_data_is_traced_back_to_it():

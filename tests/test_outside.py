@@ -683,6 +683,13 @@ def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
     with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
         policy(obs, legal).sum().backward()  # the mask itself in the loss
     assert caught.value.report.first_nonfinite.module_class == "MaskedPolicy"
+    with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
+        # label smoothing sums every class's log-probability: the mask's -inf, negated (+inf)
+        nn.functional.cross_entropy(policy(obs, legal), torch.zeros(8, dtype=torch.long),
+                                    label_smoothing=0.1).backward()
+    report = caught.value.report
+    assert report.first_nonfinite.module_class == "MaskedPolicy", report.reason
+    assert "label_smoothing" in report.hint and "allow_inf" not in report.hint
 
 
 # ---- held culprits across the loops people write ---------------------------------------------------

@@ -18,8 +18,8 @@ from .. import stats as _stats
 from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
-    GRAD_OUTPUT, INPUT, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP, ORIGIN_OUTSIDE_FORWARD,
-    ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, STAGE_EVALUATION,
+    GRAD_OUTPUT, INPUT, MASK_REACHED_LOSS, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
+    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, STAGE_EVALUATION,
     TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import dtype_name
@@ -191,7 +191,7 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
     if rows and all(row.neginf and not row.nan and not row.posinf for row in rows) \
             and not detect.is_linear_map(frame.module_class):  # an overflow is no mask
         return (f"{where} produced a non-finite value in forward ({call}): {what}, which its "
-                "inputs and weights did not hold, and the -inf reaches the model's output")
+                f"inputs and weights did not hold, {MASK_REACHED_LOSS}")
     return (f"{where} produced a non-finite value in forward ({call}): {what}, which its inputs "
             "and weights did not hold")
 

@@ -41,7 +41,8 @@ from .outside_ops import (
     Meta, aten_ops, fallback_op, in_optimizer, input_role, likeliest, scalar_kinds, source_of,
     user_where,
 )
-from .outside_checks import BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new
+from .outside_checks import (BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new,
+                             from_the_mask)
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id
 from .rank_reports import hold_until_every_rank_knows
 
@@ -378,6 +379,9 @@ class OutsideWatch(BackwardWatch):
             for item in owners:
                 self._note_held(item)
             return None
+        if mask in owners and held in owners and from_the_mask(held.pass_, held.call, held.bad):
+            held.pass_.release()
+            owners.remove(held)  # (the loss code's inf is the model's -inf mask, negated)
         try:
             if held in owners:
                 if mask is not None:

@@ -22,14 +22,14 @@ from .. import numerics
 from .._util import LiveHandles
 from .._schema import (
     BACKWARD, CAUSE_OUTSIDE, FORWARD, GRAD_INPUT, GRAD_OUTPUT, INPUT, OUTPUT, OUTSIDE_MODULE,
-    VALUE_NONE,
+    PROBLEM_NEGINF, VALUE_NONE,
 )
 from . import detect
 from .hooks import is_dynamo_compiling
 from .outside_ops import aten_ops, likeliest, node_op
 from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord, graph_task_id
 
-__all__ = ["BackwardWatch", "OutsideCall"]
+__all__ = ["BackwardWatch", "OutsideCall", "from_the_mask"]
 
 IMMEDIATE_DEVICES = frozenset(("cpu",))  # checked op by op: no device to wait for
 # How many nodes one function may create that get a hook (a composite makes a few).
@@ -66,6 +66,15 @@ def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
         if slot[SLOT_CATEGORY] == category:
             kinds |= detect.value_kinds(pass_, slot, None)
     return kinds
+
+
+def from_the_mask(pass_: PassRecord, call: OutsideCall, bad) -> bool:
+    """Whether a forward call's new values (`bad`, its slots) are infinities it could make from
+    the -inf mask it was given (negated: a label-smoothed cross-entropy sums the log-probabilities
+    of every class, the masked ones too): the mask's maker is the one to name."""
+    if call.phase != FORWARD or PROBLEM_NEGINF not in _received(pass_, call, INPUT):
+        return False
+    return all(detect.value_kinds(pass_, slot, None) <= _INF_KINDS for slot in bad)
 
 
 def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:
