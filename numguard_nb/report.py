@@ -299,10 +299,13 @@ class Report:
         if self.kind == TRACE:
             return (f"trace of batch {self.batch_number}: {len(self.frames)} frames, all finite"
                     f"{note}{where}")
-        if any(frame.nonfinite for frame in self.frames):
+        carried = [frame for frame in self.frames if frame.nonfinite]
+        if carried:
+            what = ("nan or inf they were given" if any(row.nan for frame in carried
+                                                        for row in frame.rows)
+                    else "+-inf that only passed through (masks)")
             return (f"no inf/nan produced in the last {len(self.frames)} frames (batch "
-                    f"{self.batch_number}); some carry +-inf that only passed through (masks)"
-                    f"{note}{where}")
+                    f"{self.batch_number}); some carry {what}{note}{where}")
         if not self.frames:  # checked on a device, where no frame is kept
             return f"no inf/nan found (batch {self.batch_number}){note}{where}"
         return (f"no inf/nan in the last {len(self.frames)} frames (batch {self.batch_number})"

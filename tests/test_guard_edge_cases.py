@@ -863,3 +863,61 @@ def test_a_stored_minus_inf_mask_buffer_passing_through_is_not_a_detection():
     with Guard(model) as guard:
         model(torch.randn(4, 4))
     assert guard.report.ok
+
+
+# ---- a forward that raises an error of its own after a nan ------------------------------------
+class GaussianPolicy(nn.Module):
+    """A policy whose own code makes nan (log of a negative), then hands it to a distribution
+    that refuses it: the user sees a ValueError, not a nan."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.mu = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.log(self.body(x) - 10)  # <- the nan's line
+        return torch.distributions.Normal(self.mu(h), 1.0, validate_args=True)
+
+
+class RefusesNan(nn.Module):
+    def forward(self, x):
+        assert not torch.isnan(x).any(), "nan in activations"
+        return x
+
+
+class LogOfShifted(nn.Module):
+    def forward(self, x):
+        return torch.log(x - 10)
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes: Python 3.11+")
+def test_a_nan_made_before_the_forward_raises_an_error_of_its_own_is_named_on_that_error():
+    torch.manual_seed(0)
+    policy = GaussianPolicy()
+    with pytest.raises(ValueError, match="Expected parameter loc") as caught:
+        with Guard(policy, ops=True) as guard:
+            policy(torch.randn(3, 4))
+    note = " ".join(caught.value.__notes__)
+    assert note.startswith("numguard found, before this error: GaussianPolicy produced"), note
+    report = guard.detection  # the user's error stays the one raised; the culprit is kept
+    assert (report.first_nonfinite.module_name, report.cause) == ("", "forward-inline")
+    assert report.first_nonfinite.op == "aten.log.default"
+    assert report.first_nonfinite.source.endswith("h = torch.log(self.body(x) - 10)  # <- the nan's line")
+    assert "overflow" not in report.reason  # a nan handed on, not an inf turned into nan
+    model = nn.Sequential(nn.Linear(4, 4), LogOfShifted(), RefusesNan(), nn.Linear(4, 1))
+    with pytest.raises(AssertionError, match="nan in activations") as caught:
+        with Guard(model) as guard:
+            model(torch.randn(3, 4))
+    assert "1 (LogOfShifted) produced a non-finite value in forward" in caught.value.__notes__[0]
+    assert guard.report.first_nonfinite.module_name == "1"
+
+
+def test_a_report_of_frames_that_only_carry_a_nan_does_not_call_it_a_mask():
+    from numguard_nb.report import Frame, Report, TensorRow
+
+    row = TensorRow(role="output", category="output", kind="tensor", dtype="float32", shape=(2,),
+                    abs_min=float("nan"), abs_max=float("nan"), nan=True)
+    frame = Frame(module_name="head", module_class="Linear", phase="forward", batch_number=0,
+                  call_index=0, rows=[row])
+    assert "carry nan or inf they were given" in Report(frames=[frame]).summary()

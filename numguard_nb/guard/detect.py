@@ -116,6 +116,10 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             return call, bad_params, CAUSE_WEIGHTS
         if bad_inputs:
             return call, bad_inputs, CAUSE_DATA
+        if call.raised:  # (no output: what it handed its submodules is what its code made)
+            handed = _handed_new(pass_, call, received, limit_max)
+            if handed:
+                return call, handed, CAUSE_FORWARD_INLINE
         if PROBLEM_OVERFLOW in from_parent and call.parent is not None:
             inline = _inline_overflow(pass_, call, rules)  # (a product past limit_dtype's range
             if inline is not None:  # handed to a Linear that brings it back within)
@@ -196,6 +200,21 @@ def is_mask_fill(values: list, slot: tuple) -> bool:
     index = slot[SLOT_INDEX]
     row = values[index] if index is not None and values is not None else None
     return row is not None and row[1] in MASK_FILLS
+
+
+def _handed_new(pass_: PassRecord, call, received: set, limit_max) -> list:
+    """The inputs of `call`'s direct children holding a problem `call` did not receive (from its
+    own inputs, weights, or a child before): what its own code made between its submodules."""
+    news = set(received)
+    for child in sorted(pass_.children.get(id(call), ()), key=lambda c: c.seq):
+        handed = [slot for slot in child.slots if slot[SLOT_CATEGORY] == INPUT
+                  and value_kinds(pass_, slot, limit_max) - news - MASK]
+        if handed:
+            return handed
+        for slot in child.slots:
+            if slot[SLOT_CATEGORY] == OUTPUT:
+                news |= value_kinds(pass_, slot, limit_max)
+    return []
 
 
 def received_from_children(pass_: PassRecord, call, limit_max) -> set:

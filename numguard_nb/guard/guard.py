@@ -18,6 +18,7 @@ the submodule); `mode="sentinel"` hooks no module (`Sentinel` checks per step in
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
@@ -464,8 +465,9 @@ class Guard:
         if state.tracing:
             _record_trace(self, pass_, state.batch_number)
             return
-        if not raising and self.headroom.collect_and_check(pass_, self.options,
-                                                           partial(_locate_op, self)):
+        if raising:
+            _note_on_the_error(self, pass_)
+        elif self.headroom.collect_and_check(pass_, self.options, partial(_locate_op, self)):
             culprit = _culprit(pass_, detect.find_in_forward, self.options.stop_rules)
             if culprit is not None:
                 self._detect(pass_, FORWARD, *culprit)
@@ -616,6 +618,23 @@ class Guard:
 def _output_leaves(output):
     """`_tree.named_output_leaves`, with no walk for a tensor (the common case)."""
     return (("output", output),) if isinstance(output, torch.Tensor) else _tree.named_output_leaves(output)
+
+
+def _note_on_the_error(guard: Guard, pass_: PassRecord) -> None:
+    """The forward raised an error of its own (a distribution's validation of a nan parameter, an
+    assert on nan): a value its calls made non-finite before is the likely cause. Kept as the
+    detection and added to the error's notes (torch only warns of what a hook raises there)."""
+    error = sys.exc_info()[1]
+    if not isinstance(error, Exception) or isinstance(error, (NonFiniteError, BatchLimitReached)):
+        return
+    culprit = _culprit(pass_, detect.find_in_forward, guard.options.stop_rules)
+    try:
+        if culprit is not None:
+            guard._detect(pass_, FORWARD, *culprit)
+    except NonFiniteError as found:
+        if hasattr(error, "add_note"):  # (Python 3.11+)
+            error.add_note(f"numguard found, before this error: {str(found).splitlines()[0]} "
+                           "(guard.report holds it)")
 
 
 def _raise_found_on_exit(guard: Guard, exc: Optional[BaseException]) -> None:

@@ -206,9 +206,13 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
     errors = f" (numguard's own checks failed: {mode.errors[0]})" if mode.errors else ""
     if "unrestored" in outcome:
         errors += f" (could not put back {', '.join(outcome['unrestored'])})"
-    if "raised" in outcome:
+    # (a forward that raises an error of its own after making the value, a distribution's
+    # validation of a nan parameter, say: the op found before it)
+    if "raised" in outcome and (backward or mode.found is None):
         return _failure(f"the re-run raised {outcome['raised']}, so the op could not be "
                         f"localised{errors}")
+    if "raised" in outcome:
+        errors += f" (then the call raised {outcome['raised']}, as it did)"
     if mode.calls <= call_index:
         return _failure(f"the re-run called {name} {mode.calls} time(s), so {call} never ran: "
                         f"the step cannot be reproduced{errors}")
@@ -225,7 +229,7 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
 
     if not backward:
         produced = mode.out_kinds - mode.in_kinds - mode.ignored
-        if not produced and handed and found is not None:
+        if not produced and (handed or "raised" in outcome) and found is not None:
             produced = found["kinds"]
         if not produced:
             hint = (f" (an intermediate {found['op']}{where} did produce "
