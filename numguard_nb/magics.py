@@ -636,7 +636,12 @@ class NumguardMagics(Magics):
 
     def _after_cell(self, result=None) -> None:
         success = getattr(result, "success", True)
-        self._show(self._session.after_cell(success, getattr(result, "error_in_exec", None)))
+        error = getattr(result, "error_in_exec", None)
+        self._show(self._session.after_cell(success, error))
+        run = self._session.run  # a CUDA error: replayed on CPU, as in a %%numguard cell
+        if error is not None and run is not None and run.guard.capture is not None \
+                and _is_device_error(error):
+            self._replay_after_error(run, error)
 
     def show_uncaught(self, error: NonFiniteError) -> str:
         """A NonFiniteError of the Python API (`with Guard(...)`) that nobody caught: its report,

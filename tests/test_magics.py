@@ -829,6 +829,29 @@ def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, 
     assert "%numguard_replay: no replay bundle at missing.pt" in usage_error_line(captured)
 
 
+def test_under_numguard_on_a_device_error_is_replayed_on_cpu_too(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ip.run_cell(
+        "emb = nn.Embedding(10, 4)\n"
+        "ids = torch.tensor([[1, 2, 12]])\n"  # 12 is past the vocabulary
+        "def gpu_step(model, ids):\n"
+        "    try:\n"
+        "        return model(ids)\n"
+        "    except IndexError:\n"
+        "        raise RuntimeError('CUDA error: device-side assert triggered') from None\n"
+    )
+    try:
+        assert run(ip, "%numguard on --capture -q emb")[0].success
+        result, captured = run(ip, "gpu_step(emb, ids)")
+        assert isinstance(result.error_in_exec, RuntimeError)
+        outcome = ip.user_ns["_numguard_replay"]  # as a %%numguard --capture cell gives
+        assert isinstance(outcome.result.exception, IndexError)
+        assert repr(outcome) in [out.data["text/plain"] for out in captured.outputs]
+        assert Path(outcome.path).parent == tmp_path and Path(outcome.path).exists()
+    finally:
+        ip.run_line_magic("numguard", "off")
+
+
 def test_replay_magic_without_names_finds_the_model_by_its_class_and_errs_in_one_line(ip, tmp_path):
     emb = nn.Embedding(10, 4)
     with pytest.raises(IndexError), Guard(emb, capture=True) as guard:
