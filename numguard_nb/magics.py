@@ -330,9 +330,7 @@ class NumguardMagics(Magics):
             return outcome.result("")
         self._show(run.finish_cell(failed=outcome.error is not None))
         self._show(run.show_headroom())
-        if outcome.error is not None and run.guard.capture is not None \
-                and _is_device_error(outcome.error):
-            self._replay_after_error(run, outcome.error)
+        self._replay_after_error(run, outcome.error)
         return outcome.result(run.hint)
 
     def _cell_run_if_ready(self, args, magic: str, assigned: set, not_yet: list) -> Optional[GuardedRun]:
@@ -602,7 +600,10 @@ class NumguardMagics(Magics):
             return run, _CellOutcome(error=error)
         return run, _CellOutcome(value=value)
 
-    def _replay_after_error(self, run: GuardedRun, error: BaseException) -> None:
+    def _replay_after_error(self, run: Optional[GuardedRun], error: Optional[BaseException]) -> None:
+        """A CUDA error in a cell whose run captures: the captured call replayed on CPU."""
+        if error is None or run is None or run.guard.capture is None or not _is_device_error(error):
+            return
         try:
             from . import replay
 
@@ -638,10 +639,7 @@ class NumguardMagics(Magics):
         success = getattr(result, "success", True)
         error = getattr(result, "error_in_exec", None)
         self._show(self._session.after_cell(success, error))
-        run = self._session.run  # a CUDA error: replayed on CPU, as in a %%numguard cell
-        if error is not None and run is not None and run.guard.capture is not None \
-                and _is_device_error(error):
-            self._replay_after_error(run, error)
+        self._replay_after_error(self._session.run, error)  # as in a %%numguard cell
 
     def show_uncaught(self, error: NonFiniteError) -> str:
         """A NonFiniteError of the Python API (`with Guard(...)`) that nobody caught: its report,

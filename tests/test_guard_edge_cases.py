@@ -921,3 +921,46 @@ def test_a_report_of_frames_that_only_carry_a_nan_does_not_call_it_a_mask():
     frame = Frame(module_name="head", module_class="Linear", phase="forward", batch_number=0,
                   call_index=0, rows=[row])
     assert "carry nan or inf they were given" in Report(frames=[frame]).summary()
+
+
+# ---- parameters that change while the guard is attached --------------------------------------
+def _overflowing_weight_gradient() -> nn.Sequential:
+    """Layer 0's weight gradient overflows: its input 1e30 times the gradient it gets, 1e30."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e-31), model[0].bias.zero_(), model[1].weight.fill_(1.0)
+        model[1].bias.zero_()
+    return model
+
+
+@pytest.mark.parametrize("change", ["unfrozen", "a new parameter", "load_state_dict(assign=True)"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_parameter_that_trains_from_a_change_made_while_attached_has_its_gradient_watched(
+        change, mode):
+    model = _overflowing_weight_gradient()
+    if change == "unfrozen":
+        model[0].requires_grad_(False)  # gradual unfreezing: frozen as the guard attaches
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        if change == "unfrozen":
+            model[0].requires_grad_(True)
+        elif change == "a new parameter":
+            model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+        else:
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        (model(torch.full((2, 4), 1e30)).sum() * 1e30).backward()
+    report = caught.value.report
+    assert (report.first_nonfinite.module_name, report.phase) == ("0", "backward"), report.reason
+    assert "weight.grad holds +inf" in report.reason
+
+
+def test_a_replaced_parameter_is_let_go_while_attached():
+    import gc
+    import weakref
+
+    model = _overflowing_weight_gradient()
+    with Guard(model):
+        old = weakref.ref(model[0].weight)
+        model[0].weight = nn.Parameter(torch.zeros(4, 4))
+        gc.collect()
+        assert old() is None

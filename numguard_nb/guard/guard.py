@@ -452,7 +452,7 @@ class Guard:
                 self._start_batch(state)
             self.steps.forward_began(module_id, state.batch_number)
             if self.watch_backward and torch.is_grad_enabled():
-                self.module_hooks.rehook_swapped()
+                self.module_hooks.rehook_changed(self)
         state.forward = PassRecord(_measures_abs_min(self, state.batch_number))
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs

@@ -10,7 +10,7 @@ mode (the hooks do nothing). `running_calls()`, `still_running(own_call_frame_id
 
 Limits: a TorchScript module is an opaque leaf (its weights are read as its caller's, their
 gradients watched); a model compiled before attaching is hooked on its wrapper; a parameter
-swapped in is hooked again at the next forward (`rehook_swapped`) unless it brought hooks of its
+swapped in is hooked again at the next forward (`rehook_changed`) unless it brought hooks of its
 own; one refusing hooks is warned of.
 
     hooks = ModuleHooks()
@@ -360,6 +360,9 @@ class ModuleHooks:
         self.param_hooks: Dict[int, ParamHook] = {}  # id(parameter) -> its hook
         self.unwatched: List[str] = []  # parameters whose gradient could not be hooked
         self.subclass_params = False  # some parameter is a tensor subclass (torch swaps those)
+        # id(parameter) -> (it, weakly; its module's id, name, class; its name) of the parameters
+        # frozen when hooked: hooked once they train (gradual unfreezing)
+        self.frozen: Dict[int, tuple] = {}
         # While hooked: (the guard, weakly; watch_backward), for a submodule assigned to a hooked
         # module (a new head, a swapped activation): hooked as it is registered (a global hook).
         self._following: Optional[tuple] = None
@@ -379,6 +382,8 @@ class ModuleHooks:
             self._following = (weakref.ref(guard), watch_backward)
             self._global.append(nn.modules.module.register_module_module_registration_hook(
                 WeakHook(self, "follow", takes=3)))
+            self._global.append(nn.modules.module.register_module_parameter_registration_hook(
+                WeakHook(self, "new_parameter", takes=3)))
 
     def follow(self, parent: nn.Module, child_name: str, child) -> None:
         """A submodule registered on a module (torch's global hook): hooked where it joins a
@@ -397,6 +402,25 @@ class ModuleHooks:
                        watch_backward)
         for module_id in set(self.modules) - before:
             copies.install(self.modules[module_id], self.hook_ids[module_id])
+
+    def new_parameter(self, module: nn.Module, pname: str, param) -> None:
+        """A parameter set on a hooked module (`layer.weight = nn.Parameter(...)`,
+        `load_state_dict(assign=True)`; torch's global hook, before it is stored): its gradient
+        hooked as `add` would have, and the one it replaces let go, unless another module holds
+        it too."""
+        known = self.names.get(id(module))
+        if known is None or self._following is None or not self._following[1]:
+            return
+        guard = self._following[0]()
+        old = module._parameters.get(pname)
+        if old is not None and old is not param and id(old) in self.param_hooks and not any(
+                p is old for m in self.modules.values() if m is not module
+                for p in m._parameters.values()):
+            hook = self.param_hooks.pop(id(old))
+            if hook.handle is not None:
+                hook.handle.remove()
+        if guard is not None and isinstance(param, torch.Tensor):
+            self._hook_param(guard, param, id(module), known[0], known[1], pname)
 
     def _add_tree(self, guard, module: nn.Module, name: str, caller: Optional[int],
                   watch_backward: bool) -> None:
@@ -475,19 +499,33 @@ class ModuleHooks:
         """Hook the gradient of each trainable parameter of `module` (of its submodules too with
         `recurse`) not hooked yet; lazy ones wait for their module's first call."""
         for pname, param in module.named_parameters(recurse=recurse):
-            if not param.requires_grad or id(param) in self.param_hooks or _is_uninitialised(param):
-                continue
-            self.subclass_params = self.subclass_params or type(param) not in _PLAIN_PARAMETERS
-            try:
-                self.param_hooks[id(param)] = ParamHook(guard, param, module_id, name, cls,
-                                                        pname + ".grad")
-            except Exception as error:  # a tensor subclass refusing hooks: watch the rest
-                self.unwatched.append(f"{qualified_name(name, pname)} ({type(error).__name__})")
+            self._hook_param(guard, param, module_id, name, cls, pname)
 
-    def rehook_swapped(self) -> None:
-        """Hook the tensors swapped into parameters since the last pass. Looked for only where
+    def _hook_param(self, guard, param, module_id: int, name: str, cls: str, pname: str) -> None:
+        if id(param) in self.param_hooks or _is_uninitialised(param):
+            return
+        if not param.requires_grad:
+            self.frozen[id(param)] = (weakref.ref(param), module_id, name, cls, pname)
+            return
+        self.frozen.pop(id(param), None)
+        self.subclass_params = self.subclass_params or type(param) not in _PLAIN_PARAMETERS
+        try:
+            self.param_hooks[id(param)] = ParamHook(guard, param, module_id, name, cls,
+                                                    pname + ".grad")
+        except Exception as error:  # a tensor subclass refusing hooks: watch the rest
+            self.unwatched.append(f"{qualified_name(name, pname)} ({type(error).__name__})")
+
+    def rehook_changed(self, guard) -> None:
+        """Hook the parameters frozen until now that train (`requires_grad_(True)`), and the
+        tensors swapped into parameters since the last pass. Swaps are looked for only where
         torch swaps (`module.to()`, `load_state_dict`): with the swap flag on, or with
         tensor-subclass parameters."""
+        for key, (ref, module_id, name, cls, pname) in list(self.frozen.items()):
+            param = ref()
+            if param is None or param.requires_grad:
+                del self.frozen[key]
+                if param is not None:
+                    self._hook_param(guard, param, module_id, name, cls, pname)
         if not (self.subclass_params or _swap_on_conversion()):
             return
         for hook in list(self.param_hooks.values()):  # a lazy module's first call may add some
@@ -519,6 +557,7 @@ class ModuleHooks:
         self.hook_ids.clear()
         self.compiled.clear()
         self.param_hooks.clear()
+        self.frozen.clear()
         self.unwatched.clear()
         self.subclass_params = False
 
