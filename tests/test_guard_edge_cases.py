@@ -964,3 +964,24 @@ def test_a_replaced_parameter_is_let_go_while_attached():
         model[0].weight = nn.Parameter(torch.zeros(4, 4))
         gc.collect()
         assert old() is None
+
+
+@pytest.mark.parametrize("options", [{}, {"ops": True}])
+def test_submodules_replaced_while_attached_are_let_go_and_the_new_ones_watched(options):
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)  # (a frozen one too: nothing of it kept)
+    replaced = []
+    with Guard(model, **options):
+        for _ in range(5):  # a new head per fold, in one attached session
+            replaced.append(weakref.ref(model[2]))
+            model[2] = nn.Linear(4, 1)
+            model(torch.randn(2, 4)).sum().backward()
+        gc.collect()
+        assert all(head() is None for head in replaced)
+        with torch.no_grad():
+            model[2].weight.fill_(float("inf"))
+        with pytest.raises(NonFiniteError, match=r"^the weights of 2 \(Linear\)"):
+            model(torch.randn(2, 4))

@@ -396,12 +396,37 @@ class ModuleHooks:
         guard, watch_backward = self._following[0](), self._following[1]
         if guard is None:
             return
+        replaced = parent._modules.get(child_name)
+        if replaced is not None and replaced is not child and id(replaced) in self.names:
+            self._let_go(_reachable(guard.models, parent, child_name, child))  # (a new head)
         before = set(self.modules)
         self._add_tree(guard, child, qualified_name(name, child_name),
                        id(parent) if type(parent).forward is not _UNIMPLEMENTED_FORWARD else caller,
                        watch_backward)
         for module_id in set(self.modules) - before:
             copies.install(self.modules[module_id], self.hook_ids[module_id])
+
+    def _let_go(self, reachable: dict) -> None:
+        """Unhook the modules no longer in the models (a submodule replaced while attached), and
+        the gradients of their parameters no module left holds: nothing kept alive for them."""
+        gone = [module_id for module_id in self.modules if module_id not in reachable]
+        if not gone:
+            return
+        ids = set()
+        for module_id in gone:
+            hook_ids = self.hook_ids.pop(module_id, [])
+            copies.uninstall(self.modules.pop(module_id), hook_ids)
+            self.names.pop(module_id, None)
+            self.compiled.discard(module_id)
+            ids.update(hook_ids)
+        for handle in [h for h in self.handles if h.id in ids]:
+            handle.remove()
+            self.handles.remove(handle)
+        held = {id(p) for m in reachable.values() for p in m._parameters.values()}
+        for key in [key for key, hook in self.param_hooks.items() if key not in held]:
+            hook = self.param_hooks.pop(key)
+            if hook.handle is not None:
+                hook.handle.remove()
 
     def new_parameter(self, module: nn.Module, pname: str, param) -> None:
         """A parameter set on a hooked module (`layer.weight = nn.Parameter(...)`,
@@ -560,6 +585,21 @@ class ModuleHooks:
         self.frozen.clear()
         self.unwatched.clear()
         self.subclass_params = False
+
+
+def _reachable(models: dict, parent: nn.Module, child_name: str, child) -> dict:
+    """id -> module, of the modules of `models` once `child` is set as `parent`'s `child_name`."""
+    seen, stack = {}, list(models.values())
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen[id(module)] = module
+        for name, sub in module._modules.items():
+            sub = child if module is parent and name == child_name else sub
+            if isinstance(sub, nn.Module):
+                stack.append(sub)
+    return seen
 
 
 class GradHooks:
