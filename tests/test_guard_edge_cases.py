@@ -985,3 +985,26 @@ def test_submodules_replaced_while_attached_are_let_go_and_the_new_ones_watched(
             model[2].weight.fill_(float("inf"))
         with pytest.raises(NonFiniteError, match=r"^the weights of 2 \(Linear\)"):
             model(torch.randn(2, 4))
+
+
+class ReturnsItsLogVariance(nn.Module):
+    """A learned log-variance returned as it is, beside the prediction (a leaf as an output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.log_var = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.fc(x), self.log_var
+
+
+@pytest.mark.parametrize("options", [{}, {"ops": True}, {"mode": "sentinel"}])
+def test_a_parameter_returned_as_an_output_gets_no_hook_per_call(options):
+    model = ReturnsItsLogVariance()
+    with Guard(model, **options):
+        for _ in range(20):
+            mean, log_var = model(torch.randn(2, 4))
+            (torch.exp(-log_var) * mean ** 2 + log_var).mean().backward()
+        assert len(model.log_var._backward_hooks or {}) <= 2  # its gradient's, the op recorder's
+    assert not model.log_var._backward_hooks

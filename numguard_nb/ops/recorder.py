@@ -9,6 +9,7 @@ which a backward re-run starts. On a detection, `localise` re-runs the step (`re
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Dict
 
@@ -25,6 +26,10 @@ def _store_grad(grads: list, position: int, grad) -> None:
     grads[position] = grad
 
 
+def _store_leaf_grad(place: list, grad) -> None:
+    place[0][place[1]] = grad  # (the latest call's gradients, its position there)
+
+
 class OpRecorder:
     """The last top-level call of each guarded root, and the gradients at its outputs."""
 
@@ -33,6 +38,9 @@ class OpRecorder:
         self.calls: Dict[int, tuple] = {}
         self.written: set = set()  # (id of a module, buffer name) a forward was seen writing
         self.root_grads: Dict[int, list] = {}  # root id -> gradients of its outputs
+        # id of a leaf output (a parameter a model returns) -> (it, weakly; [gradients, position])
+        # where its one hook stores: hooked once while attached, not at every call
+        self._leaf_places: Dict[int, tuple] = {}
 
     def remember_call(self, root, args, kwargs, state: CallState, call_counts: dict, batch: int) -> None:
         """Keep a top-level call of `batch` for a re-run. `call_counts` (module id -> calls so far
@@ -56,7 +64,17 @@ class OpRecorder:
         grads: list = [None] * len(tensors)
         self.root_grads[root_id] = grads
         for position, tensor in enumerate(tensors):
-            if tensor.requires_grad:
+            if not tensor.requires_grad:
+                continue
+            if tensor.is_leaf:
+                kept = self._leaf_places.get(id(tensor))
+                if kept is not None and kept[0]() is tensor:
+                    kept[1][:] = [grads, position]
+                    continue
+                place = [grads, position]
+                self._leaf_places[id(tensor)] = (weakref.ref(tensor), place)
+                handles.append(tensor.register_hook(partial(_store_leaf_grad, place)))
+            else:
                 handles.append(tensor.register_hook(partial(_store_grad, grads, position)))
 
     def forget_grads(self) -> None:
@@ -64,6 +82,7 @@ class OpRecorder:
         self.root_grads.clear()
 
     def clear(self) -> None:
+        self._leaf_places.clear()  # (their hooks go with the guard's handles)
         self.calls.clear()
         self.written.clear()
         self.root_grads.clear()
