@@ -274,6 +274,9 @@ class Report:
     # by the training callbacks: "validation batch 1, after training batch 2"), or
     # STAGE_EVALUATION where the model was in eval mode; "" in training; None: not known.
     stage: Optional[str] = None
+    # The guarded model's class where the guard watches one model ("" otherwise): the module
+    # tree's root, whose own call may not have ended (a forward detection).
+    model_class: str = ""
     # What the guarded model is called in the user's code, for the code a hint suggests
     # (`net[2].float()`): the notebook layer knows its name.
     model_variable: str = "model"

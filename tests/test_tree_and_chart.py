@@ -109,3 +109,25 @@ def test_nothing_rises_nothing_is_labelled_as_a_rise():
     assert steepest_rise(points) is None
     svg = chart_svg(report)
     assert "ng-label" not in svg
+
+
+def test_a_forward_detection_s_tree_root_is_the_model_s_class():
+    import torch
+    from torch import nn
+    # the model's own call never ended (the detection stopped it): its class comes with the report
+    import numguard_nb as ng
+    from numguard_nb.render.html import build_tree
+
+    class MyNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x) * float("inf"))
+
+    model = MyNet()
+    with pytest.raises(ng.NonFiniteError) as caught, ng.Guard(model):
+        model(torch.ones(1, 2))
+    root, _ = build_tree(caught.value.report)
+    assert (root.label, root.module_class) == ("MyNet", "MyNet")

@@ -22,7 +22,7 @@ from .._schema import (
     ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, STAGE_EVALUATION,
     TRACE, VALUE_UNSUPPORTED,
 )
-from .._util import dtype_name
+from .._util import compiled_original, dtype_name
 from ..errors import NonFiniteError
 from ..explain import hint_for
 from ..report import MAX_SAMPLES_NAMED, Frame, Report, TensorRow, module_words
@@ -360,6 +360,9 @@ def detection_error(guard, report: Report) -> BaseException:
     `NonFiniteError(report)`."""
     if report.stage is None:  # (a sentinel's check read later says its call's)
         report.stage = stage_now(guard)
+    if len(guard.models) == 1 and not report.model_class:
+        model = next(iter(guard.models.values()))
+        report.model_class = type(compiled_original(model) or model).__name__
     guard.detection = report
     on_detect = guard.options.on_detect
     error = on_detect(report) if on_detect is not None else None

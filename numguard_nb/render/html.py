@@ -182,7 +182,7 @@ def build_tree(report) -> Tuple[ModuleNode, Optional[int]]:
                 break
             path = path.rpartition(".")[0]
     if root.module_class is None:
-        root.module_class = "models" if len(root.children) > 1 else None
+        root.module_class = report.model_class or None  # (its call never ended)
     return root, culprit_at
 
 
