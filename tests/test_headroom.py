@@ -88,6 +88,19 @@ def test_a_gradient_carried_on_is_credited_to_its_maker_only():
                                     ("2", "backward", "grad_input[0]", "underflow")}
 
 
+def test_a_value_grown_from_one_already_beyond_the_limit_is_carried_not_made():
+    # A Dropout (1/(1-p)) after a Linear that overflows float16: in float16 the Dropout is
+    # handed inf; the Linear alone would overflow
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    with torch.no_grad():
+        model[0].weight.fill_(2e4)
+    model.train()
+    with Guard(model, limit_dtype=torch.float16, backward=False) as guard:
+        model(torch.ones(8, 4))
+    assert [(e.module_name, e.kind) for e in guard.headroom] == [("0", "overflow")]
+
+
 def test_to_frame_has_one_row_per_entry_the_worst_first():
     guard = run_batches(widening_model(), limit_dtype=torch.float16)
     frame = guard.headroom.to_frame()
@@ -211,9 +224,22 @@ def test_the_text_and_html_views(golden):
     assert lines[2].startswith("  overflow ") and lines[-1].startswith("  underflow ")
 
 
+class Branches(nn.Module):
+    """24 heads on one input, each overflowing float8_e4m3fn's 448 by itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(24))
+        with torch.no_grad():
+            for index, head in enumerate(self.heads):
+                head.weight.fill_(120.0 + index)
+
+    def forward(self, x):
+        return torch.stack([head(x) for head in self.heads]).sum(0)
+
+
 def test_the_views_show_the_worst_first_and_say_how_many_more():
-    model = nn.Sequential(*[nn.Sequential(M.Scale(4), M.Widen()) for _ in range(12)])
-    guard = run_batches(model, scales=[0.0, 1e-3], limit_dtype="float8_e4m3fn")
+    guard = run_batches(Branches(), scales=[1.0], limit_dtype="float8_e4m3fn")
     lines = guard.headroom.to_text().splitlines()
     assert len(guard.headroom) > 20 and len(lines) == 2 + 20 + 1  # summary, first, 20, more
     assert lines[-1] == f"  ... and {len(guard.headroom) - 20} more (.to_frame() has them all)"

@@ -292,12 +292,15 @@ class _Made:
 
     def credit(self, call: CallRecord, slot: tuple, value: tuple, got) -> None:
         """Credit `value` to `call` for each limit it goes beyond further than anything in `got`
-        (what the call received; `_NOTHING` for values that are their own source)."""
+        (what the call received; `_NOTHING` for values that are their own source), unless what
+        it received was beyond that limit already: in that dtype it was handed inf (or 0), and
+        carried it on (a Dropout's 1/(1-p) after an overflowing Linear)."""
         abs_max, nonzero = value
         kinds = []
-        if self.limit_max < abs_max and abs_max > got[0]:
+        if self.limit_max < abs_max and got[0] < abs_max and got[0] <= self.limit_max:
             kinds.append(PROBLEM_OVERFLOW)
-        if nonzero is not None and nonzero < self.limit_tiny and nonzero < got[1]:
+        if nonzero is not None and nonzero < self.limit_tiny and nonzero < got[1] \
+                and got[1] >= self.limit_tiny:
             kinds.append(PROBLEM_UNDERFLOW)
         for kind in kinds:
             if (slot[SLOT_INDEX], kind) not in self._credited:
