@@ -130,16 +130,20 @@ class DebugUnderflowOverflow:
         self._printed[report.batch_number] = len(report.frames)
 
     def _dump(self, report: Report) -> ValueError:
-        culprit = report.first_nonfinite
-        self._print_problems(culprit)
         previous, frames = self._saved(report.frames)
-        report.frames = frames  # the report holds what was printed
+        report.frames = frames  # the report holds what was printed (and its culprit's frame)
+        # transformers stops at the first frame holding inf/nan (an input, a weight or the
+        # output), and counts a batch when the model's own call ends: where that first frame is
+        # the model's own, the count has gone up already
+        first = next((i for i, f in enumerate(frames)
+                      if f.batch_number == report.batch_number and f.nonfinite), len(frames) - 1)
+        batch = report.batch_number + (1 if frames[first].module_name == "" else 0)
+        self._print_problems(frames[first])
         texts = []
-        for frame in frames:
+        for frame in frames[:first + 1]:
             texts.append(self._frame_text(frame, previous))
             previous = frame
-        # transformers counts a batch when the model's own call ends: its frame comes after
-        batch = report.batch_number + (1 if culprit.module_name == "" else 0)
+        frames = frames[:first + 1]
         print(f"\nDetected inf/nan during batch_number={batch}")
         print(f"Last {len(frames)} forward frames:")
         print(_HEADER)

@@ -268,6 +268,39 @@ def test_a_nan_made_by_the_models_own_code_prints_the_same_lines():
     assert lines_matching(text, r"^Detected") == ["Detected inf/nan during batch_number=3"]
 
 
+class OwnCodeInfBetween(nn.Module):
+    """Its own code divides by 0 between its two submodules, when its input is large."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.second(h / 0 if x.abs().max() > 10 else h)
+
+
+def _nan_in_the_data():
+    batches = _exp_batches()[:2]
+    bad = batches[1].clone()
+    bad[0, 0] = float("nan")
+    return batches + [bad]
+
+
+@pytest.mark.parametrize("case", ["nan in the data", "inf handed to a submodule"])
+def test_a_value_a_submodule_is_given_prints_the_batch_transformers_prints(case):
+    # transformers stops at the submodule's frame, before the model's own frame counts the batch
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)) if case == "nan in the data" \
+            else OwnCodeInfBetween()
+
+    batches = _nan_in_the_data() if case == "nan in the data" else (
+        _exp_batches()[:2] + [torch.full((3, 4), 50.0)])
+    text, _ = assert_same_output(model, batches)
+    assert lines_matching(text, r"^Detected") == ["Detected inf/nan during batch_number=2"]
+
+
 def test_detected_overflow_says_what_transformers_says():
     for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
         model = _exp_model()
