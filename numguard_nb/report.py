@@ -445,6 +445,11 @@ def _abs_max_ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return big / small
 
 
+def _own_batch(report: Report) -> list:
+    """A report's frames of its own batch (a detection's frames go back to earlier batches)."""
+    return [f for f in report.frames if f.batch_number == report.batch_number] or report.frames
+
+
 def compare_reports(a: Report, b: Report, factor: float = 10.0, details: int = 5) -> Comparison:
     """The first module (frame order of `a`) whose abs max differs by more than `factor` in `b`.
 
@@ -468,10 +473,13 @@ def compare_reports(a: Report, b: Report, factor: float = 10.0, details: int = 5
         a_label, b_label = f"A ({a_label})", f"B ({b_label})"
     result = Comparison(factor=factor, a_label=a_label, b_label=b_label)
     b_frames = {}
-    for frame in b.frames:
+    for frame in _own_batch(b):
         b_frames.setdefault((frame.module_name, frame.phase, frame.call_index), frame)
     matched = set()
+    own = {id(frame) for frame in _own_batch(a)}
     for position, frame in enumerate(a.frames):
+        if id(frame) not in own:
+            continue
         key = (frame.module_name, frame.phase, frame.call_index)
         other = b_frames.get(key)
         if other is None or key in matched:

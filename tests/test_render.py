@@ -437,3 +437,37 @@ def test_the_table_shows_a_missing_statistic_as_missing_and_a_nan_as_nan():
     value = nan.to_frame().abs_max.iloc[0]
     assert value is not pd.NA and math.isnan(value)
     assert str(table.abs_max.dtype) == "Float64"
+
+
+def test_compare_with_a_detection_reads_the_frames_of_its_own_batch():
+    # a detection keeps the last max_frames frames, earlier batches' too: the module's frame of
+    # the failing batch is the one compared, not its first in the list
+    import torch
+    from torch import nn
+
+    import numguard_nb as ng
+
+    class Grows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * 1e30 * 1e30 if self.calls == 4 else x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Grows(), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    with pytest.raises(ng.NonFiniteError) as caught:
+        with ng.Guard(model, trace_batches=[0], backward=False) as guard:
+            for _ in range(4):
+                model(x)
+    bad = caught.value.report
+    assert {frame.batch_number for frame in bad.frames} != {3}  # earlier batches' frames too
+    result = guard.traces[0].compare(bad)
+    assert (result.module_name, result.role, result.b_value) == ("1", "output", INF)
+    assert guard.traces[0].frames[result.frame_position].module_name == "1"
+    reverse = bad.compare(guard.traces[0])  # the detection first: its batch's frames compared
+    assert (reverse.module_name, reverse.a_value, bad.frames[reverse.frame_position].batch_number
+            ) == ("1", INF, 3)
