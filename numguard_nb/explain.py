@@ -267,7 +267,10 @@ def _overflow_hint(facts: Facts, what: str) -> str:
         return ""
     reached = facts.reached()
     if facts.op in EXP_OPS:
-        given = f"; {reached}" if reached else ""
+        # (what the module was given is exp's argument only where it passes exp's threshold)
+        top = largest(facts.rows_of(INPUT))
+        given = f"; {reached}" if reached and top is not None and top.abs_max > math.log(limit) \
+            else ""
         # float32 is no wider than bfloat16's range: only float16 gains from it
         wider = (", clamp the argument, or compute it in float32" if facts.dtype == "float16"
                  else " or clamp the argument")
@@ -372,11 +375,14 @@ def _division_hint(facts: Facts) -> str:
     zeros = [row.role for row in facts.rows_of(INPUT)
              if row.kind == VALUE_TENSOR and row.abs_min == 0]
     evidence = f" ({', '.join(zeros)} holds zeros)" if zeros else ""
-    what = "0 by 0" if facts.nan else "by 0"
+    # (what the op made: a softmax after it turns its inf into the module's nan)
+    nan = "nan" in facts.frame.op_made if facts.frame.op_made else facts.nan
+    what = "0 by 0" if nan else "by 0"
     small = (f", or by a value so small that the quotient passed {limit_text('float16')}"
              if facts.dtype == "float16" and facts.inf else "")
     return (f"{facts.where} divided {what}{facts.in_op}{facts.at_line}{evidence}{small}, e.g. a "
-            "masked mean over a sample whose mask is all zeros, or a normalisation by a zero sum. "
+            "temperature that reached 0, a masked mean over a sample whose mask is all zeros, or "
+            "a normalisation by a zero sum. "
             "Keep the denominator away from 0: `s / n.clamp_min(1)` for a count, `+ 1e-6` for a "
             "float.")
 

@@ -208,6 +208,7 @@ class Frame:
     op: Optional[str] = None  # the first ATen op that turned non-finite (op localisation)
     source: Optional[str] = None  # "file:line: code" of the Python line that called it
     op_note: Optional[str] = None  # what op localisation found, or why it could not
+    op_made: tuple = ()  # what that op made: "nan", "inf" (its module's output may differ)
 
     @property
     def label(self) -> str:

@@ -197,7 +197,7 @@ def test_after_one_guards_detection_both_guards_go_on_watching(modes):
             guard.detach()
 
 
-def test_a_forward_that_raises_is_marked_raised_and_detects_nothing():
+def test_a_forward_that_raises_is_marked_raised_and_its_error_wins():
     class Boom(nn.Module):
         def forward(self, x):
             raise RuntimeError("boom")
@@ -205,9 +205,15 @@ def test_a_forward_that_raises_is_marked_raised_and_detects_nothing():
     model = nn.Sequential(nn.Linear(4, 4), Exp(), Boom())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with pytest.raises(RuntimeError, match="boom"), Guard(model) as guard:
+        with pytest.raises(RuntimeError, match="boom") as caught, Guard(model) as guard:
             model(torch.full((3, 4), 1e3))  # inf in "1", then "2" raises: its error wins
     assert [str(w.message) for w in seen] == []
+    # what the guard saw before is kept, and said on the error (Python 3.11+)
+    assert guard.detection.first_nonfinite.module_name == "1"
+    if hasattr(caught.value, "add_note"):
+        assert caught.value.__notes__[0].startswith("numguard found, before this error: 1 (Exp)")
+    with pytest.raises(RuntimeError, match="boom"), Guard(model) as guard:
+        model(torch.full((3, 4), 1.0))  # all finite: the calls that raised are marked so
     assert guard.detection is None
     raised = [frame.module_name for frame in guard.report.frames if frame.raised]
     assert raised == ["2", ""]

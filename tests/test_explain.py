@@ -239,6 +239,49 @@ def test_division_by_a_zero_sum_clamps_the_denominator():
     assert "n.clamp_min(1)" in hint
 
 
+class TemperedSoftmax(nn.Module):
+    """Gumbel-softmax style: logits over a temperature that reached 0, then a softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.tau = 0.0
+
+    def forward(self, x):
+        return torch.softmax(x / self.tau, dim=-1)  # x/0 = inf; the softmax makes nan of it
+
+
+def test_a_division_that_made_inf_says_by_0_though_the_module_gave_nan():
+    model = TemperedSoftmax()
+    hint = hint_for(detect(model, lambda: model(torch.randn(2, 3))))
+    assert "divided by 0 in `aten.div.Tensor`" in hint and "0 by 0" not in hint, hint
+    assert "a temperature that reached 0" in hint
+
+
+class Reparameterise(nn.Module):
+    """A VAE's sample: exp of a log-variance the encoder made large from a small input."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.encoder.weight.fill_(100.0)
+
+    def forward(self, x):
+        logvar = self.encoder(x)
+        return torch.exp(0.5 * logvar)
+
+
+def test_an_exp_overflow_quotes_no_input_that_stayed_below_exp_s_threshold():
+    model = Reparameterise()
+    hint = hint_for(detect(model, lambda: model(torch.ones(1, 4))))
+    assert "exp overflows float32 above 88.72" in hint and "reached" not in hint, hint
+    from models import Exp
+
+    model = nn.Sequential(Exp())
+    hint = hint_for(detect(model, lambda: model(torch.full((2,), 200.0))))
+    assert "its input reached 200" in hint, hint  # exp's argument itself: quoted
+
+
 def test_a_loss_over_zero_labels_says_every_label_was_ignored():
     torch.manual_seed(0)
     model = CausalLM()

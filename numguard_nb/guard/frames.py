@@ -443,7 +443,7 @@ def add_op_location(frame: Frame, where) -> None:
     frame.op_note = where.note
     if where.reproduced:
         frame.op = f"{where.node}: {where.op}" if where.node else where.op
-        frame.source = where.source
+        frame.source, frame.op_made = where.source, where.made
 
 
 class RecentPasses:

@@ -42,6 +42,7 @@ class OpLocation:
     line: Optional[str] = None
     reproduced: bool = False  # the re-run reproduced the non-finite value in the culprit
     note: str = ""  # one sentence: what was found, or why it could not be localised
+    made: tuple = ()  # what the op made: "nan", "inf" (a division by 0 makes inf, 0/0 nan)
 
     @property
     def source(self) -> Optional[str]:
@@ -247,7 +248,7 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
                  if found.get("from_number") else "finite inputs")
         return OpLocation(
             op=found["op"], filename=found["filename"], lineno=found["lineno"], line=line,
-            reproduced=True,
+            reproduced=True, made=tuple(sorted(found["kinds"])),
             note=(f"{found['op']} turned {given} into {kinds_phrase(found['kinds'])}{bound} "
                   f"in {call}{where}{errors}"),
         )
@@ -258,7 +259,7 @@ def _conclude(mode: RerunMode, outcome: dict, culprit, call_index, limit, backwa
         created = f", created{where}" if where else ""
         return OpLocation(
             op=found["op"], node=found["node"], filename=found["filename"],
-            lineno=found["lineno"], line=line, reproduced=True,
+            lineno=found["lineno"], line=line, reproduced=True, made=tuple(sorted(found["kinds"])),
             note=(f"{found['op']} in {found['node']}{created}, turned finite gradients into "
                   f"{kinds_phrase(found['kinds'])}{bound} in the backward of {call}{errors}"),
         )
