@@ -1447,3 +1447,29 @@ def test_a_step_lightning_calls_through_the_ddp_wrapper_is_checked_as_in_one_pro
     first = caught.value.report.first_nonfinite
     assert first.module_name == ("lin" if step == "validation_step" else "")
     assert hooks_left(model) == []
+
+
+class LogOfSoftmax(nn.Module):
+    """torch.log(F.softmax(...)): classes whose probability underflowed to 0 get -inf, a finite
+    loss on the others, and LogBackward0 makes 0/0 = nan of them (allenai/allennlp#2797)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return torch.log(torch.softmax(self.fc(x), -1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_minus_inf_output_the_loss_kept_finite_is_no_culprit_of_the_backward_it_breaks(mode):
+    torch.manual_seed(0)
+    model = LogOfSoftmax()
+    x = torch.randn(4, 3) * 300
+    with torch.no_grad():
+        labels = model.fc(x).argmax(-1)  # the top classes: a finite loss
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode, ops=True):
+        nn.functional.nll_loss(model(x), labels).backward()
+    report = caught.value.report  # the sentinel's re-run names what full mode names
+    assert (report.cause, report.first_nonfinite.op) == ("backward-inline",
+                                                         "LogBackward0: aten.div.Tensor")

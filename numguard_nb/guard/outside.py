@@ -107,6 +107,9 @@ class OutsideWatch(BackwardWatch):
         self.unraised: Optional[BaseException] = None  # found at stop, for `raise_found`
         self.recorder = None  # replay.outside.OutsideRecorder while a capture records (start)
         self.contained: list = []  # notes on values made non-finite and discarded (`settle`)
+        # A sentinel's backward re-run: the loss judged the model's -inf masks already (a backward
+        # followed), so they are no culprit in it
+        self.masks_judged = False
         self.may_hold = True  # False for a sentinel's full guards: the sentinel's watch judges
         self._step_hold = [False]  # this watch holds the step pre-hook (released when dropped too)
         weakref.finalize(self, release_step_hook, self._step_hold)
@@ -437,6 +440,8 @@ class OutsideWatch(BackwardWatch):
         loss, as this code's are: `detect` (a method name of `owner`, the guard or the sentinel,
         held weakly, and its arguments) raises its detection if the loss is not finite. Whether
         it was held (no: this watch will not see the code after the call)."""
+        if self.masks_judged:
+            return True  # (dropped)
         state = thread_state
         if not self.may_hold or not self.watching() or graph_task_id() != -1 \
                 or not (outside_mode_active() or _stack_len() == state.base):

@@ -346,6 +346,7 @@ def rerun_backward(guard, calls, seen: Frame, parameters: list) -> Optional[Repo
         parts = _all_parts(models)
         with rerun.swapped(parts, rerun.eager), rerun.eager_stance():
             full = _rerun_guard(guard, _eager_models(models), batch, calls)
+            full.outside.masks_judged = True  # (the step's loss judged them, and went on)
             try:
                 with full:
                     outputs, leaves = _forwards(calls, rerun.run_alone, True)
