@@ -779,3 +779,28 @@ def test_on_detect_detaching_under_a_profiler_leaves_no_mode_and_the_profiler_in
     finally:
         sys.setprofile(None)
     assert stack == [] and profile is profiler and seen
+
+
+def _act(policy, obs, illegal, keep_log: bool):
+    """An acting step under no_grad: the illegal action's log-probability, log(0), is dropped by
+    a `where` (an entropy), or (`keep_log`) kept in a sum."""
+    p = torch.softmax(policy(obs).masked_fill(illegal, float("-inf")), -1)
+    logp = torch.log(p)
+    if keep_log:
+        return logp.sum(-1)
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_with_no_backward_a_value_the_code_drops_is_a_note_and_one_it_keeps_an_error(mode):
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    illegal = torch.tensor([False, True, False, False])
+    with Guard(policy, mode=mode) as guard, torch.no_grad():
+        for _ in range(3):
+            assert torch.isfinite(_act(policy, torch.randn(2, 8), illegal, False)).all()
+    assert guard.detection is None
+    assert "discarded before the loss (finite): not an error" in guard.report.summary()
+    with pytest.raises(NonFiniteError, match=r"in torch\.log \(aten\.log\.default\)"):
+        with Guard(policy, mode=mode), torch.no_grad():
+            _act(policy, torch.randn(2, 8), illegal, True)

@@ -42,7 +42,7 @@ from .outside_ops import (
     user_where,
 )
 from .outside_checks import (BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new,
-                             from_the_mask)
+                             dropped_after, from_the_mask)
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id
 from .rank_reports import hold_until_every_rank_knows
 
@@ -233,7 +233,10 @@ class OutsideWatch(BackwardWatch):
             if not outputs:
                 return None
             immediate = self._immediate(outputs)
-            if immediate and all(_finite(t) for t in outputs):
+            # While a culprit is held, a call given its values that gives out finite ones is
+            # recorded: it dropped them (`dropped_after`, with no loss to judge by)
+            if immediate and all(_finite(t) for t in outputs) and (state.held is None or all(
+                    _finite(t) for t in _tree.tensors((args, kwargs)) if t.is_floating_point())):
                 if self._records_graph(outputs):
                     call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
                     call.func, call.where, call.clean = func, user_where(), True
@@ -378,7 +381,8 @@ class OutsideWatch(BackwardWatch):
         state.held = state.held_mask = None
         state.calls_held = 0
         owners = [item for item in (held, mask) if item is not None and item.alive() is not None]
-        if (loss is not None and _contained(loss)) or (loss is None and held not in owners):
+        if (loss is not None and _contained(loss)) or (loss is None and (
+                held not in owners or dropped_after(held.pass_, held.call))):
             for item in owners:
                 self._note_held(item)
             return None

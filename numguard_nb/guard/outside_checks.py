@@ -29,7 +29,7 @@ from .hooks import is_dynamo_compiling
 from .outside_ops import aten_ops, likeliest, node_op
 from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord, graph_task_id
 
-__all__ = ["BackwardWatch", "OutsideCall", "from_the_mask"]
+__all__ = ["BackwardWatch", "OutsideCall", "dropped_after", "from_the_mask"]
 
 IMMEDIATE_DEVICES = frozenset(("cpu",))  # checked op by op: no device to wait for
 # How many nodes one function may create that get a hook (a composite makes a few).
@@ -75,6 +75,23 @@ def from_the_mask(pass_: PassRecord, call: OutsideCall, bad) -> bool:
     if call.phase != FORWARD or PROBLEM_NEGINF not in _received(pass_, call, INPUT):
         return False
     return all(detect.value_kinds(pass_, slot, None) <= _INF_KINDS for slot in bad)
+
+
+def dropped_after(pass_: PassRecord, call: OutsideCall) -> bool:
+    """With no loss to judge by (an evaluation or an acting loop under no_grad): whether the code
+    after `call` in its region dropped the non-finite values (a call given some that gave out
+    none: `where`, `masked_fill`, `nan_to_num`) and nothing after that holds any."""
+    dropped = False
+    for later in pass_.calls:
+        if later.seq <= call.seq:
+            continue
+        made = any(detect.value_kinds(pass_, slot, None) for slot in later.slots
+                   if slot[SLOT_CATEGORY] == OUTPUT)
+        if made:
+            dropped = False  # (not yet: a value after the drop holds some)
+        elif _received(pass_, later, INPUT):
+            dropped = True
+    return dropped
 
 
 def _made_new(pass_: PassRecord, call: OutsideCall, inf_allowed: bool) -> list:

@@ -134,8 +134,8 @@ class OutsideMode(TorchFunctionMode):
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
-        if func in KEEPS_VALUES or type(func) is WRAPPER:
-            return func(*args, **kwargs)
+        if type(func) is WRAPPER or (func in KEEPS_VALUES and state.held is None):
+            return func(*args, **kwargs)  # (with a culprit held: a `where` may drop its values)
         return watch.run_function(state, func, args, kwargs)
 
 
