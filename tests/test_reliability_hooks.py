@@ -734,7 +734,7 @@ def test_a_scripted_model_is_guarded_with_a_warning_and_its_weights_gradients_wa
         guard.detach()
     assert hooks_left(model) == []
     with pytest.raises(TypeError, match="the model is a TorchScript module, whose calls the "
-                                        "sentinel cannot watch: guard the model before scripting"):
+                                        "sentinel cannot watch: guard the eager model it was scripted from"):
         Guard(model, mode="sentinel").attach()
     assert hooks_left(model) == []
 

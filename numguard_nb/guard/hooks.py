@@ -454,8 +454,9 @@ class ModuleHooks:
         if isinstance(module, torch.jit.ScriptModule):
             if caller is None:
                 warnings.warn(f"numguard: {name or 'the model'} is a TorchScript module: its calls "
-                              "cannot be watched, only its weights' gradients (guard the model "
-                              "before scripting it)", stacklevel=4)
+                              "cannot be watched, only its weights' gradients (guard the eager "
+                              "model it was scripted from; script it after the guard detaches)",
+                              stacklevel=4)
             else:  # its weights are read as its caller's: a nan one is named, not the caller
                 self._hook_opaque_weights(guard, caller, module, name)
             if watch_backward:

@@ -31,8 +31,8 @@ def entry_modules(prefix: str, root: nn.Module):
     looking through containers; not into compiled or TorchScript code."""
     if isinstance(root, torch.jit.ScriptModule):
         raise TypeError(f"numguard: {prefix or 'the model'} is a TorchScript module, whose calls "
-                        "the sentinel cannot watch: guard the model before scripting it, or guard "
-                        "a module that calls it")
+                        "the sentinel cannot watch: guard the eager model it was scripted from "
+                        "(script it after the guard detaches), or guard a module that calls it")
     yield prefix, root, ()
     if compiled_original(root) is not None:
         return  # hooks inside compiled code would be traced into it
