@@ -332,3 +332,18 @@ def test_a_users_dispatch_mode_counts_the_same_ops_under_the_guard(mode):
         return out, str(log.ops)
 
     assert bit_identical(same_run(lambda: run(False)), same_run(lambda: run(True)))
+
+
+class SqrtBelow100(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x - 100.0)  # nan for every value below 100
+
+
+def test_a_gradient_found_after_a_vmap_forward_says_the_forward_was_not_read():
+    # the forward ran inside vmap (its values unreadable): the nan gradient a layer gives may
+    # come from there, and the reason says so rather than only "received finite"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), SqrtBelow100(), nn.Linear(16, 4))
+    with pytest.raises(ng.NonFiniteError) as caught, ng.Guard(model):
+        torch.func.vmap(model)(torch.randn(4, 5, 8)).sum().backward()
+    assert "could not be read (inside a torch.func transform such as vmap" in str(caught.value)

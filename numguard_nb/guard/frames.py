@@ -403,6 +403,11 @@ def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots,
     evidence = next((f for f in led_up_frames if f.flagged_rows), None)
     reason = reason_sentence(cause, culprit, options, evidence,
                              mask_source(pass_, call, cause, options), origin)
+    unread = sum(row.kind == VALUE_UNSUPPORTED for frame in frames for row in frame.rows)
+    if unread and cause != CAUSE_DATA:  # (what it received may have come from them)
+        reason += (f"; but {unread} value{'s' if unread > 1 else ''} of the calls before could "
+                   f"not be read (inside a torch.func transform such as vmap, fake or quantized "
+                   "tensors): it may have come from there")
     report = make_report(frames, culprit, DETECTION, reason, cause, batch_number, options)
     _note_origin(report, origin)
     report.hint = hint_for(report)  # after op localisation: the hint may name the op and line
