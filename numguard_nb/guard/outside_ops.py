@@ -17,6 +17,7 @@ import linecache
 import os
 import re
 import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -215,8 +216,9 @@ def aten_ops(func, args, kwargs, on_values: bool):
     """(ops run, the first that made a new problem kind or None) by running `func` again: on its
     values with `on_values` (grad off, random streams restored), else on meta tensors."""
     namer = _AtenOps(check=on_values)
-    try:
-        with torch.no_grad():
+    try:  # (its warnings were given once, by the call itself)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             if on_values:
                 devices = sorted({t.device.index or 0 for t in _tree.tensors((args, kwargs))
                                   if t.is_cuda})
