@@ -153,6 +153,31 @@ def test_model_with_too_few_labels_fails_before_forward(tokenizer, tokenized_pai
     assert step.exception is None  # caught before the forward could raise
 
 
+def _tiny_gpt2(vocab_size: int = 100):
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=vocab_size, n_positions=16))
+
+
+@pytest.mark.parametrize("where", ["input_ids", "labels"])
+def test_token_ids_past_the_vocabulary_fail_before_forward_with_the_resize(where):
+    # a pad token added to the tokenizer (id 100) that the model's embedding never got
+    ids = torch.tensor([5, 17, 42, 8, 99, 99])
+    bad = torch.tensor([5, 17, 42, 8, 100, 100])
+    samples = [{"input_ids": bad if where == "input_ids" else ids,
+                "labels": bad if where == "labels" else ids} for _ in range(4)]
+    report = check_pipeline(_tiny_gpt2(), samples)
+    assert_stopped_at(report, "forward")
+    step = report.step("forward")
+    assert step.message == ("input_ids go up to 100 but the model's input embedding has 100 rows "
+                            "(ids 0..99)" if where == "input_ids"
+                            else "labels go up to 100 but the model outputs 100 logits")
+    assert "model.resize_token_embeddings(len(tokenizer))" in step.hint
+    assert step.exception is None  # caught before the forward could raise
+    samples = [{"input_ids": ids, "labels": ids} for _ in range(4)]
+    assert check_pipeline(_tiny_gpt2(), samples).step("forward").ok
+
+
 def test_fixed_trainer_pipeline_passes_every_step_and_leaves_trainer_untouched(
     tmp_path, tokenizer, tokenized_pairs
 ):
@@ -538,3 +563,13 @@ print("ok")
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_loss_class_given_for_its_instance_is_a_one_line_error():
+    model = nn.Linear(4, 2)
+    data = [(torch.randn(4), torch.tensor(1)) for _ in range(4)]
+    with pytest.raises(TypeError, match=r"^loss_fn is the class CrossEntropyLoss: pass an instance, "
+                                        r"loss_fn=CrossEntropyLoss\(\)$"):
+        check_pipeline(model, data, loss_fn=nn.CrossEntropyLoss)
+    with pytest.raises(TypeError, match="^collate_fn must be callable, got int$"):
+        check_pipeline(model, data, collate_fn=3)

@@ -15,8 +15,12 @@ from .samples import numeric_leaves
 
 __all__ = [
     "IGNORED_LABEL", "LABEL_KEYS", "LABEL_ALIASES", "classifier_size", "class_count", "ignored_label",
-    "label_values", "raise_on_label_range",
+    "label_values", "raise_on_label_range", "raise_on_token_range",
 ]
+
+# What the doctor advises where the data has token ids the model has no row or logit for.
+RESIZE = ("the tokenizer has tokens the model has not (a pad or special token added to it): "
+          "`model.resize_token_embeddings(len(tokenizer))` after adding them")
 
 # Hugging Face losses skip positions labelled -100.
 IGNORED_LABEL = -100
@@ -71,6 +75,33 @@ def label_values(samples: list, batch: Any, style: str, ignored: int = IGNORED_L
         return None
     values = torch.cat([leaf.long() for leaf in leaves])
     return values[values != ignored]
+
+
+def raise_on_token_range(model: nn.Module, samples: list, batch: Any) -> None:
+    """A Hugging Face model's token ids against its vocabulary, before the forward: an id past
+    its input embedding fails in the lookup (`IndexError`, a device-side assert on GPU), as does
+    a language model's label past its logits, in the loss."""
+    def table(name: str):
+        try:
+            return getattr(model, name)()
+        except Exception:  # (not a Hugging Face model, or one without that table)
+            return None
+
+    embedding = table("get_input_embeddings")
+    found = [value for item in [*samples, batch] if isinstance(item, dict)
+             for key in ("input_ids", "decoder_input_ids") if key in item
+             for value in numeric_leaves(item[key])]
+    found = [v.reshape(-1).long() for v in found if not v.is_floating_point() and v.numel()]
+    if isinstance(embedding, nn.Embedding) and found:
+        highest = int(numerics.read(torch.cat(found).max()))
+        if highest >= embedding.num_embeddings:
+            raise StepFailed(f"input_ids go up to {highest} but the model's input embedding has "
+                             f"{embedding.num_embeddings} rows (ids 0..{embedding.num_embeddings - 1})",
+                             RESIZE)
+    head = table("get_output_embeddings")
+    if isinstance(head, nn.Linear) and classifier_size(model) is None:
+        raise_on_label_range(label_values(samples, batch, "keyword"), head.out_features,
+                             lambda needed: RESIZE)
 
 
 def raise_on_label_range(values: torch.Tensor | None, num_outputs: int, fix: Callable[[int], str],

@@ -21,7 +21,7 @@ from torch import nn
 from .._util import error_line, is_hf_trainer
 from .checklist import STEP_NAMES, PipelineReport, PipelineStep, StepFailed, format_number, listed
 from .labels import (LABEL_ALIASES, class_count, classifier_size, ignored_label, label_values,
-                     raise_on_label_range)
+                     raise_on_label_range, raise_on_token_range)
 from .samples import (
     ForwardInputs, all_keys, batch_contents, batch_on_cpu, first_samples, holds_text,
     nonfinite_fields, output_logits, output_loss, raise_on_input_problem, ragged_fields,
@@ -260,6 +260,8 @@ class _PipelineRun:
 
     def check_forward(self) -> str:
         num_labels = classifier_size(self.settings.model)
+        if self.style == "keyword":  # (ids past the vocabulary: a device-side assert on GPU)
+            raise_on_token_range(self.settings.model, self.samples, self.batch)
         if self.style == "keyword" and self.settings.loss_fn is None and num_labels is not None:
             # The labels go into the forward, where one out of range fails deep inside the loss
             # (a device-side assert on GPU): compare them with the classifier's size first.

@@ -66,6 +66,9 @@ def settings_from_arguments(model, data, collate_fn, loss_fn, optimizer, batch_s
     for name, value in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+    if isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module):  # (its call makes a module)
+        raise TypeError(f"loss_fn is the class {loss_fn.__name__}: pass an instance, "
+                        f"loss_fn={loss_fn.__name__}()")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     dataset = data
