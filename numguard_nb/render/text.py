@@ -65,8 +65,12 @@ def dump_lines(report) -> list:
         lines = [f"No inf/nan detected up to batch_number={report.batch_number}{rank}"]
     lines.append(f"Last {len(report.frames)} {which} frames:")
     lines.append(COLUMNS_LINE)
-    for frame in report.frames:
+    previous = None
+    for frame in report.frames:  # (earlier batches' frames come first, as in transformers)
+        if previous is not None and frame.batch_number != previous.batch_number:
+            lines.append(f"{_INDENT} *** Starting batch number={frame.batch_number} ***")
         lines.extend(frame_lines(frame))
+        previous = frame
     return lines
 
 
