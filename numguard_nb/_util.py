@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from typing import Optional
 
 import torch
@@ -168,6 +169,20 @@ class WeakHook:
 
     def __repr__(self) -> str:
         return f"<numguard WeakHook {self.method}>"
+
+
+class PicklesWithoutLock:
+    """A collection kept by the user (`guard.history`, `guard.headroom`) that holds a `_lock`:
+    pickled and copied without it, a new one made as it is loaded."""
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
 
 class LiveHandles(list):

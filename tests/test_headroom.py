@@ -352,3 +352,12 @@ def test_an_overflow_a_module_s_own_code_hands_a_submodule_is_credited_to_it():
     assert report.reason.startswith(
         "_GatedMLP produced a value beyond float16's largest value 65504 in forward (call 0 of "
         "batch 0), in its own code between its submodules: input[0] of down reaches 9e+04")
+
+
+def test_a_run_s_headroom_can_be_copied_and_pickled_to_keep_it():
+    import copy
+    import pickle
+
+    guard = run_batches(widening_model(), limit_dtype=torch.float16)
+    for kept in (copy.deepcopy(guard.headroom), pickle.loads(pickle.dumps(guard.headroom))):
+        assert kept.to_text() == guard.headroom.to_text() and len(kept) == len(guard.headroom)

@@ -654,3 +654,12 @@ def test_a_capture_left_behind_does_not_keep_its_optimizer_hook():
     del capture
     gc.collect()
     assert gone() is None and len(_global_optimizer_post_hooks) == hooks_before
+
+
+def test_saving_a_bundle_to_a_folder_asks_for_a_file_name(tmp_path):
+    emb = nn.Embedding(10, 4)
+    with pytest.raises(IndexError), Guard(emb, capture=True) as guard:
+        emb(torch.tensor([[1, 12]]))
+    with pytest.raises(ValueError, match=r"is a folder: give the bundle a file name, e\.g\. "):
+        guard.capture.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []

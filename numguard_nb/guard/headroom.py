@@ -35,7 +35,7 @@ from .._schema import (
     CAUSE_BACKWARD_INLINE, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, OUTPUT, PARAM, PROBLEM_OVERFLOW,
     PROBLEM_UNDERFLOW,
 )
-from .._util import dtype_name
+from .._util import PicklesWithoutLock, dtype_name
 from ..report import Frame
 from . import detect, frames
 from .passes import SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_ROLE, CallRecord, PassRecord
@@ -89,7 +89,7 @@ def _severity(entry: HeadroomEntry):
     return (1, entry.share)
 
 
-class Headroom:
+class Headroom(PicklesWithoutLock):
     """Every predicted overflow and underflow of a guarded run (`guard.headroom`), by module.
 
     `len(headroom)` entries, iterated (and shown) the worst first; `first` is the frame of the

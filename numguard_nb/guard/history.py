@@ -31,7 +31,7 @@ from .._schema import (
     BUFFER, CELL_INF, CELL_MISSING, CELL_NAN, CELL_VALUE, FORWARD, GRAD_INPUT, GRAD_OUTPUT,
     GRAD_PARAM, OUTPUT, PARAM,
 )
-from .._util import dtype_name
+from .._util import PicklesWithoutLock, dtype_name
 from ..stats import UNMEASURED
 from ..report import dtype_max
 from .passes import SLOT_CATEGORY, SLOT_DTYPE, SLOT_INDEX, SLOT_ROLE, PassRecord
@@ -174,7 +174,7 @@ def fit_trend(batches: np.ndarray, abs_max: np.ndarray, limit: float) -> dict:
     return result
 
 
-class History:
+class History(PicklesWithoutLock):
     """Every module call's ranges on sampled batches, in bounded memory (see the module
     docstring). `guard.history`; renders itself in a notebook (`view()`) and as text."""
 
@@ -200,15 +200,6 @@ class History:
 
     def __len__(self) -> int:
         return len(self.samples)
-
-    def __getstate__(self) -> dict:  # pickled without its lock (`pickle.dump(guard.history, f)`)
-        state = dict(self.__dict__)
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def batches(self) -> List[int]:

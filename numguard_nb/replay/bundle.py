@@ -37,6 +37,9 @@ NOT_A_BUNDLE = "pass a file written by replay_after_error or CapturedCall.save"
 def save(call, path) -> str:
     """Write `call` (after the calls that fed it) to `path`; refuse inputs a bundle cannot hold."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"numguard: {path} is a folder: give the bundle a file name, e.g. "
+                         f"{os.path.join(path, 'numguard_replay.pt')}")
     chain = call.chain()
     for link in chain:
         link.wait_for_copies()
