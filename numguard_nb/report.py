@@ -224,6 +224,18 @@ class Frame:
         return [row for row in self.rows if row.flagged]
 
     @property
+    def predicted(self) -> bool:
+        """Its flagged values only went beyond limit_dtype's range (stop_at_limit), finite."""
+        rows = self.flagged_rows
+        return any(r.predicted_overflow for r in rows) and not any(r.nonfinite for r in rows)
+
+    @property
+    def op_words(self) -> str:
+        """How the views name `op`: the first op that made a non-finite value, or (a predicted
+        overflow) one beyond limit_dtype's range."""
+        return "first op past limit_dtype's range" if self.predicted else "first non-finite op"
+
+    @property
     def nonfinite(self) -> bool:
         return any(row.nonfinite for row in self.rows)
 

@@ -135,6 +135,12 @@ def test_stop_at_limit_stops_at_the_first_predicted_overflow_in_plain_words():
         "1 (Widen) produced a value beyond float16's largest value 65504 in forward (call 0 of "
         "batch 2): output reaches 1e+05, while its inputs and weights stayed below it "
         "(predicted overflow)")
+    # nothing is non-finite: the views say "beyond the range", not "inf/nan"
+    assert report.to_text().startswith("Detected a value beyond float16's range during batch_number=2")
+    with pytest.raises(NonFiniteError) as caught:
+        run_batches(widening_model(), limit_dtype=torch.float16, stop_at_limit=True, ops=True)
+    assert "first op past limit_dtype's range: aten.mul.Tensor" in str(caught.value)
+    assert "first non-finite op" not in caught.value.report._repr_html_()
     assert Guard(widening_model(), limit_dtype="fp16", stop_at_limit=True).stop_at_limit is True
 
 

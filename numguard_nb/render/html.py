@@ -313,7 +313,7 @@ def frame_html(index: int, frame, culprit: bool) -> str:
     here = " \u2014 first non-finite value here" if culprit else ""
     extra = ""
     if frame.op:
-        extra += f'<div class="ng-op">first non-finite op: <code>{esc(frame.op)}</code></div>'
+        extra += f'<div class="ng-op">{esc(frame.op_words)}: <code>{esc(frame.op)}</code></div>'
     if frame.source:
         extra += f'<div class="ng-source">called from: <code>{esc(frame.source)}</code></div>'
     return (
@@ -463,7 +463,7 @@ def header_html(report) -> str:
             f"({esc(culprit.module_class)})</div>"
         )
         if culprit.op:
-            parts.append(f'<div class="ng-op">first non-finite op: <code>{esc(culprit.op)}</code></div>')
+            parts.append(f'<div class="ng-op">{esc(culprit.op_words)}: <code>{esc(culprit.op)}</code></div>')
         if culprit.source:
             parts.append(f'<div class="ng-source">called from: <code>{esc(culprit.source)}</code></div>')
     parts.append(chart_svg(report))

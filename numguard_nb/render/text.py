@@ -59,7 +59,10 @@ def dump_lines(report) -> list:
             lines.extend(frame_lines(frame))
         lines.append(f"{_INDENT} *** Finished batch number={report.batch_number} ***")
         return lines
-    if report.first_nonfinite is not None:
+    if report.first_nonfinite is not None and report.first_nonfinite.predicted:
+        lines = [f"Detected a value beyond {report.limit_dtype}'s range during batch_number="
+                 f"{report.batch_number}{rank}"]
+    elif report.first_nonfinite is not None:
         lines = [f"Detected inf/nan during batch_number={report.batch_number}{rank}"]
     else:
         lines = [f"No inf/nan detected up to batch_number={report.batch_number}{rank}"]
@@ -88,7 +91,7 @@ def verdict_lines(report) -> list:
                  for row in frame.flagged_rows if row.sample_list)
     lines += note_lines(report)
     if frame.op:
-        lines.append(f"first non-finite op: {frame.op}")
+        lines.append(f"{frame.op_words}: {frame.op}")
     if frame.source:
         lines.append(f"called from: {frame.source}")
     if frame.op_note and not frame.op:
