@@ -130,4 +130,4 @@ def test_a_forward_detection_s_tree_root_is_the_model_s_class():
     with pytest.raises(ng.NonFiniteError) as caught, ng.Guard(model):
         model(torch.ones(1, 2))
     root, _ = build_tree(caught.value.report)
-    assert (root.label, root.module_class) == ("MyNet", "MyNet")
+    assert (root.label, root.module_class) == ("model", "MyNet")

@@ -100,7 +100,7 @@ class ModuleNode:
 
     @property
     def label(self) -> str:
-        return self.name or self.module_class or "model"
+        return self.name or "model"  # (the root: its class is shown beside it)
 
     def walk(self) -> Iterable["ModuleNode"]:
         yield self
