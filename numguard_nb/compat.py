@@ -87,6 +87,9 @@ class DebugUnderflowOverflow:
     def _refuse_after_abort(self, module, args):
         if self._aborted():
             raise self._abort_error()
+        # transformers reads trace_batch_nums at every call: a notebook may change it meanwhile
+        if set(self.guard.trace_batches) != set(self.trace_batch_nums):
+            self.guard.trace_batches = self.trace_batch_nums
 
     def _count_batch(self, module, args, output):
         self.batch_number += 1

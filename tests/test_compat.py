@@ -301,6 +301,26 @@ def test_a_value_a_submodule_is_given_prints_the_batch_transformers_prints(case)
     assert lines_matching(text, r"^Detected") == ["Detected inf/nan during batch_number=2"]
 
 
+def test_trace_batch_nums_changed_on_the_live_detector_prints_what_transformers_prints():
+    # transformers reads the list at every call (its hooks cannot be removed, so a notebook
+    # re-targets tracing by changing it)
+    texts = []
+    for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            detector = cls(model)
+            model(torch.ones(2, 4))
+            detector.trace_batch_nums.append(1)
+            model(torch.ones(2, 4))
+            model(torch.ones(2, 4))
+        texts.append(buffer.getvalue())
+        if isinstance(detector, ng.DebugUnderflowOverflow):
+            detector.remove()
+    assert texts[1] == texts[0] and "*** Starting batch number=1 ***" in texts[0]
+
+
 def test_detected_overflow_says_what_transformers_says():
     for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
         model = _exp_model()
