@@ -24,7 +24,8 @@ from ._schema import (
     RECURRENT_MODULES, SOFTMAX_OPS, VALUE_TENSOR, WRITTEN_IN_FORWARD,
 )
 from .hint_facts import (
-    OPS_ADVICE, Facts, facts_of, format_number, kinds_of, largest, limit_text, roles_of,
+    MASK_FILLS, OPS_ADVICE, Facts, facts_of, format_number, is_operand, kinds_of, largest,
+    limit_text, roles_of,
 )
 from .report import Report, TensorRow, dtype_max
 
@@ -298,7 +299,7 @@ def _overflow_hint(facts: Facts, what: str) -> str:
 def _diverged_hint(facts: Facts, what: str) -> str:
     """An overflow of float32 or bfloat16: values grew without bound. '' when the frame shows no
     large value (then something else overflowed, and the general hint says what to check)."""
-    top = largest(facts.frame.rows)
+    top = largest([row for row in facts.frame.rows if is_operand(row)])  # (no mask's fill)
     if top is None or top.abs_max < 1e6:
         return ""
     head = (f"{what} passed {limit_text(facts.dtype)}; values in this frame already reached "
@@ -519,6 +520,13 @@ def _general_hint(facts: Facts) -> str:
     past = f" past {limit}" if limit else ""
     reached = facts.reached()
     given = f" ({reached})" if reached else ""
+    fill = next((row for row in facts.rows_of(INPUT) if row.abs_max in MASK_FILLS), None)
+    if facts.forward and facts.inf and fill is not None:  # (a mask's fill, summed)
+        return (f"{where} made {found}{facts.in_op}{facts.at_line} from {fill.role}, which holds "
+                f"a mask's fill, {format_number(fill.abs_max)} (`torch.finfo(dtype).min`): two "
+                f"of them summed pass {limit}. Fill the mask with a large negative finite value "
+                "(-1e4: its probability is 0 all the same), or leave the masked entries out of "
+                "the loss (label_smoothing sums every class).")
     if not facts.forward:
         return (f"The backward of {where} made {found}{facts.in_op}{facts.at_line} from a "
                 f"finite incoming gradient{given}: an op whose derivative is infinite at its "

@@ -17,7 +17,7 @@ from ._schema import (
 from .report import Frame, Report, TensorRow, dtype_max
 
 __all__ = ["Facts", "facts_of", "format_number", "limit_text", "largest", "kinds_of", "roles_of",
-           "is_operand", "OPS_ADVICE"]
+           "is_operand", "MASK_FILLS", "OPS_ADVICE"]
 
 # How to have the op and the line named, where op localisation did not run (the magics say it
 # in their own words).

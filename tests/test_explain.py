@@ -720,3 +720,22 @@ def test_a_feature_normalised_by_a_zero_std_is_named_by_its_column_not_as_bad_sa
     assert report.first_nonfinite.flagged_rows[0].nonfinite_features == (7,)
     assert "column 7 of input[0]" in report.hint and "every one of its 100 samples" in report.hint
     assert "std.clamp_min(1e-8)" in report.hint and "fix or drop them" not in report.hint
+
+
+def test_a_mask_fill_summed_by_a_label_smoothed_loss_is_named_as_the_fill():
+    class FinfoMinMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(6, 5)
+
+        def forward(self, x, legal):
+            return self.net(x).masked_fill(~legal, torch.finfo(torch.float32).min)
+
+    torch.manual_seed(0)
+    model, legal = FinfoMinMask(), torch.ones(4, 5, dtype=torch.bool)
+    legal[:, 3:] = False
+    report = detect(model, lambda: nn.functional.cross_entropy(
+        model(torch.randn(4, 6), legal), torch.tensor([0, 1, 2, 1]), label_smoothing=0.1).backward())
+    hint = hint_for(report)
+    assert "which holds a mask's fill, 3.4e+38 (`torch.finfo(dtype).min`)" in hint, hint
+    assert "allow_inf" not in hint and "initial weights" not in hint
