@@ -427,6 +427,19 @@ def _backward_node_hint(facts: Facts) -> str:
     if node == "Pow":
         return (f"The gradient of x ** p{_paren(facts)} in {where}{at} is p x ** (p - 1), "
                 "infinite at x = 0 for p < 1 (e.g. x ** 0.5). Add an eps to x first.")
+    if node == "Logsumexp":
+        return (f"The gradient of logsumexp{_paren(facts)} in {where}{at} is exp(x - "
+                "logsumexp(x)): over a row that is all -inf (a log-space recursion's impossible "
+                "state, a fully masked row) that is exp(-inf - (-inf)) = nan. Fill with a large "
+                "negative finite value instead of -inf (`torch.finfo(x.dtype).min`), or leave such "
+                "rows out.")
+    if node in ("LinalgEigh", "Symeig", "LinalgEig", "LinalgSvd", "Svd"):
+        return (f"The gradient of an eigen- or singular-value decomposition{_paren(facts)} in "
+                f"{where}{at} divides by the differences between its values: repeated "
+                "(degenerate) ones, such as a covariance of constant or too few samples, give "
+                "inf/nan. Break the ties (`A + eps * torch.diag(torch.arange(n))`), use more "
+                "samples than dimensions, or take the gradient of the values only "
+                "(`torch.linalg.eigvalsh`).")
     if node == "CtcLoss":
         return _ctc_hint(facts)
     if node == "BinaryCrossEntropy" or facts.op == "binary_cross_entropy_backward":

@@ -739,3 +739,40 @@ def test_a_mask_fill_summed_by_a_label_smoothed_loss_is_named_as_the_fill():
     hint = hint_for(report)
     assert "which holds a mask's fill, 3.4e+38 (`torch.finfo(dtype).min`)" in hint, hint
     assert "allow_inf" not in hint and "initial weights" not in hint
+
+
+class LogSpaceRecursion(nn.Module):
+    """An HMM/CTC-style log-space step: a row whose states are all impossible (-inf)
+    (pytorch/pytorch#31829): logsumexp gives -inf, its backward exp(-inf - -inf) = nan."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        mask = torch.tensor([[0.0] * 3, [float("-inf")] * 3])
+        return torch.logsumexp(self.fc(x) + mask, -1).clamp_min(-100.0)
+
+
+class Whitening(nn.Module):
+    """ZCA whitening's eigh of a covariance with two dead features: repeated eigenvalues."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.cat([self.fc(x), torch.zeros(x.shape[0], 2)], 1)
+        return torch.linalg.eigh(h.T @ h)[1].sum(0)
+
+
+@pytest.mark.parametrize("model, words", [
+    (LogSpaceRecursion, "over a row that is all -inf"),
+    (Whitening, "repeated (degenerate) ones"),
+])
+def test_a_backward_nan_no_eps_can_fix_gets_its_own_hint(model, words):
+    torch.manual_seed(0)
+    module = model()
+    x = torch.randn(2, 3) if model is LogSpaceRecursion else torch.randn(6, 3)
+    hint = hint_for(detect(module, lambda: module(x).sum().backward()))
+    assert words in hint and "Add an eps" not in hint, hint
