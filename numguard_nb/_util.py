@@ -175,6 +175,9 @@ class PicklesWithoutLock:
     """A collection kept by the user (`guard.history`, `guard.headroom`) that holds a `_lock`:
     pickled and copied without it, a new one made as it is loaded."""
 
+    def __init__(self):
+        self._lock = threading.Lock()  # (its values are added from the threads that run passes)
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         del state["_lock"]

@@ -26,7 +26,6 @@ The views (`to_text`, `_repr_html_`, `to_frame`) are in `render.headroom`.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -106,7 +105,7 @@ class Headroom(PicklesWithoutLock):
         self.passes = 0
         self.batches: Optional[tuple] = None  # (first, last) batch number seen
         self._entries: Dict[tuple, HeadroomEntry] = {}
-        self._lock = threading.Lock()  # passes end in the threads that run them
+        super().__init__()  # its lock: passes end in the threads that run them
 
     # ---- collecting ---------------------------------------------------------------------------
     def collect(self, pass_: PassRecord, options, locate: Optional[Callable] = None) -> None:

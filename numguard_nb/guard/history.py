@@ -20,7 +20,6 @@ How it works: docs/history.md, "How it works".
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -186,7 +185,7 @@ class History(PicklesWithoutLock):
         self.limit_dtype: Optional[str] = None  # the guard's limit_dtype, by name
         self.samples: List[_Sample] = []  # oldest first
         self.samples_taken = 0  # samples ever started; thinning drops some, this only grows
-        self._lock = threading.Lock()  # passes of several threads end at once
+        super().__init__()  # its lock: passes of several threads end at once
         # A series is one value of one call: (module name, class, call index, phase, category,
         # role, torch dtype) -> its id, or _SKIPPED.
         self._series: Dict[tuple, int] = {}
