@@ -1008,3 +1008,31 @@ def test_a_parameter_returned_as_an_output_gets_no_hook_per_call(options):
             (torch.exp(-log_var) * mean ** 2 + log_var).mean().backward()
         assert len(model.log_var._backward_hooks or {}) <= 2  # its gradient's, the op recorder's
     assert not model.log_var._backward_hooks
+
+
+class CheckpointedBlockThenWhereSqrt(nn.Module):
+    """A checkpointed block, then the model's own `where(h > 0, sqrt(h), 0)`: its backward makes
+    nan (0 * the sqrt's gradient of a negative) and hands it to the block."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(torch.where(h > 0, torch.sqrt(h), 0.0)).sum()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_the_model_makes_after_a_checkpointed_block_is_the_model_s(reentrant, mode):
+    # reentrant checkpointing runs the block's backward as a backward of its own: still the
+    # step's, its gradient made by the model's own code, not by the loss
+    torch.manual_seed(0)
+    model = CheckpointedBlockThenWhereSqrt(reentrant)
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        model(torch.randn(8, 4, requires_grad=True)).backward()
+    report = caught.value.report
+    assert (report.cause, report.first_nonfinite.module_name) == ("backward-inline", ""), report.reason

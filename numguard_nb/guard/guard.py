@@ -374,9 +374,7 @@ class Guard:
         call.finite_backward = detect.backward_makes_no_nan(type(module))
         if index == 0:
             self._first_calls[module_id] = state.first_calls[module_id] = call
-        if stack:
-            call.parent = stack[-1]
-            call.root_id = stack[0].module_id
+        _place(call, stack, self._first_calls.get(module_id) if index else None)
         pass_, slots, nonzero_min, hints = state.forward, call.slots, self._nonzero_min, self._sign_hints
         watch_grads = self.watch_backward and torch.is_grad_enabled()
         pass_.add_weight_slots(module, module_id, slots, nonzero_min, hints)
@@ -618,6 +616,17 @@ class Guard:
 def _output_leaves(output):
     """`_tree.named_output_leaves`, with no walk for a tensor (the common case)."""
     return (("output", output),) if isinstance(output, torch.Tensor) else _tree.named_output_leaves(output)
+
+
+def _place(call: CallRecord, stack: list, first: Optional[CallRecord]) -> None:
+    """Where a call sits: inside the innermost open call; one recomputed alone in backward
+    (reentrant activation checkpointing runs the block by itself) where the module's `first`
+    call of the batch sat, so that a gradient its parent's own code gives it is the parent's,
+    not the loss's."""
+    if stack:
+        call.parent, call.root_id = stack[-1], stack[0].module_id
+    elif first is not None and first is not call and graph_task_id() != -1:
+        call.parent, call.root_id, call.is_root = first.parent, first.root_id, first.is_root
 
 
 def _note_on_the_error(guard: Guard, pass_: PassRecord) -> None:
