@@ -804,3 +804,30 @@ def test_with_no_backward_a_value_the_code_drops_is_a_note_and_one_it_keeps_an_e
     with pytest.raises(NonFiniteError, match=r"in torch\.log \(aten\.log\.default\)"):
         with Guard(policy, mode=mode), torch.no_grad():
             _act(policy, torch.randn(2, 8), illegal, True)
+
+
+class MaskedCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).masked_fill(torch.tensor([False, False, True]), float("-inf"))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_penalty_before_the_loss_leaves_the_mask_to_the_loss(mode):
+    # WGAN-GP: autograd.grad of the unmasked scores (finite) first, then a loss the mask reaches
+    torch.manual_seed(0)
+    critic = MaskedCritic()
+    x = torch.randn(5, 4, requires_grad=True)
+    with pytest.raises(NonFiniteError, match=r"^MaskedCritic produced .* the -inf reaches"):
+        with Guard(critic, mode=mode):
+            out = critic(x)
+            grad, = torch.autograd.grad(out[:, :2].sum(), x, create_graph=True)
+            (out.mean() + (grad.norm(dim=1) - 1).pow(2).mean()).backward()
+    with Guard(critic, mode=mode) as guard:  # a loss that leaves the masked scores out
+        out = critic(x)
+        grad, = torch.autograd.grad(out[:, :2].sum(), x, create_graph=True)
+        (out[:, :2].mean() + (grad.norm(dim=1) - 1).pow(2).mean()).backward()
+    assert guard.detection is None

@@ -128,7 +128,7 @@ class OutsideMode(TorchFunctionMode):
         if func is _AUTOGRAD_GRAD:  # its outputs judge what is held, as a loss does
             loss = args[0] if args else kwargs.get("outputs")
             if state.held is not None or state.held_mask is not None:
-                watch.settle(state, loss=loss)
+                watch.settle(state, loss=loss, before_the_loss=True)
             if watch.judge_loss is not None and watch.watching():
                 watch.judge_loss(loss)  # (a sentinel on a device: a -inf its models gave)
         recorder = watch.recorder
