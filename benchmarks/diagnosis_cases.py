@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from diagnosis_models import (
-    CausalEncoder, GatedSkipNet, NormedMLP, PaddedEncoder, SiameseNet, TabularMLP, TinyBagOfWords, TinyCausalLM,
-    TinyClassifier, TinyConvNet, TinyLSTMLM, TinyMaskedEncoder, TinyPooledClassifier,
-    TinyPooledRegressor, TinyT5, TinyVAE, TinyViT,
+    BetaActor, CausalEncoder, GatedSkipNet, LogProbClassifier, NormedMLP, PaddedEncoder, SiameseNet,
+    TabularMLP, TinyBagOfWords, TinyCausalLM, TinyClassifier, TinyConvNet, TinyCTCModel,
+    TinyFaceNet, TinyLSTMLM, TinyMaskedEncoder, TinyPooledClassifier, TinyPooledRegressor,
+    TinySearchNet, TinyStyleNet, TinyT5, TinyVAE, TinyViT,
 )
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"  # the phases of a Truth
@@ -543,6 +544,147 @@ def build_where_sqrt_beside_skip() -> Run:
                optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
 
 
+# ---- 20. acos at exactly 1 in an ArcFace head ------------------------------------------------
+# pytorch/pytorch#8069 (acos in a network gives nan during training although its input was clamped
+# to [-1, 1]; the fix clamps to [-1 + eps, 1 - eps]), pytorch/pytorch#4605 (acos' gradient at 1 is
+# -inf, which turns nan further back), pytorch/pytorch#61810 (anomaly mode stops at AcosBackward).
+# ArcFace's head (theta = acos(cos), cos(theta + m) for the label's class): a face whose
+# embedding points exactly along its class's weight has cos = 1, and acos' gradient there is
+# -1 / sqrt(1 - 1).
+
+def build_arcface_acos_at_one() -> Run:
+    gen = _seed(25)
+    model = TinyFaceNet()
+    with torch.no_grad():
+        model.backbone.weight.copy_(torch.eye(4))
+        model.head.weight[0] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    batches = []
+    for index in range(3):
+        x = torch.randn(6, 4, generator=gen)
+        if index == 0:
+            x[1] = torch.tensor([2.0, 0.0, 0.0, 0.0])  # along class 0's weight, and labelled 0
+        batches.append((x, torch.tensor([1, 0, 2, 1, 0, 2])))
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.cross_entropy(model(b[0], b[1]), b[1]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-1))
+
+
+# ---- 21. a Beta policy's log-probability of an action on its bound ----------------------------
+# pytorch/pytorch#92260 and #65811 (Beta.log_prob is -inf or nan at 0 and 1, which its support
+# admits), tensorforce/tensorforce#94 (a Beta policy in PPO turns nan). The actor gives the
+# concentrations, the loop builds the Beta and the policy-gradient loss; a stored action that the
+# environment clipped to exactly 1.0 has log(1 - 1) in its log-probability.
+
+def beta_policy_loss(concentrations, actions, advantages):
+    dist = torch.distributions.Beta(*concentrations)
+    return -(dist.log_prob(actions) * advantages).mean() - 0.01 * dist.entropy().mean()
+
+
+def build_beta_policy_action_at_bound() -> Run:
+    gen = _seed(26)
+    model = BetaActor()
+    batches = []
+    for index in range(3):
+        actions = torch.rand(6, generator=gen) * 0.98 + 0.01
+        if index == 1:
+            actions[2] = 1.0  # clipped to the action space's bound
+        batches.append((torch.randn(6, 3, generator=gen), actions, torch.randn(6, generator=gen)))
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: beta_policy_loss(model(b[0]), b[1], b[2]),
+               optimizer=torch.optim.Adam(model.parameters(), lr=3e-4))
+
+
+# ---- 22. CTC with a transcript longer than the subsampled input --------------------------------
+# ypwhs/captcha_break#29 (CTC loss turns nan: the target is too long for the model's output
+# length), FangShancheng/ABINet#65 (CTCLoss gives inf, then nan), wenet-e2e/wenet#825 (loss_ctc
+# inf) and wenet-e2e/wenet#2299 (zero_infinity=True set by default: "infinite losses mainly occur
+# when the inputs are too short to be aligned to the targets"). wenet's layout: a 4x subsampling,
+# an encoder, the CTC module with its own CTCLoss; 32 frames become 8, and one utterance of the
+# first batch has 10 labels. (Every CTC call writes -inf into its alignment table, log_alpha, for
+# the states no path reaches: the tracer counts that as made, so the case starts at batch 0.)
+
+def _ctc_batches(gen) -> list:
+    batches = []
+    for index in range(3):
+        text_lens = torch.tensor([4, 3, 2])
+        if index == 0:
+            text_lens = torch.tensor([4, 10, 3])  # a transcript longer than its 8 frames
+        batches.append((torch.randn(3, 32, 5, generator=gen), torch.full((3,), 32),
+                        torch.randint(1, 6, (3, 10), generator=gen), text_lens))
+    return batches
+
+
+def build_ctc_target_longer_than_input() -> Run:
+    gen = _seed(27)
+    model = TinyCTCModel()
+    return Run(models={"": model}, batches=_ctc_batches(gen), forward=lambda b: model(*b),
+               optimizer=torch.optim.Adam(model.parameters(), lr=1e-3))
+
+
+# ---- 23. torch.log of a softmax that underflowed to 0 -----------------------------------------
+# allenai/allennlp#2797 (softmax gives an absolute 0 and -torch.log of it a nan loss; the logits
+# span hundreds), pytorch/pytorch#1620 (torch.log(softmax(x)) differs from log_softmax(x) and
+# its gradients go nan). The classifier returns torch.log(F.softmax(logits)) for NLLLoss; an
+# unnormalised sample spreads its logits by hundreds and its label's probability rounds to 0.
+
+def build_log_of_softmax_underflow() -> Run:
+    gen = _seed(28)
+    model = LogProbClassifier()
+    batches = []
+    for index in range(3):
+        x = torch.randn(8, 10, generator=gen)
+        y = torch.randint(0, 4, (8,), generator=gen)
+        if index == 1:
+            x[2] *= 400.0  # raw, unscaled features
+            with torch.no_grad():
+                y[2] = model(x[2:3]).argmin(-1)[0]  # its label is the class the model rules out
+        batches.append((x, y))
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.nll_loss(model(b[0]), b[1]),
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
+
+
+# ---- 24. AdaIN statistics of a blank style image: sqrt of a negative variance ------------------
+# deepmodeling/deepmd-kit#5321 (sqrt(E[x^2] - E[x]^2) is nan when all values are equal: rounding
+# leaves a tiny negative number), anthonymlortiz/lcn#4 (a normalisation's squares < sums^2 / n:
+# negative variance, nan), megvii-research/TLC#3 (an image with zero variance gives nan). AdaIN
+# style transfer (frozen encoder, trained decoder) with the instance statistics written as
+# E[x^2] - E[x]^2 and the epsilon added after the sqrt; a flat grey style image's features are
+# constant per channel, and rounding leaves channel 3's variance at -1.5e-7 (the same with ATen's
+# AVX2, AVX-512 and scalar kernels; the encoder is frozen, so batch 1 sees the features it had
+# when built).
+
+def build_adain_blank_style_variance() -> Run:
+    gen = _seed(29)
+    model = TinyStyleNet()
+    batches = []
+    for index in range(3):
+        style = torch.rand(2, 3, 16, 16, generator=gen)
+        if index == 1:
+            style[1] = 0.3  # a blank grey style image
+        batches.append((torch.rand(2, 3, 16, 16, generator=gen), style))
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.mse_loss(model(b[0], b[1]), b[0]),
+               optimizer=torch.optim.Adam(model.decoder.parameters(), lr=1e-3))
+
+
+# ---- 25. a gumbel-softmax temperature annealed to 0 --------------------------------------------
+# pytorch/pytorch#184031 (gumbel_softmax with tau = 0 divides by zero: +-inf, then softmax(inf -
+# inf) = nan; pull request pytorch/pytorch#184058 makes it raise), ericjang/gumbel-softmax#2
+# (annealing the temperature towards 0). A searched cell mixes candidate ops by gumbel-softmax
+# weights (GDAS, SNAS) and the loop anneals tau linearly to a minimum of 0, reached at batch 2.
+
+def build_gumbel_tau_annealed_to_zero() -> Run:
+    gen = _seed(30)
+    model = TinySearchNet()
+    tau_max, tau_min, steps = 1.0, 0.0, 3
+    batches = [(torch.randn(4, 8, generator=gen), torch.randn(4, generator=gen),
+                tau_max - (tau_max - tau_min) * step / (steps - 1)) for step in range(steps)]
+    return Run(models={"": model}, batches=batches,
+               forward=lambda b: F.mse_loss(model(b[0], b[2]), b[1]),
+               optimizer=torch.optim.Adam(model.parameters(), lr=1e-3))
+
+
 # ---- traps: inf passes through, nothing is wrong --------------------------------------------
 # Lightning-AI/pytorch-lightning#18828 and #5558 (with 16-bit mixed precision some first
 # optimizer steps are skipped, as expected: GradScaler found inf gradients and lowers its scale).
@@ -680,6 +822,19 @@ def build_grad_scaler_in_loop_trap() -> Run:
                make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 40))
 
 
+# wenet-e2e/wenet#2299 (CTCLoss(zero_infinity=True) by default, so that utterances too short for
+# their transcripts drop out of the loss instead of making it inf), open-mmlab/mmocr#159 (the nan
+# CTC loss fixed by zero_infinity=True). The CTC model and data of ctc_target_longer_than_input
+# with that fix: _ctc_loss still computes inf for the 10-label utterance (and -inf in its
+# alignment table every call), CTCLoss zeroes the loss and its backward the gradient.
+
+def build_ctc_zero_infinity_trap() -> Run:
+    gen = _seed(31)
+    model = TinyCTCModel(zero_infinity=True)
+    return Run(models={"": model}, batches=_ctc_batches(gen), forward=lambda b: model(*b),
+               optimizer=torch.optim.Adam(model.parameters(), lr=1e-3))
+
+
 CASES = (
     Case("t5_ff_fp16_overflow", "T5 feed-forward `wo` overflows float16 on a rare token",
          ("huggingface/transformers#5651", "huggingface/transformers#9295",
@@ -780,6 +935,37 @@ CASES = (
           "google-deepmind/sonnet#248", "facebookresearch/multimodal#47"),
          build_vq_ema_zero_usage,
          Truth("1", FORWARD, "aten.div.Tensor", 0)),
+    Case("arcface_acos_at_one",
+         "ArcFace head: acos' gradient at cos = 1 for an embedding along its class's weight",
+         ("pytorch/pytorch#8069", "pytorch/pytorch#4605", "pytorch/pytorch#61810"),
+         build_arcface_acos_at_one,
+         Truth("head", BACKWARD, "aten.rsqrt.default", 0, node="AcosBackward0")),
+    Case("beta_policy_action_at_bound",
+         "Beta policy's log_prob of an action clipped to exactly 1.0 in the loop's loss",
+         ("pytorch/pytorch#92260", "pytorch/pytorch#65811", "tensorforce/tensorforce#94"),
+         build_beta_policy_action_at_bound,
+         Truth(IN_LOOP, FORWARD, "aten.xlogy.Tensor", 1)),
+    Case("ctc_target_longer_than_input",
+         "wenet-style CTC module: a transcript longer than the subsampled frames, loss inf",
+         ("ypwhs/captcha_break#29", "FangShancheng/ABINet#65", "wenet-e2e/wenet#825",
+          "wenet-e2e/wenet#2299"),
+         build_ctc_target_longer_than_input,
+         Truth("ctc.ctc_loss", FORWARD, "aten._ctc_loss.Tensor", 0)),
+    Case("log_of_softmax_underflow",
+         "a classifier returns torch.log(softmax(x)); the label's probability underflows to 0",
+         ("allenai/allennlp#2797", "pytorch/pytorch#1620"),
+         build_log_of_softmax_underflow,
+         Truth("", FORWARD, "aten.log.default", 1)),
+    Case("adain_blank_style_variance",
+         "AdaIN's E[x^2] - E[x]^2 of a blank style image rounds below 0, sqrt gives nan",
+         ("deepmodeling/deepmd-kit#5321", "anthonymlortiz/lcn#4", "megvii-research/TLC#3"),
+         build_adain_blank_style_variance,
+         Truth("adain", FORWARD, "aten.sqrt.default", 1)),
+    Case("gumbel_tau_annealed_to_zero",
+         "gumbel-softmax op mixing with a temperature annealed linearly to 0",
+         ("pytorch/pytorch#184031", "pytorch/pytorch#184058", "ericjang/gumbel-softmax#2"),
+         build_gumbel_tau_annealed_to_zero,
+         Truth("cell", FORWARD, "aten.div.Tensor", 2)),
     Case("trap_grad_scaler_warmup",
          "GradScaler's first steps: inf gradients, steps skipped (healthy)",
          ("Lightning-AI/pytorch-lightning#18828", "Lightning-AI/pytorch-lightning#5558"),
@@ -802,6 +988,10 @@ CASES = (
          ("conservationtechlab/animl-py#298", "huggingface/transformers#11106",
           "open-mmlab/mmcv#585"),
          build_grad_scaler_in_loop_trap, None),
+    Case("trap_ctc_zero_infinity",
+         "CTCLoss(zero_infinity=True) zeroes an utterance's inf loss and its gradient (healthy)",
+         ("wenet-e2e/wenet#2299", "open-mmlab/mmocr#159"),
+         build_ctc_zero_infinity_trap, None),
 )
 
 CASES_BY_NAME = {case.name: case for case in CASES}

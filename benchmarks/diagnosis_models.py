@@ -467,3 +467,156 @@ class GatedSkipNet(nn.Module):
 
     def forward(self, x):
         return self.out(self.block(x)).squeeze(-1)
+
+
+# ---- arcface_acos_at_one: ArcFace's additive angular margin, the angle taken by acos ---------
+
+class ArcMarginProduct(nn.Module):
+    """ArcFace's head: cos(theta + m) for the label's class, cos(theta) for the others."""
+
+    def __init__(self, in_features: int, out_features: int, s: float = 16.0, m: float = 0.5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features))
+        self.s, self.m = s, m
+
+    def forward(self, embedding, label):
+        cosine = F.linear(F.normalize(embedding), F.normalize(self.weight)).clamp(-1, 1)
+        theta = torch.acos(cosine)
+        target = torch.cos(theta + self.m)
+        one_hot = F.one_hot(label, cosine.shape[1]).bool()
+        return self.s * torch.where(one_hot, target, cosine)
+
+
+class TinyFaceNet(nn.Module):
+    def __init__(self, features: int = 4, classes: int = 3):
+        super().__init__()
+        self.backbone = nn.Linear(features, features, bias=False)
+        self.head = ArcMarginProduct(features, classes)
+
+    def forward(self, x, label):
+        return self.head(self.backbone(x), label)
+
+
+# ---- beta_policy_action_at_bound: an actor giving a Beta policy's concentrations -------------
+
+class BetaActor(nn.Module):
+    def __init__(self, observations: int = 3, hidden: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(observations, hidden), nn.Tanh())
+        self.alpha_head = nn.Linear(hidden, 1)
+        self.beta_head = nn.Linear(hidden, 1)
+
+    def forward(self, obs):
+        h = self.body(obs)
+        # concentrations above 1: a unimodal Beta
+        return (F.softplus(self.alpha_head(h)).squeeze(-1) + 1.0,
+                F.softplus(self.beta_head(h)).squeeze(-1) + 1.0)
+
+
+# ---- ctc_target_longer_than_input, trap_ctc_zero_infinity: wenet's layout (subsampling, CTC) ---
+
+class Conv1dSubsampling4(nn.Module):
+    """wenet's Conv2dSubsampling4 in one dimension: two stride-2 convolutions, 4x fewer frames."""
+
+    def __init__(self, idim: int, odim: int):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv1d(idim, odim, 2, stride=2), nn.ReLU(),
+                                  nn.Conv1d(odim, odim, 2, stride=2), nn.ReLU())
+
+    def forward(self, x, x_lens):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2), x_lens // 4
+
+
+class CTC(nn.Module):
+    """wenet's CTC module: projection, log-softmax, CTCLoss summed and divided by the batch."""
+
+    def __init__(self, odim: int, encoder_output_size: int, zero_infinity: bool = False):
+        super().__init__()
+        self.ctc_lo = nn.Linear(encoder_output_size, odim)
+        self.ctc_loss = nn.CTCLoss(reduction="sum", zero_infinity=zero_infinity)
+
+    def forward(self, hs_pad, hlens, ys_pad, ys_lens):
+        ys_hat = self.ctc_lo(hs_pad).transpose(0, 1).log_softmax(2)
+        return self.ctc_loss(ys_hat, ys_pad, hlens, ys_lens) / ys_hat.size(1)
+
+
+class TinyCTCModel(nn.Module):
+    def __init__(self, idim: int = 5, dim: int = 16, vocab: int = 6, zero_infinity: bool = False):
+        super().__init__()
+        self.embed = Conv1dSubsampling4(idim, dim)
+        self.encoder = nn.Sequential(nn.Linear(dim, dim), nn.ReLU())
+        self.ctc = CTC(vocab, dim, zero_infinity)
+
+    def forward(self, feats, feats_lens, text, text_lens):
+        h, h_lens = self.embed(feats, feats_lens)
+        return self.ctc(self.encoder(h), h_lens, text, text_lens)
+
+
+# ---- log_of_softmax_underflow: a classifier returning torch.log(softmax(logits)) ---------------
+
+class LogProbClassifier(nn.Module):
+    def __init__(self, features: int = 10, hidden: int = 32, classes: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        probs = F.softmax(self.fc2(self.act(self.fc1(x))), dim=-1)
+        return torch.log(probs)  # not F.log_softmax
+
+
+# ---- adain_blank_style_variance: AdaIN with the variance as E[x^2] - E[x]^2 -------------------
+
+class AdaIN(nn.Module):
+    def __init__(self, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def stats(self, feat):
+        mean = feat.mean((2, 3), keepdim=True)
+        var = (feat * feat).mean((2, 3), keepdim=True) - mean * mean
+        return mean, torch.sqrt(var) + self.eps
+
+    def forward(self, content, style):
+        content_mean, content_std = self.stats(content)
+        style_mean, style_std = self.stats(style)
+        return (content - content_mean) / content_std * style_std + style_mean
+
+
+class TinyStyleNet(nn.Module):
+    """AdaIN style transfer: a frozen encoder (VGG's first layers in the paper), trained decoder."""
+
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        self.encoder = nn.Conv2d(3, channels, 1)
+        self.encoder.requires_grad_(False)
+        self.adain = AdaIN()
+        self.decoder = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+                                     nn.Conv2d(channels, 3, 3, padding=1))
+
+    def forward(self, content, style):
+        return self.decoder(self.adain(self.encoder(content), self.encoder(style)))
+
+
+# ---- gumbel_tau_annealed_to_zero: a searched cell mixing candidate ops by gumbel-softmax ------
+
+class GumbelMixedOp(nn.Module):
+    def __init__(self, dim: int = 8, candidates: int = 3):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(candidates))  # architecture weights
+        self.ops = nn.ModuleList([nn.Linear(dim, dim) for _ in range(candidates)])
+
+    def forward(self, x, tau):
+        weights = F.gumbel_softmax(self.alpha.expand(x.shape[0], -1), tau=tau, hard=False)
+        return sum(weights[:, i:i + 1] * op(x) for i, op in enumerate(self.ops))
+
+
+class TinySearchNet(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.cell = GumbelMixedOp(dim)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x, tau):
+        return self.head(F.relu(self.cell(x, tau))).squeeze(-1)
