@@ -815,9 +815,12 @@ class MaskedCritic(nn.Module):
         return self.fc(x).masked_fill(torch.tensor([False, False, True]), float("-inf"))
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_gradient_penalty_before_the_loss_leaves_the_mask_to_the_loss(mode):
+@pytest.mark.parametrize("mode", ["full", "sentinel", "sentinel-gpu-path"])
+def test_a_gradient_penalty_before_the_loss_leaves_the_mask_to_the_loss(mode, request):
     # WGAN-GP: autograd.grad of the unmasked scores (finite) first, then a loss the mask reaches
+    if mode == "sentinel-gpu-path":  # (its checks read later, as on a GPU)
+        request.getfixturevalue("deferred_on_host")[0] = False
+        mode = "sentinel"
     torch.manual_seed(0)
     critic = MaskedCritic()
     x = torch.randn(5, 4, requires_grad=True)

@@ -130,7 +130,7 @@ class OutsideMode(TorchFunctionMode):
             if state.held is not None or state.held_mask is not None:
                 watch.settle(state, loss=loss, before_the_loss=True)
             if watch.judge_loss is not None and watch.watching():
-                watch.judge_loss(loss)  # (a sentinel on a device: a -inf its models gave)
+                watch.judge_loss(loss, before_the_loss=True)  # (a sentinel on a device)
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)

@@ -112,18 +112,24 @@ class MasksForTheLoss:
         self._rerun = rerun  # (call, values) -> raises what a re-run of the call finds
         self._share = share  # (value) -> every rank learns it (several ranks), or nothing
         self._notes: deque = deque(maxlen=MAX_CALLS_WITHOUT_BACKWARD)
+        self._kept = False  # judged by a gradient penalty: kept through its backward's end
 
     def add(self, call, flag: torch.Tensor) -> None:
         note = _MaskNote(call, flag)
         self._notes.append(note)
         self._checks.add(flag, partial(_note_mask, note), sure=None)
 
-    def judge_later(self, loss) -> None:
-        """The loss a backward starts from (a tensor, or several): judged when it is read."""
+    def judge_later(self, loss, before_the_loss: bool = False) -> None:
+        """The loss a backward starts from (a tensor, or several): judged when it is read.
+        `before_the_loss`: `torch.autograd.grad`'s outputs (a gradient penalty): the notes stay
+        for the loss that follows."""
         if not self._notes:
             return
         notes = list(self._notes)
-        self._notes.clear()
+        if before_the_loss:
+            self._kept = True
+        else:
+            self._notes.clear()
         tensors = [t for t in _tree.tensors(loss) if t.is_floating_point() or t.is_complex()]
         flags = numerics.output_flags(tensors) if tensors else None
         if flags is None:
@@ -138,6 +144,9 @@ class MasksForTheLoss:
         self._share(value)
 
     def forget(self) -> None:
+        if self._kept:  # (the penalty's backward ends: the loss after it judges them)
+            self._kept = False
+            return
         self._notes.clear()
 
 
