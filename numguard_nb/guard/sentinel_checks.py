@@ -87,10 +87,11 @@ class _MaskNote:
     """A call whose outputs may hold -inf (`flag`: +inf where they do; read later: `held`),
     until a loss judges it."""
 
-    __slots__ = ("call", "flag", "held")
+    __slots__ = ("call", "flag", "held", "kept")
 
     def __init__(self, call, flag: torch.Tensor):
         self.call, self.flag, self.held = call, flag, False
+        self.kept = False  # through a gradient penalty's backward: not through a second one
 
 
 def _note_mask(note: _MaskNote, values: list) -> None:
@@ -144,10 +145,15 @@ class MasksForTheLoss:
         self._share(value)
 
     def forget(self) -> None:
-        if self._kept:  # (the penalty's backward ends: the loss after it judges them)
-            self._kept = False
+        if not self._kept:
+            self._notes.clear()
             return
+        self._kept = False  # (a penalty's backward ends: the loss after it judges them, once)
+        notes = [note for note in self._notes if not note.kept]
         self._notes.clear()
+        for note in notes:
+            note.kept = True
+            self._notes.append(note)
 
 
 def _late_loss(rerun: Callable, notes: list, values: list) -> None:
