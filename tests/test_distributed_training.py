@@ -600,19 +600,31 @@ def test_a_model_run_on_several_ranks_without_flags_is_said_so_as_the_guard_atta
             assert "the others wait in their next collective" in got[rank][0], got
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel", "sentinel on a gpu"])
+@pytest.mark.parametrize("mode", ["sentinel", "sentinel on a gpu"])
 def test_a_detection_under_no_sync_leaves_no_flag_for_the_next_steps(mode):
-    # rank 0 stops alone (no reduction told the others); after it, clean steps stay clean
+    # rank 0 stops alone at its step (no reduction told the others); after it, clean steps
+    # stay clean
     got = _run("no_sync, then clean", mode)
     assert got[0] == ("clean", "forward", "clean", "clean"), got
     assert got[1] == ("clean", "clean", "clean", "clean"), got
 
 
-def test_under_accumulation_on_a_gpu_every_rank_stops_at_the_same_point():
+def test_in_full_mode_a_detection_under_no_sync_rides_on_the_next_reduction():
+    # held through the micro-step's backward, rank 0's detection reaches rank 1 with the next
+    # step's gradients: both stop there; rank 0's own step of its nan gradients (no_sync, then
+    # a step) broke its weights, which the step after names
+    got = _run("no_sync, then clean", "full")
+    assert got[0] == ("clean", "clean", "forward", "weights"), got
+    assert got[1] == ("clean", "clean", "other-rank", "other-rank"), got
+
+
+@pytest.mark.parametrize("mode", ["sentinel on a gpu", "full"])
+def test_under_accumulation_every_rank_stops_at_the_same_point(mode):
     # The bad micro-step is not reduced: its verdict rides on the next synced one, and every
-    # rank acts on what came before it there (rank 1's device the slowest). (Read at once, on
-    # the host, rank 1 stops alone: a limit docs/distributed.md states.)
-    got = _run("accumulated", "sentinel on a gpu")
+    # rank acts on what came before it there (on a GPU rank 1's device the slowest; in full
+    # mode the detection held through the micro-step's backward). (The sentinel reading at
+    # once, on the host, stops rank 1 alone: a limit docs/distributed.md states.)
+    got = _run("accumulated", mode)
     assert got[0][0] == got[1][0] == "detected", got
     assert got[0][1] == got[1][1], got  # the same point of the program
     assert (got[0][2], got[1][2]) == ("other-rank", "forward"), got

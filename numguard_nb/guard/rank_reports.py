@@ -58,6 +58,9 @@ def settle_after_reduction(flags, guard) -> None:
 def _settle(flags, guard) -> None:
     """Raise the forward detection held, or a report of what another rank made."""
     ranks = flags.take_fresh()  # (this step's flags consumed either way)
+    if ranks is None and flags.held is not None:  # a no_sync micro-step: nothing was reduced
+        flags.forward_problem = True  # it rides on the next reduction: every rank stops there
+        return
     held = flags.take_held()
     if held is not None:
         raise held
