@@ -140,8 +140,9 @@ class DebugUnderflowOverflow:
         # the model's own, the count has gone up already
         first = next((i for i, f in enumerate(frames)
                       if f.batch_number == report.batch_number and f.nonfinite), len(frames) - 1)
-        batch = report.batch_number + (1 if frames[first].module_name == "" else 0)
-        self._print_problems(frames[first])
+        stop = frames[first] if frames else report.first_nonfinite  # (max_frames_to_save=0)
+        batch = report.batch_number + (1 if stop.module_name == "" else 0)
+        self._print_problems(stop)
         texts = []
         for frame in frames[:first + 1]:
             texts.append(self._frame_text(frame, previous))

@@ -639,7 +639,7 @@ class NumguardMagics(Magics):
         success = getattr(result, "success", True)
         error = getattr(result, "error_in_exec", None)
         self._show(self._session.after_cell(success, error))
-        self._replay_after_error(self._session.run, error)  # as in a %%numguard cell
+        self._replay_after_error(self._session.guarding, error)  # as in a %%numguard cell
 
     def show_uncaught(self, error: NonFiniteError) -> str:
         """A NonFiniteError of the Python API (`with Guard(...)`) that nobody caught: its report,

@@ -526,6 +526,11 @@ class Session:
         # what it waits for, in words).
         self._armed: Optional[Tuple[Callable[[], Optional[GuardedRun]], str]] = None
 
+    @property
+    def guarding(self) -> Optional[GuardedRun]:
+        """The run that guards the current cell: none where a %%numguard cell brings its own."""
+        return None if self._stepped_aside else self.run
+
     def arm(self, make_run: Callable[[], Optional[GuardedRun]], waiting_for: str) -> ToShow:
         """`%numguard on` before the models exist: before each cell, `make_run()` is tried again
         (None while its models are missing); the first run it makes guards that cell and every

@@ -321,6 +321,11 @@ def test_trace_batch_nums_changed_on_the_live_detector_prints_what_transformers_
     assert texts[1] == texts[0] and "*** Starting batch number=1 ***" in texts[0]
 
 
+def test_no_frames_saved_prints_what_transformers_prints():
+    text, (error, done) = assert_same_output(_exp_model, _exp_batches(), max_frames_to_save=0)
+    assert error == HF_ERROR
+
+
 def test_detected_overflow_says_what_transformers_says():
     for cls in (hf.DebugUnderflowOverflow, ng.DebugUnderflowOverflow):
         model = _exp_model()

@@ -962,6 +962,7 @@ def test_a_replaced_parameter_is_let_go_while_attached():
     with Guard(model):
         old = weakref.ref(model[0].weight)
         model[0].weight = nn.Parameter(torch.zeros(4, 4))
+        model(torch.ones(2, 4)).sum().backward()  # (let go as the next pass starts)
         gc.collect()
         assert old() is None
 
@@ -1036,3 +1037,72 @@ def test_a_gradient_the_model_makes_after_a_checkpointed_block_is_the_model_s(re
         model(torch.randn(8, 4, requires_grad=True)).backward()
     report = caught.value.report
     assert (report.cause, report.first_nonfinite.module_name) == ("backward-inline", ""), report.reason
+
+
+class CheckpointedWide(nn.Module):
+    """A checkpointed block handed values past float16's range (headroom in the recompute)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x * 1e5, use_reentrant=self.reentrant)).sum()
+
+
+class MarksNoLimit(nn.Module):
+    """Writes +inf as a "no limit" marker (allowed) that a min-pool then drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(3, 3)
+
+    def forward(self, x, pad):
+        h = self.lin(x).masked_fill(pad, float("inf")).min(-1).values
+        return self.out(torch.tanh(h).unsqueeze(0).expand(3, 3))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_recomputations_change_no_verdict(reentrant):
+    # headroom over a recomputed call; allow_inf in a recomputation torch stops early (its own
+    # exception inside the block): no crash, no detection
+    torch.manual_seed(0)
+    model = CheckpointedWide(reentrant)
+    with Guard(model, limit_dtype=torch.float16) as guard:
+        model(torch.randn(8, 4, requires_grad=True)).backward()
+    assert guard.detection is None and len(guard.headroom) > 0
+    block, head = MarksNoLimit(), nn.Linear(3, 1)
+    pad = torch.zeros(3, 4, dtype=torch.bool)
+    pad[:, -1] = True
+    seen = []
+    with Guard(block, allow_inf=True, on_detect=seen.append) as guard:
+        for _ in range(2):
+            head(checkpoint(block, torch.randn(3, 4), pad, use_reentrant=reentrant)).sum().backward()
+    assert guard.detection is None and seen == []
+
+
+def test_a_parameter_held_under_a_second_name_stays_watched_when_the_first_is_replaced():
+    class NanGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("nan")
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(3))
+            self.w2 = self.w1
+
+        def forward(self, x):
+            return (x * self.w2.detach()).sum()
+
+    model = Twice()
+    with pytest.raises(NonFiniteError, match=r"w1\.grad holds nan"), Guard(model):
+        model.w1 = nn.Parameter(torch.randn(3))  # w2 (the old w1) still trains
+        (model(torch.randn(3)) + NanGradient.apply(model.w2).sum()).backward()

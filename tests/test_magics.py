@@ -848,6 +848,13 @@ def test_under_numguard_on_a_device_error_is_replayed_on_cpu_too(ip, tmp_path, m
         assert isinstance(outcome.result.exception, IndexError)
         assert repr(outcome) in [out.data["text/plain"] for out in captured.outputs]
         assert Path(outcome.path).parent == tmp_path and Path(outcome.path).exists()
+        # a %%numguard --capture cell meanwhile replays its own call, once: the session's
+        # guard stepped aside for it
+        ip.run_cell("emb(torch.tensor([[1, 2, 3]]))")
+        result, captured = run(ip, "%%numguard --capture -q emb\ngpu_step(emb, ids)")
+        replays = [out for out in captured.outputs if "replayed" in out.data["text/plain"]]
+        assert len(replays) == 1 and repr(ip.user_ns["_numguard_replay"]) == replays[0].data["text/plain"]
+        assert isinstance(ip.user_ns["_numguard_replay"].result.exception, IndexError)
     finally:
         ip.run_line_magic("numguard", "off")
 

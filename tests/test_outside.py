@@ -690,6 +690,10 @@ def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
     report = caught.value.report
     assert report.first_nonfinite.module_class == "MaskedPolicy", report.reason
     assert "label_smoothing" in report.hint and "allow_inf" not in report.hint
+    with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
+        # the loss code's own overflow beside the mask: exp's inf is exp's, not the mask's
+        torch.exp(policy(obs, legal) / 1e-3).mean().backward()
+    assert caught.value.report.first_nonfinite.op == "aten.exp.default"
 
 
 # ---- held culprits across the loops people write ---------------------------------------------------
@@ -804,6 +808,10 @@ def test_with_no_backward_a_value_the_code_drops_is_a_note_and_one_it_keeps_an_e
     with pytest.raises(NonFiniteError, match=r"in torch\.log \(aten\.log\.default\)"):
         with Guard(policy, mode=mode), torch.no_grad():
             _act(policy, torch.randn(2, 8), illegal, True)
+    with pytest.raises(NonFiniteError, match=r"in torch\.log \(aten\.log\.default\)"):
+        with Guard(policy, mode=mode), torch.no_grad():  # zeros_like reads its shape: no drop
+            kept = _act(policy, torch.randn(2, 8), illegal, True)
+            torch.zeros_like(kept)
 
 
 class MaskedCritic(nn.Module):

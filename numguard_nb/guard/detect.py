@@ -116,7 +116,8 @@ def forward_culprit(pass_: PassRecord, calls, rules):
             return call, bad_params, CAUSE_WEIGHTS
         if bad_inputs:
             return call, bad_inputs, CAUSE_DATA
-        if call.raised:  # (no output: what it handed its submodules is what its code made)
+        if call.raised and not rules.inf_allowed(call.module_name):
+            # (no output: what it handed its submodules is what its code made)
             handed = _handed_new(pass_, call, received, limit_max)
             if handed:
                 return call, handed, CAUSE_FORWARD_INLINE
@@ -384,7 +385,7 @@ def backward_culprit(pass_: PassRecord, slots, owner, rules):
         kinds = value_kinds(pass_, slot, limit_max)
         call = owner[id(slot)]
         forward = call.forward
-        parent = forward.parent if forward is not None else None
+        parent = (forward.parent or forward.recomputed_in) if forward is not None else None
         category = slot[SLOT_CATEGORY]
         if category == GRAD_OUTPUT:
             if kinds:

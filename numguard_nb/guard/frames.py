@@ -167,9 +167,9 @@ def reason_sentence(cause: str, frame: Frame, options, evidence: Optional[Frame]
                 f"between its submodules: {what}, which its inputs and weights did not reach (a "
                 f"predicted overflow, handed to {evidence.label})")
     if inline and cause == CAUSE_FORWARD_INLINE:
-        overflow = ("" if any(row.nan for row in rows) else  # (a nan its code made and handed on)
-                    f" (an overflow, which {evidence.label} turned into "
-                    f"{_data_words([row for row in evidence.rows if row.category == OUTPUT])})")
+        turned = [row for row in evidence.rows if row.category == OUTPUT and row.nonfinite]
+        overflow = ("" if any(row.nan for row in rows) or not turned else  # (a nan handed on)
+                    f" (an overflow, which {evidence.label} turned into {_data_words(turned)})")
         return (f"{where} produced a non-finite value in forward ({call}), in its own code between "
                 f"its submodules: {what}, which its inputs and weights did not hold{overflow}")
     if inline:

@@ -626,7 +626,7 @@ def _place(call: CallRecord, stack: list, first: Optional[CallRecord]) -> None:
     if stack:
         call.parent, call.root_id = stack[-1], stack[0].module_id
     elif first is not None and first is not call and graph_task_id() != -1:
-        call.parent, call.root_id, call.is_root = first.parent, first.root_id, first.is_root
+        call.recomputed_in = first.parent
 
 
 def _note_on_the_error(guard: Guard, pass_: PassRecord) -> None:
@@ -634,15 +634,16 @@ def _note_on_the_error(guard: Guard, pass_: PassRecord) -> None:
     assert on nan): a value its calls made non-finite before is the likely cause. Kept as the
     detection and added to the error's notes (torch only warns of what a hook raises there)."""
     error = sys.exc_info()[1]
-    if not isinstance(error, Exception) or isinstance(error, (NonFiniteError, BatchLimitReached)):
+    if not isinstance(error, Exception) or isinstance(error, (NonFiniteError, BatchLimitReached)) \
+            or graph_task_id() != -1:  # (a recomputation in backward that torch stops early)
         return
     culprit = _culprit(pass_, detect.find_in_forward, guard.options.stop_rules)
     try:
         if culprit is not None:
             guard._detect(pass_, FORWARD, *culprit)
-    except NonFiniteError as found:
-        if hasattr(error, "add_note"):  # (Python 3.11+)
-            error.add_note(f"numguard found, before this error: {str(found).splitlines()[0]} "
+    except Exception:  # (NonFiniteError, or what on_detect gave instead)
+        if guard.detection is not None and hasattr(error, "add_note"):  # (Python 3.11+)
+            error.add_note(f"numguard found, before this error: {guard.detection.summary()} "
                            "(guard.report holds it)")
 
 

@@ -363,6 +363,8 @@ class ModuleHooks:
         # id(parameter) -> (it, weakly; its module's id, name, class; its name) of the parameters
         # frozen when hooked: hooked once they train (gradual unfreezing)
         self.frozen: Dict[int, tuple] = {}
+        # ids of parameters replaced while hooked: let go at the next pass unless still held
+        self.replaced: set = set()
         # While hooked: (the guard, weakly; watch_backward), for a submodule assigned to a hooked
         # module (a new head, a swapped activation): hooked as it is registered (a global hook).
         self._following: Optional[tuple] = None
@@ -431,19 +433,15 @@ class ModuleHooks:
     def new_parameter(self, module: nn.Module, pname: str, param) -> None:
         """A parameter set on a hooked module (`layer.weight = nn.Parameter(...)`,
         `load_state_dict(assign=True)`; torch's global hook, before it is stored): its gradient
-        hooked as `add` would have, and the one it replaces let go, unless another module holds
-        it too."""
+        hooked as `add` would have; the one it replaces is let go at the next pass
+        (`rehook_changed`), unless a module still holds it."""
         known = self.names.get(id(module))
         if known is None or self._following is None or not self._following[1]:
             return
         guard = self._following[0]()
         old = module._parameters.get(pname)
-        if old is not None and old is not param and id(old) in self.param_hooks and not any(
-                p is old for m in self.modules.values() if m is not module
-                for p in m._parameters.values()):
-            hook = self.param_hooks.pop(id(old))
-            if hook.handle is not None:
-                hook.handle.remove()
+        if old is not None and old is not param:
+            self.replaced.add(id(old))
         if guard is not None and isinstance(param, torch.Tensor):
             self._hook_param(guard, param, id(module), known[0], known[1], pname)
 
@@ -546,6 +544,13 @@ class ModuleHooks:
         tensors swapped into parameters since the last pass. Swaps are looked for only where
         torch swaps (`module.to()`, `load_state_dict`): with the swap flag on, or with
         tensor-subclass parameters."""
+        if self.replaced:  # (one look for all of a load_state_dict(assign=True))
+            held = {id(p) for m in self.modules.values() for p in m._parameters.values()}
+            for key in self.replaced - held:
+                hook = self.param_hooks.pop(key, None)
+                if hook is not None and hook.handle is not None:
+                    hook.handle.remove()
+            self.replaced.clear()
         for key, (ref, module_id, name, cls, pname) in list(self.frozen.items()):
             param = ref()
             if param is None or param.requires_grad:
@@ -584,6 +589,7 @@ class ModuleHooks:
         self.compiled.clear()
         self.param_hooks.clear()
         self.frozen.clear()
+        self.replaced.clear()
         self.unwatched.clear()
         self.subclass_params = False
 

@@ -68,11 +68,18 @@ def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
     return kinds
 
 
+# The ops that turn a -inf they are given into +inf: a negation, a product or quotient by a
+# negative number, a difference (`aten.neg.default`, `aten.mul.Tensor`, ...)
+_SIGN_FLIPS = ("aten.neg.", "aten.mul.", "aten.div.", "aten.sub.", "aten.rsub.")
+
+
 def from_the_mask(pass_: PassRecord, call: OutsideCall, bad) -> bool:
-    """Whether a forward call's new values (`bad`, its slots) are infinities it could make from
-    the -inf mask it was given (negated: a label-smoothed cross-entropy sums the log-probabilities
-    of every class, the masked ones too): the mask's maker is the one to name."""
-    if call.phase != FORWARD or PROBLEM_NEGINF not in _received(pass_, call, INPUT):
+    """Whether a forward call's new values (`bad`, its slots) are the -inf mask it was given,
+    negated (a label-smoothed cross-entropy sums the log-probabilities of every class, the
+    masked ones too, and negates them): the mask's maker is the one to name. (An op that makes
+    its own inf, an `exp` that overflows, is named itself.)"""
+    if call.phase != FORWARD or PROBLEM_NEGINF not in _received(pass_, call, INPUT) \
+            or not (call.op or "").startswith(_SIGN_FLIPS):
         return False
     return all(detect.value_kinds(pass_, slot, None) <= _INF_KINDS for slot in bad)
 

@@ -64,6 +64,14 @@ KEEPS_VALUES = (
     ))
     | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
 )
+# Of those, the ones that can leave values out (a selection, a mask): watched while a culprit is
+# held, as they may drop its values (`outside_checks.dropped_after`); views and copies are not.
+DROPS_VALUES = (
+    _functions(torch.Tensor, ("narrow", "select", "__getitem__", "index_select", "gather",
+                              "take", "masked_fill", "masked_fill_"))
+    | _functions(torch, ("where", "narrow", "select", "index_select", "gather", "take",
+                         "masked_fill"))
+)
 WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
 
 
@@ -134,7 +142,8 @@ class OutsideMode(TorchFunctionMode):
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
-        if type(func) is WRAPPER or (func in KEEPS_VALUES and state.held is None):
+        if type(func) is WRAPPER or (func in KEEPS_VALUES and (
+                state.held is None or func not in DROPS_VALUES)):
             return func(*args, **kwargs)  # (with a culprit held: a `where` may drop its values)
         return watch.run_function(state, func, args, kwargs)
 

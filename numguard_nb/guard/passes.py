@@ -56,7 +56,7 @@ class CallRecord:
     __slots__ = (
         "module_id", "module_name", "module_class", "phase", "batch_number", "call_index",
         "slots", "seq", "is_root", "raised", "parent", "root_id",
-        "forward", "finite_backward", "__weakref__",
+        "forward", "finite_backward", "recomputed_in", "__weakref__",
     )
 
     def __init__(self, module_id, name, cls, phase, batch_number, call_index, is_root):
@@ -74,6 +74,9 @@ class CallRecord:
         self.root_id = module_id  # the top-level module whose call this is part of
         self.forward: Optional[CallRecord] = None  # for a backward call: its forward call
         self.finite_backward = False  # its module's backward makes no nan (detect's rule)
+        # A call recomputed alone in backward (reentrant activation checkpointing): the call
+        # its module's first call of the batch sat in, in that earlier pass (backward's rules)
+        self.recomputed_in: Optional[CallRecord] = None
 
 
 def _is_entry_of(entry: list, t: torch.Tensor) -> bool:
