@@ -691,6 +691,10 @@ def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
     assert report.first_nonfinite.module_class == "MaskedPolicy", report.reason
     assert "label_smoothing" in report.hint and "allow_inf" not in report.hint
     with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
+        # a target on a masked class: the negative log-likelihood negates the mask's -inf
+        nn.functional.cross_entropy(policy(obs, legal), (~legal).float().argmax(-1)).backward()
+    assert caught.value.report.first_nonfinite.module_class == "MaskedPolicy"
+    with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
         # the loss code's own overflow beside the mask: exp's inf is exp's, not the mask's
         torch.exp(policy(obs, legal) / 1e-3).mean().backward()
     assert caught.value.report.first_nonfinite.op == "aten.exp.default"
@@ -812,6 +816,12 @@ def test_with_no_backward_a_value_the_code_drops_is_a_note_and_one_it_keeps_an_e
         with Guard(policy, mode=mode), torch.no_grad():  # zeros_like reads its shape: no drop
             kept = _act(policy, torch.randn(2, 8), illegal, True)
             torch.zeros_like(kept)
+    with pytest.raises(NonFiniteError, match=r"in torch\.log \(aten\.log\.default\)"):
+        with Guard(policy, mode=mode), torch.no_grad():  # dropped in one place, kept in another
+            p = torch.softmax(policy(torch.randn(2, 8)).masked_fill(illegal, float("-inf")), -1)
+            logp = torch.log(p)
+            entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+            torch.cat([entropy[:, None], logp], 1)
 
 
 class MaskedCritic(nn.Module):
@@ -842,3 +852,23 @@ def test_a_gradient_penalty_before_the_loss_leaves_the_mask_to_the_loss(mode, re
         grad, = torch.autograd.grad(out[:, :2].sum(), x, create_graph=True)
         (out[:, :2].mean() + (grad.norm(dim=1) - 1).pow(2).mean()).backward()
     assert guard.detection is None
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loop_of_autograd_grad_updates_names_the_step_whose_loss_broke(mode):
+    # no .backward() ever: each step's finite gradients judge what that step held, and a later
+    # step's -inf loss is named at its own batch, not at the first step's
+    torch.manual_seed(0)
+    policy = MaskedPolicy()
+    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
+    legal[:, 0] = True
+    params = list(policy.parameters())
+    with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
+        for step in range(5):
+            target = (~legal).float().argmax(-1) if step == 3 else torch.zeros(8, dtype=torch.long)
+            loss = nn.functional.cross_entropy(policy(obs, legal), target)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p -= 0.01 * g
+    assert caught.value.report.batch_number == 3, caught.value.report.reason

@@ -70,7 +70,8 @@ def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
 
 # The ops that turn a -inf they are given into +inf: a negation, a product or quotient by a
 # negative number, a difference (`aten.neg.default`, `aten.mul.Tensor`, ...)
-_SIGN_FLIPS = ("aten.neg.", "aten.mul.", "aten.div.", "aten.sub.", "aten.rsub.")
+_SIGN_FLIPS = ("aten.neg.", "aten.mul.", "aten.div.", "aten.sub.", "aten.rsub.",
+               "aten.nll_loss")  # (the negative log-likelihood of a masked class: +inf)
 
 
 def from_the_mask(pass_: PassRecord, call: OutsideCall, bad) -> bool:
@@ -90,8 +91,8 @@ def dropped_after(pass_: PassRecord, call: OutsideCall) -> bool:
     none: `where`, `masked_fill`, `nan_to_num`) and nothing after that holds any."""
     dropped = False
     for later in pass_.calls:
-        if later.seq <= call.seq:
-            continue
+        if later.seq <= call.seq or getattr(later.func, "__name__", "").endswith("_like"):
+            continue  # (zeros_like and the like read only the shape: they drop nothing)
         made = any(detect.value_kinds(pass_, slot, None) for slot in later.slots
                    if slot[SLOT_CATEGORY] == OUTPUT)
         if made:

@@ -64,14 +64,6 @@ KEEPS_VALUES = (
     ))
     | {torch.autograd.grad}  # its gradients are checked by the node hooks and the guard
 )
-# Of those, the ones that can leave values out (a selection, a mask): watched while a culprit is
-# held, as they may drop its values (`outside_checks.dropped_after`); views and copies are not.
-DROPS_VALUES = (
-    _functions(torch.Tensor, ("narrow", "select", "__getitem__", "index_select", "gather",
-                              "take", "masked_fill", "masked_fill_"))
-    | _functions(torch, ("where", "narrow", "select", "index_select", "gather", "take",
-                         "masked_fill"))
-)
 WRAPPER = types.MethodWrapperType  # tensor attributes read through __torch_function__ (`.grad`)
 
 
@@ -93,6 +85,9 @@ class ThreadState(threading.local):
         self.held = None
         self.held_mask = None
         self.calls_held = 0  # model calls since they were held, with no backward
+        # a gradient penalty's finite outputs judged them: the loss after it does, or else they
+        # are notes once the next model call starts
+        self.penalty_judged = False
 
     @property
     def owner(self) -> Optional[object]:
@@ -142,8 +137,7 @@ class OutsideMode(TorchFunctionMode):
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
-        if type(func) is WRAPPER or (func in KEEPS_VALUES and (
-                state.held is None or func not in DROPS_VALUES)):
+        if type(func) is WRAPPER or (func in KEEPS_VALUES and state.held is None):
             return func(*args, **kwargs)  # (with a culprit held: a `where` may drop its values)
         return watch.run_function(state, func, args, kwargs)
 
@@ -238,6 +232,9 @@ def leave_region(final: bool = False) -> None:
     state = thread_state
     checking, owner = state.active, state.owner
     withdraw(state)
+    if state.penalty_judged and owner is not None:  # (no loss came after the penalty)
+        state.penalty_judged = False
+        owner.settle(state, judged_finite=True)
     if state.held is not None or state.held_mask is not None:
         state.calls_held += 1
         final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
