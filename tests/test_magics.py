@@ -797,7 +797,9 @@ def test_check_magic_runs_the_pipeline_check(ip):
     assert "all 7 steps passed" in captured.outputs[0].data["text/plain"]
 
 
-def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, monkeypatch):
+def _embedding_and_a_gpu_step(ip, tmp_path, monkeypatch) -> None:
+    """`emb`, `ids` past its vocabulary, and `gpu_step`, which reports the IndexError as a GPU
+    would: late, as a CUDA error at the wrong line. Bundles are written in `tmp_path`."""
     monkeypatch.chdir(tmp_path)  # the bundle is written next to the notebook
     ip.run_cell(
         "emb = nn.Embedding(10, 4)\n"
@@ -805,9 +807,13 @@ def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, 
         "def gpu_step(model, ids):\n"
         "    try:\n"
         "        return model(ids)\n"
-        "    except IndexError:\n"  # what a GPU reports, late and at the wrong line
+        "    except IndexError:\n"
         "        raise RuntimeError('CUDA error: device-side assert triggered') from None\n"
     )
+
+
+def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, monkeypatch):
+    _embedding_and_a_gpu_step(ip, tmp_path, monkeypatch)
     result, captured = run(ip, "%%numguard --capture emb\ngpu_step(emb, ids)")
     error = result.error_in_exec
     assert isinstance(error, RuntimeError) and str(error) == "CUDA error: device-side assert triggered"
@@ -830,16 +836,7 @@ def test_a_device_error_is_replayed_on_cpu_and_its_bundle_replays(ip, tmp_path, 
 
 
 def test_under_numguard_on_a_device_error_is_replayed_on_cpu_too(ip, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    ip.run_cell(
-        "emb = nn.Embedding(10, 4)\n"
-        "ids = torch.tensor([[1, 2, 12]])\n"  # 12 is past the vocabulary
-        "def gpu_step(model, ids):\n"
-        "    try:\n"
-        "        return model(ids)\n"
-        "    except IndexError:\n"
-        "        raise RuntimeError('CUDA error: device-side assert triggered') from None\n"
-    )
+    _embedding_and_a_gpu_step(ip, tmp_path, monkeypatch)
     try:
         assert run(ip, "%numguard on --capture -q emb")[0].success
         result, captured = run(ip, "gpu_step(emb, ids)")

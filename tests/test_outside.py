@@ -658,14 +658,20 @@ class MaskedPolicy(nn.Module):
         return self.net(obs).masked_fill(~legal, float("-inf"))
 
 
+def observations_and_legal_actions():
+    """8 observations and which of MaskedPolicy's 5 actions are legal (action 0 always)."""
+    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
+    legal[:, 0] = True
+    return obs, legal
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
     from torch.distributions import Categorical
 
     torch.manual_seed(0)
     policy = MaskedPolicy()
-    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
-    legal[:, 0] = True
+    obs, legal = observations_and_legal_actions()
     optimizer = torch.optim.Adam(policy.parameters(), 1e-3)
     with Guard(policy, mode=mode) as guard:
         for _ in range(3):
@@ -707,8 +713,7 @@ def _masked_steps(models, steps=2):
 
     policy, value = models
     torch.manual_seed(1)
-    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
-    legal[:, 0] = True
+    obs, legal = observations_and_legal_actions()
     for _ in range(steps):
         first = Categorical(logits=policy(obs, legal))
         second = Categorical(logits=policy(obs + 0.1, legal))
@@ -754,8 +759,7 @@ def test_a_guard_dropped_while_a_mask_is_held_frees_its_model_and_leaves_nothing
     policy = MaskedPolicy()
     held = weakref.ref(policy)
     guard = Guard(policy).attach()
-    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
-    legal[:, 0] = True
+    obs, legal = observations_and_legal_actions()
     with torch.no_grad():
         policy(obs, legal)  # acting: the mask is held, no backward comes
     del policy, guard
@@ -860,8 +864,7 @@ def test_a_loop_of_autograd_grad_updates_names_the_step_whose_loss_broke(mode):
     # step's -inf loss is named at its own batch, not at the first step's
     torch.manual_seed(0)
     policy = MaskedPolicy()
-    obs, legal = torch.randn(8, 6), torch.rand(8, 5) > 0.3
-    legal[:, 0] = True
+    obs, legal = observations_and_legal_actions()
     params = list(policy.parameters())
     with pytest.raises(NonFiniteError) as caught, Guard(policy, mode=mode):
         for step in range(5):
