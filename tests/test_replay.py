@@ -663,3 +663,23 @@ def test_saving_a_bundle_to_a_folder_asks_for_a_file_name(tmp_path):
     with pytest.raises(ValueError, match=r"is a folder: give the bundle a file name, e\.g\. "):
         guard.capture.save(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bundle_names_a_notebook_cell_as_the_kernel_that_saved_it_did():
+    # a fresh kernel does not know the cell's file (<ipython-input-4-...>): the name the saving
+    # kernel gave it is kept; a file path is named from the file as usual
+    from numguard_nb.replay import bundle, outside
+
+    entries = [{"name": "torch.nn.functional.cross_entropy", "attribute": False,
+                "args": outside._encode(()), "kwargs": outside._encode({}),
+                "filename": "<ipython-input-4-1827e757352f>", "lineno": 3, "line": "loss = ...",
+                "where": "Cell In[4], line 3"},
+               {"name": "torch.log", "attribute": False, "args": outside._encode(()),
+                "kwargs": outside._encode({}), "filename": "/work/train.py", "lineno": 12,
+                "line": "", "where": "/elsewhere/train.py:12"}]
+    cell, script = outside.decode(entries)
+    assert (cell.where, script.where) == ("Cell In[4], line 3", "/work/train.py:12")
+    site = bundle._recorded_site({"filename": "<ipython-input-4-1827e757352f>", "lineno": 2,
+                                  "function": "<module>", "line": "logits = model(x)",
+                                  "where": "Cell In[4], line 2"})
+    assert str(site) == "Cell In[4], line 2 in <module>: logits = model(x)"

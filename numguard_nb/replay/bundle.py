@@ -24,7 +24,7 @@ from .._version import __version__
 from ..rerun import CallState
 from ..errors import ReplayError
 from . import outside
-from .location import CALL_SITE, Location
+from .location import CALL_SITE, Location, cell_named
 from .snapshot import TORCH_LOSSES, _Snapshot, named_tensors, qualified_name
 
 BUNDLE_FORMAT = "numguard_nb.replay"
@@ -105,7 +105,8 @@ def _call_entry(call) -> dict:
         "input_dtypes": sorted({dtype_name(t.dtype) for t in _tree.tensors((args, kwargs))}),
         "call_site": None if site is None else
         {"filename": str(site.filename), "lineno": int(site.lineno), "function": str(site.function),
-         "line": site.line or linecache.getline(site.filename, site.lineno).strip()},
+         "line": site.line or linecache.getline(site.filename, site.lineno).strip(),
+         "where": site.where},
     }
 
 
@@ -192,9 +193,7 @@ def call_fields(entry: dict) -> dict:
         state=state, cuda_device=entry.get("cuda_device"),
         cuda_rng_state=entry.get("cuda_rng_state"), training=bool(entry.get("training", True)),
         weights_changed=bool(entry.get("weights_changed", False)),
-        call_site=None if site is None else Location.of(
-            site["filename"], site["lineno"], site.get("function", ""), CALL_SITE,
-            line=site.get("line", "")),
+        call_site=None if site is None else _recorded_site(site),
         input_devices=entry.get("input_devices", []),
     )
 
@@ -309,3 +308,11 @@ def version_notes(data: dict, models: Dict[str, nn.Module], snapshots: Dict[str,
         if given != snapshots[root].class_name:
             notes.append(f"{root or 'the model'} is a {given}, the bundle's a {snapshots[root].class_name}")
     return notes
+
+
+def _recorded_site(site: dict) -> Location:
+    """The call site a bundle recorded, named as it was where it was recorded."""
+    location = Location.of(site["filename"], site["lineno"], site.get("function", ""), CALL_SITE,
+                           line=site.get("line", ""))
+    location.named = cell_named(site.get("where", ""))
+    return location

@@ -25,11 +25,14 @@ class Location:
     line: str = ""
     function: str = ""
     kind: str = RAISED  # RAISED or CALL_SITE
+    # How it was named where it was recorded ('Cell In[1], line 3'): a bundle loaded in a fresh
+    # kernel, which does not know that cell's file, says it so
+    named: str = ""
 
     @property
     def where(self) -> str:
         """'Cell In[5], line 11' in a notebook cell (as IPython says it), else 'path/file.py:11'."""
-        return code_where(self.filename, self.lineno)
+        return self.named or code_where(self.filename, self.lineno)
 
     def __str__(self) -> str:
         where = self.where + (f" in {self.function}" if self.function else "")
@@ -40,6 +43,12 @@ class Location:
         if line is None:
             line = linecache.getline(filename, lineno).strip()
         return cls(filename=filename, lineno=int(lineno), line=line, function=function, kind=kind)
+
+
+def cell_named(where: str) -> str:
+    """`where` as a bundle recorded it, where it names a notebook cell ('Cell In[1], line 3'),
+    else '': a fresh kernel cannot name that cell's file, a file path it can."""
+    return where if where.startswith("Cell In[") else ""
 
 
 def with_source_line(location: Optional[Location]) -> Optional[Location]:

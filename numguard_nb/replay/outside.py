@@ -31,6 +31,7 @@ import torch
 
 from .. import _tree
 from .._util import code_where, error_line, function_name, user_frame
+from .location import cell_named
 from .host import HostCopies
 
 __all__ = ["OutsideRecord", "OutsideRecorder", "Ref", "replay_records", "encode", "decode",
@@ -62,9 +63,10 @@ class Ref:
 class OutsideRecord:
     """One torch function run outside the guarded modules after captured call `index`."""
 
-    __slots__ = ("name", "attribute", "args", "kwargs", "filename", "lineno", "line")
+    __slots__ = ("name", "attribute", "args", "kwargs", "filename", "lineno", "line", "named")
 
-    def __init__(self, name: str, attribute: bool, args, kwargs, filename=None, lineno=None, line=""):
+    def __init__(self, name: str, attribute: bool, args, kwargs, filename=None, lineno=None, line="",
+                 named: str = ""):
         self.name = name
         self.attribute = attribute
         self.args = args
@@ -72,10 +74,13 @@ class OutsideRecord:
         self.filename = filename
         self.lineno = lineno
         self.line = line
+        self.named = named  # as a bundle recorded it: a notebook cell's (`location.cell_named`)
 
     @property
     def where(self) -> str:
         """'Cell In[3], line 4' or 'train.py:12'."""
+        if self.named:
+            return self.named
         return code_where(self.filename, self.lineno) if self.filename else "an unknown line"
 
     @property
@@ -359,7 +364,8 @@ def _encode(value):
 
 def decode(entries: list) -> List[OutsideRecord]:
     return [OutsideRecord(str(e["name"]), bool(e["attribute"]), _decode(e["args"]), _decode(e["kwargs"]),
-                          e.get("filename"), e.get("lineno"), e.get("line", ""))
+                          e.get("filename"), e.get("lineno"), e.get("line", ""),
+                          cell_named(e.get("where", "")))
             for e in entries]
 
 

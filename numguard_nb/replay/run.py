@@ -290,6 +290,7 @@ def _run_chain(chain: list, device: torch.device, upcast: bool) -> ReplayResult:
     if function is not None:  # a torch function: the line that called it is the real one
         location = Location.of(function.filename, function.lineno, "", CALL_SITE,
                                line=function.source_line)
+        location.named = function.named
     elif exception is not None:
         location = error_location(exception) or with_source_line(failed.call_site)
     return ReplayResult(
