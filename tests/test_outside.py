@@ -846,11 +846,13 @@ def test_a_gradient_penalty_before_the_loss_leaves_the_mask_to_the_loss(mode, re
     torch.manual_seed(0)
     critic = MaskedCritic()
     x = torch.randn(5, 4, requires_grad=True)
-    with pytest.raises(NonFiniteError, match=r"^MaskedCritic produced .* the -inf reaches"):
+    with pytest.raises(NonFiniteError, match=r"^MaskedCritic produced .* the -inf reaches") as caught:
         with Guard(critic, mode=mode):
             out = critic(x)
             grad, = torch.autograd.grad(out[:, :2].sum(), x, create_graph=True)
-            (out.mean() + (grad.norm(dim=1) - 1).pow(2).mean()).backward()
+            real = critic(torch.randn(5, 4))[:, :2]  # the critic again, between penalty and loss
+            (out.mean() + real.mean() + (grad.norm(dim=1) - 1).pow(2).mean()).backward()
+    assert caught.value.report.first_nonfinite.call_index == 0  # the call whose mask reached it
     with Guard(critic, mode=mode) as guard:  # a loss that leaves the masked scores out
         out = critic(x)
         grad, = torch.autograd.grad(out[:, :2].sum(), x, create_graph=True)

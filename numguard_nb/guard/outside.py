@@ -327,24 +327,24 @@ class OutsideWatch(BackwardWatch):
         return self.guard.threads.state.batch_number
 
     def settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False,
-               before_the_loss: bool = False, judged_finite: bool = False):
+               before_the_loss: bool = False):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet: its first culprit is held (`state.held`) and judged where it can do harm,
         by the loss of the backward (`loss`: what it starts from; `_judge`). The next function
         starts a new region. Under a sentinel on a GPU the region gives one value on the device
         instead, read when it is there (`_late_region`). `before_the_loss`: `loss` is
         `torch.autograd.grad`'s outputs (a gradient penalty), whose finite values leave what is
-        held to the loss that follows (`judged_finite`: no loss came, the penalty's judged)."""
+        held to the loss that follows."""
         pass_, state.pass_ = state.pass_, None
         if pass_ is not None and self.attached:
             if not final and self._read_later(pass_, partial(self._late_region, pass_, loss)):
-                return self._judge(state, loss, raising, final, before_the_loss, judged_finite)
+                return self._judge(state, loss, raising, final, before_the_loss)
             culprit = self._first_culprit(pass_, look=state.held is None)
             if culprit is not None:
                 state.held = _HeldCulprit(self, pass_, *culprit)
             if state.held is None or state.held.pass_ is not pass_:
                 pass_.release()
-        return self._judge(state, loss, raising, final, before_the_loss, judged_finite)
+        return self._judge(state, loss, raising, final, before_the_loss)
 
     def _first_culprit(self, pass_: PassRecord, look: bool = True):
         """Read the region back and learn which calls gave finite values; with `look`, its first
@@ -373,23 +373,21 @@ class OutsideWatch(BackwardWatch):
         pass_.release()
 
     def _judge(self, state: ThreadState, loss, raising: bool, final: bool,
-               before_the_loss: bool = False, judged_finite: bool = False):
+               before_the_loss: bool = False):
         """The held culprits, judged by the loss: a finite one makes them notes (the code
         discarded the value: `where`, a mask); else the first the code after a call made is
         raised (or, without `raising`, returned), before a model's -inf mask. With no backward
         yet they wait for one, until `final` (detach, an optimizer step): the code's culprit is
         raised then, a mask (illegal actions while acting) is a note."""
         held, mask = state.held, state.held_mask
-        if (held is None and mask is None) or (loss is None and not (final or judged_finite)):
+        if (held is None and mask is None) or (loss is None and not final):
             return None
         if before_the_loss and loss is not None and _contained(loss):
-            state.penalty_judged = True
             return None  # (a penalty's finite gradients: the loss after it judges them)
-        state.penalty_judged = False
         state.held = state.held_mask = None
         state.calls_held = 0
         owners = [item for item in (held, mask) if item is not None and item.alive() is not None]
-        if judged_finite or (loss is not None and _contained(loss)) or (loss is None and (
+        if (loss is not None and _contained(loss)) or (loss is None and (
                 held not in owners or dropped_after(held.pass_, held.call))):
             for item in owners:
                 self._note_held(item)

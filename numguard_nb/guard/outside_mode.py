@@ -85,9 +85,6 @@ class ThreadState(threading.local):
         self.held = None
         self.held_mask = None
         self.calls_held = 0  # model calls since they were held, with no backward
-        # a gradient penalty's finite outputs judged them: the loss after it does, or else they
-        # are notes once the next model call starts
-        self.penalty_judged = False
 
     @property
     def owner(self) -> Optional[object]:
@@ -130,10 +127,13 @@ class OutsideMode(TorchFunctionMode):
             return watch.run_backward(state, func, args, kwargs)
         if func is _AUTOGRAD_GRAD:  # its outputs judge what is held, as a loss does
             loss = args[0] if args else kwargs.get("outputs")
+            # with create_graph, a gradient penalty's: a loss comes after it (else its gradients
+            # are the step's own, a hand-made update's)
+            penalty = bool(kwargs.get("create_graph", args[4] if len(args) > 4 else False))
             if state.held is not None or state.held_mask is not None:
-                watch.settle(state, loss=loss, before_the_loss=True)
+                watch.settle(state, loss=loss, before_the_loss=penalty)
             if watch.judge_loss is not None and watch.watching():
-                watch.judge_loss(loss, before_the_loss=True)  # (a sentinel on a device)
+                watch.judge_loss(loss, before_the_loss=penalty)  # (a sentinel on a device)
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
@@ -232,9 +232,6 @@ def leave_region(final: bool = False) -> None:
     state = thread_state
     checking, owner = state.active, state.owner
     withdraw(state)
-    if state.penalty_judged and owner is not None:  # (no loss came after the penalty)
-        state.penalty_judged = False
-        owner.settle(state, judged_finite=True)
     if state.held is not None or state.held_mask is not None:
         state.calls_held += 1
         final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
