@@ -59,7 +59,7 @@ def _settle(flags, guard) -> None:
     """Raise the forward detection held, or a report of what another rank made."""
     ranks = flags.take_fresh()  # (this step's flags consumed either way)
     if ranks is None and flags.held is not None:  # a no_sync micro-step: nothing was reduced
-        if flags.forward_problem is False:  # a backward's own: said as this rank's gradients'
+        if flags.forward_problem is not True:  # (a backward's own: as this rank's gradients)
             flags.local = torch.ones((), dtype=torch.bool)
         return  # it rides on the next reduction: every rank stops there
     held = flags.take_held()
