@@ -977,11 +977,11 @@ def test_submodules_replaced_while_attached_are_let_go_and_the_new_ones_watched(
     replaced = []
     with Guard(model, **options):
         for _ in range(5):  # a new head per fold, in one attached session
-            replaced.append(weakref.ref(model[2]))
+            replaced += [weakref.ref(model[2]), weakref.ref(model[2].weight)]
             model[2] = nn.Linear(4, 1)
             model(torch.randn(2, 4)).sum().backward()
         gc.collect()
-        assert all(head() is None for head in replaced)
+        assert all(gone() is None for gone in replaced)  # heads and their weights
         with torch.no_grad():
             model[2].weight.fill_(float("inf"))
         with pytest.raises(NonFiniteError, match=r"^the weights of 2 \(Linear\)"):

@@ -19,8 +19,8 @@ from .._schema import (
     BUFFER, CAUSE_BACKWARD, CAUSE_BACKWARD_INLINE, CAUSE_DATA, CAUSE_FORWARD, CAUSE_FORWARD_INLINE,
     CAUSE_LOSS_GRADIENT, CAUSE_OUTSIDE, CAUSE_UNATTRIBUTED, CAUSE_WEIGHTS, DETECTION, FORWARD,
     GRAD_OUTPUT, INPUT, MASK_REACHED_LOSS, ORIGIN_BEFORE_ATTACH, ORIGIN_OPTIMIZER_STEP,
-    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM, PROBLEM_NEGINF, STAGE_EVALUATION,
-    TRACE, VALUE_UNSUPPORTED,
+    ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH, ORIGIN_SINCE_FORWARD, OUTPUT, PARAM,
+    PROBLEM_NEGINF, STAGE_EVALUATION, TRACE, VALUE_UNSUPPORTED,
 )
 from .._util import compiled_original, dtype_name
 from ..errors import NonFiniteError
@@ -328,13 +328,18 @@ def _outside_reason(frame: Frame, what: str) -> str:
 def unwatched_note(frames) -> str:
     """What a report with no culprit must say instead of an all-clear when some of its values had
     no numbers to read ('' when every value was read)."""
-    unread = sum(row.kind == VALUE_UNSUPPORTED for frame in frames for row in frame.rows)
+    unread = _unread(frames)
     if not unread:
         return ""
     values = "value was" if unread == 1 else "values were"
     return (f"{unread} {values} not watched: their numbers could not be read (tensors inside "
             "torch.func transforms such as vmap and grad, the fake or meta tensors of "
             "torch.export and tracing, quantized tensors), so an inf/nan in them goes unreported")
+
+
+def _unread(frames) -> int:
+    """How many values of `frames` had no numbers to read (VALUE_UNSUPPORTED)."""
+    return sum(row.kind == VALUE_UNSUPPORTED for frame in frames for row in frame.rows)
 
 
 def make_report(frames, culprit, kind, reason, cause, batch_number, options) -> Report:
@@ -403,7 +408,7 @@ def detection_report(pass_: PassRecord, phase: str, call: CallRecord, bad_slots,
     evidence = next((f for f in led_up_frames if f.flagged_rows), None)
     reason = reason_sentence(cause, culprit, options, evidence,
                              mask_source(pass_, call, cause, options), origin)
-    unread = sum(row.kind == VALUE_UNSUPPORTED for frame in frames for row in frame.rows)
+    unread = _unread(frames)
     if unread and cause != CAUSE_DATA:  # (what it received may have come from them)
         reason += (f"; but {unread} value{'s' if unread > 1 else ''} of the calls before could "
                    f"not be read (inside a torch.func transform such as vmap, fake or quantized "

@@ -363,7 +363,8 @@ class ModuleHooks:
         # id(parameter) -> (it, weakly; its module's id, name, class; its name) of the parameters
         # frozen when hooked: hooked once they train (gradual unfreezing)
         self.frozen: Dict[int, tuple] = {}
-        # ids of parameters replaced while hooked: let go at the next pass unless still held
+        # ids of parameters replaced (or of modules let go) while hooked: their gradients' hooks
+        # go at the next pass, unless a module still holds them
         self.replaced: set = set()
         # While hooked: (the guard, weakly; watch_backward), for a submodule assigned to a hooked
         # module (a new head, a swapped activation): hooked as it is registered (a global hook).
@@ -408,10 +409,11 @@ class ModuleHooks:
         for module_id in set(self.modules) - before:
             copies.install(self.modules[module_id], self.hook_ids[module_id])
 
-    def _let_go(self, reachable: dict) -> None:
-        """Unhook the modules no longer in the models (a submodule replaced while attached), and
-        the gradients of their parameters no module left holds: nothing kept alive for them."""
-        gone = [module_id for module_id in self.modules if module_id not in reachable]
+    def _let_go(self, reachable: set) -> None:
+        """Unhook the modules no longer in the models (a submodule replaced while attached); the
+        gradients of their parameters are let go at the next pass, as a replaced parameter's
+        (`rehook_changed`), unless a module still holds them: nothing kept alive for them."""
+        gone = {module_id for module_id in self.modules if module_id not in reachable}
         if not gone:
             return
         ids = set()
@@ -424,11 +426,7 @@ class ModuleHooks:
         for handle in [h for h in self.handles if h.id in ids]:
             handle.remove()
             self.handles.remove(handle)
-        held = {id(p) for m in reachable.values() for p in m._parameters.values()}
-        for key in [key for key, hook in self.param_hooks.items() if key not in held]:
-            hook = self.param_hooks.pop(key)
-            if hook.handle is not None:
-                hook.handle.remove()
+        self.replaced.update(key for key, hook in self.param_hooks.items() if hook.module_id in gone)
 
     def new_parameter(self, module: nn.Module, pname: str, param) -> None:
         """A parameter set on a hooked module (`layer.weight = nn.Parameter(...)`,
@@ -594,14 +592,14 @@ class ModuleHooks:
         self.subclass_params = False
 
 
-def _reachable(models: dict, parent: nn.Module, child_name: str, child) -> dict:
-    """id -> module, of the modules of `models` once `child` is set as `parent`'s `child_name`."""
-    seen, stack = {}, list(models.values())
+def _reachable(models: dict, parent: nn.Module, child_name: str, child) -> set:
+    """The ids of the modules of `models` once `child` is set as `parent`'s `child_name`."""
+    seen, stack = set(), list(models.values())
     while stack:
         module = stack.pop()
         if id(module) in seen:
             continue
-        seen[id(module)] = module
+        seen.add(id(module))
         for name, sub in module._modules.items():
             sub = child if module is parent and name == child_name else sub
             if isinstance(sub, nn.Module):
