@@ -119,7 +119,7 @@ class Facts:
 
     @property
     def predicted(self) -> bool:
-        return not self.nan and not self.inf and any(r.predicted_overflow for r in self.flagged)
+        return self.frame.predicted
 
     @property
     def found(self) -> str:
