@@ -600,7 +600,7 @@ class NumguardMagics(Magics):
             return run, _CellOutcome(error=error)
         return run, _CellOutcome(value=value)
 
-    def _replay_after_error(self, run: Optional[GuardedRun], error: Optional[BaseException]) -> None:
+    def _replay_after_error(self, run: Optional[GuardedRun], error) -> None:
         """A CUDA error in a cell whose run captures: the captured call replayed on CPU."""
         if error is None or run is None or run.guard.capture is None or not _is_device_error(error):
             return

@@ -93,11 +93,10 @@ def raise_on_token_range(model: nn.Module, samples: list, batch: Any) -> None:
              for value in numeric_leaves(item[key])]
     found = [v.reshape(-1).long() for v in found if not v.is_floating_point() and v.numel()]
     if isinstance(embedding, nn.Embedding) and found:
-        highest = int(numerics.read(torch.cat(found).max()))
-        if highest >= embedding.num_embeddings:
+        highest, rows = int(numerics.read(torch.cat(found).max())), embedding.num_embeddings
+        if highest >= rows:
             raise StepFailed(f"input_ids go up to {highest} but the model's input embedding has "
-                             f"{embedding.num_embeddings} rows (ids 0..{embedding.num_embeddings - 1})",
-                             RESIZE)
+                             f"{rows} rows (ids 0..{rows - 1})", RESIZE)
     head = table("get_output_embeddings")
     if isinstance(head, nn.Linear) and classifier_size(model) is None:
         raise_on_label_range(label_values(samples, batch, "keyword"), head.out_features,

@@ -426,7 +426,8 @@ class ModuleHooks:
         for handle in [h for h in self.handles if h.id in ids]:
             handle.remove()
             self.handles.remove(handle)
-        self.replaced.update(key for key, hook in self.param_hooks.items() if hook.module_id in gone)
+        self.replaced.update(key for key, hook in self.param_hooks.items()
+                             if hook.module_id in gone)
 
     def new_parameter(self, module: nn.Module, pname: str, param) -> None:
         """A parameter set on a hooked module (`layer.weight = nn.Parameter(...)`,

@@ -391,8 +391,9 @@ def rerun_step_together(guard, calls, backward: bool, ranks) -> Optional[Report]
     kept_grads, flagging = [p.grad for p in parameters], ranks.active
     with rerun.Kept(models.values()), _modes_as_called(calls):
         sentinel_buffers.set_back(calls)
-        full = full_guard(guard, models, batch, calls, ops=False, sync=False, trace_batches=(batch,),
-                          on_trace=None, on_detect=None, history_every=None, scaler=None)
+        full = full_guard(guard, models, batch, calls, ops=False, sync=False,
+                          trace_batches=(batch,), on_trace=None, on_detect=None,
+                          history_every=None, scaler=None)
         full.rerun_task = graph_task_id()
         try:
             ranks.active = False

@@ -463,7 +463,8 @@ def header_html(report) -> str:
             f"({esc(culprit.module_class)})</div>"
         )
         if culprit.op:
-            parts.append(f'<div class="ng-op">{esc(culprit.op_words)}: <code>{esc(culprit.op)}</code></div>')
+            parts.append(f'<div class="ng-op">{esc(culprit.op_words)}: '
+                         f'<code>{esc(culprit.op)}</code></div>')
         if culprit.source:
             parts.append(f'<div class="ng-source">called from: <code>{esc(culprit.source)}</code></div>')
     parts.append(chart_svg(report))

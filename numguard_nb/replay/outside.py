@@ -65,8 +65,8 @@ class OutsideRecord:
 
     __slots__ = ("name", "attribute", "args", "kwargs", "filename", "lineno", "line", "named")
 
-    def __init__(self, name: str, attribute: bool, args, kwargs, filename=None, lineno=None, line="",
-                 named: str = ""):
+    def __init__(self, name: str, attribute: bool, args, kwargs, filename=None, lineno=None,
+                 line="", named: str = ""):
         self.name = name
         self.attribute = attribute
         self.args = args
