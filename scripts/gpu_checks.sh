@@ -3,19 +3,25 @@
 #   bash scripts/gpu_checks.sh [OUT_DIR]
 # Writes checks.txt (the device, the cuda tests, host syncs, the replay, row cost, DDP), overhead.md,
 # attribution.md, memory.txt and profile.txt into OUT_DIR (default $OUT or .): few files, as a
-# lent machine sends back at most 8. The profile comes last, so a run cut short keeps the rest.
+# lent machine sends back at most 8. The overhead table comes first (the figures README carries),
+# then the cuda tests; parts that would start past ${GPU_CHECKS_BUDGET_S:-540} s are skipped, so a
+# run under a 600 s limit ends by itself with every file whole.
 set -u
 out=${1:-${OUT:-.}}
 mkdir -p "$out"
 section() { echo "== $*" | tee -a "$out/checks.txt"; }
+budget=${GPU_CHECKS_BUDGET_S:-540}
+in_time() { if (( SECONDS + $1 > budget )); then echo "== skipped ($SECONDS s gone): $2" | tee -a "$out/checks.txt"; return 1; fi; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi -L | tee -a "$out/checks.txt"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/checks.txt"
 
+section "overhead of a training step (bf16 autocast, fused AdamW), each detector in pairs with the unguarded model"
+timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
 section "cuda tests"
-timeout 240 python -m pytest -q -p no:cacheprovider -m cuda -ra \
+timeout 180 python -m pytest -q -p no:cacheprovider -m cuda -ra \
   tests/test_sentinel_deferred.py tests/test_guard.py tests/test_replay.py tests/test_distcheck.py \
-  tests/test_stats.py tests/test_reliability_hooks.py \
+  tests/test_stats.py tests/test_reliability_hooks.py tests/test_sentinel_buffers.py \
   2>&1 | tail -25 | tee -a "$out/checks.txt"
 
 section "host syncs per training step, a loss outside the model"
@@ -66,31 +72,29 @@ except Exception as error:
     print(repr(outcome)[:1500])
 PY
 
-section "host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
-timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee -a "$out/checks.txt"
-section "overhead of a training step (bf16 autocast, fused AdamW), each detector in pairs with the unguarded model"
-timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
 section "where the time goes: variants with a part switched off, in pairs"
-{ timeout 90 python benchmarks/attribute.py --device cuda --model stack194 --steps 40 \
-    --variants sentinel,sentinel-nested-hooked,sentinel-no-flags
-  timeout 60 python benchmarks/attribute.py --device cuda --model stack194 --steps 20 \
-    --variants full,full-abs-min
-  timeout 150 python benchmarks/attribute.py --device cuda --model gpt2-124m --steps 20 \
-    --variants full,full-abs-min,full-no-statistics,full-forward-only
+{ in_time 90 "attribution, stack194 sentinel" && timeout 90 python benchmarks/attribute.py \
+    --device cuda --model stack194 --steps 40 --variants sentinel,sentinel-nested-hooked,sentinel-no-flags
+  in_time 60 "attribution, stack194 full" && timeout 60 python benchmarks/attribute.py \
+    --device cuda --model stack194 --steps 20 --variants full,full-abs-min
+  in_time 150 "attribution, GPT-2 full" && timeout 150 python benchmarks/attribute.py \
+    --device cuda --model gpt2-124m --steps 20 --variants full,full-abs-min,full-no-statistics,full-forward-only
 } 2>&1 | tee "$out/attribution.md"
 
-section "DDP over nccl, one process"
-timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee -a "$out/checks.txt"
-section "distcheck: nccl, one process per GPU"
-timeout 60 python -m torch.distributed.run --nproc_per_node 1 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/checks.txt"
+in_time 60 "row cost" && { section "host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
+  timeout 60 python benchmarks/row_cost.py --device cuda 2>&1 | tee -a "$out/checks.txt"; }
+in_time 90 "DDP over nccl" && { section "DDP over nccl, one process"; timeout 90 python benchmarks/ddp_overhead.py --backend nccl --nproc 1 --steps 20 2>&1 | tail -3 | tee -a "$out/checks.txt"; }
+in_time 60 "distcheck over nccl" && { section "distcheck: nccl, one process per GPU"; timeout 60 python -m torch.distributed.run --nproc_per_node 1 -m numguard_nb.distcheck --backend nccl 2>&1 | grep -v "^\s*$" | head -8 | tee -a "$out/checks.txt"; }
 
-bash scripts/gpu_memory.sh "$out"
+in_time 150 "peak memory" && bash scripts/gpu_memory.sh "$out"
 
 echo "== where a step's time goes on the GPU (cProfile, torch.profiler, the device's idle gaps)"
 for spec in "stack194 sentinel" "gpt2-124m full"; do
   set -- $spec
+  in_time 100 "profile $1 $2" || continue
   echo "=== $1 $2" >> "$out/profile.txt"
   timeout 100 python benchmarks/profile_step.py --model "$1" --config "$2" --device cuda --steps 6 --top 15 \
     2>&1 | grep -v "^USDT\|^STAGE" >> "$out/profile.txt"
 done
-grep -A2 "^===\|device timeline" "$out/profile.txt"
+[ -f "$out/profile.txt" ] && grep -A2 "^===\|device timeline" "$out/profile.txt"
+echo "== done in $SECONDS s" | tee -a "$out/checks.txt"
