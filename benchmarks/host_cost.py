@@ -5,8 +5,8 @@ and the garbage collector's share of it.
 
 On a GPU the statistics of full mode are kernels whose launch costs host time, and a training
 step of a model of many small modules waits on the host. This script measures that host time on
-CPU: models of realistic depth made small (GPT-2's 12 layers at width 64 and 8 tokens; the
-48 x [Linear, GELU, LayerNorm] stack at width 16), bf16 autocast, AdamW, with the GPU's path run on
+CPU: models of realistic depth made small (GPT-2's and a Llama-style model's 12 layers at width
+64 and 8 tokens; the 48 x [Linear, GELU, LayerNorm] stack at width 16), bf16 autocast, AdamW, with the GPU's path run on
 the host (device rows stacked and read once per pass, the sentinel's flags read later). Each
 configuration is attached once to its own copy; steps are interleaved; the figure is the median
 of per-step differences to the unguarded step of the same round, in ms and per module call.
@@ -44,6 +44,18 @@ def build_gpt2_small():
     return model, lambda m: m(input_ids=ids, labels=ids).loss
 
 
+def build_llama_small():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
 class SmallStack(nn.Module):
     """48 x [Linear 16, GELU, LayerNorm]: the 194-module stack of overhead.py, made small."""
 
@@ -63,7 +75,8 @@ def build_stack_small():
     return SmallStack(), lambda m: m(x)
 
 
-BUILDERS = {"gpt2-small": build_gpt2_small, "stack194-small": build_stack_small}
+BUILDERS = {"gpt2-small": build_gpt2_small, "llama-small": build_llama_small,
+            "stack194-small": build_stack_small}
 CONFIGS = {"full": {}, "full fwd only": {"backward": False}, "sentinel": {"mode": "sentinel"}}
 
 
