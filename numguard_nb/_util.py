@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import threading
+import types
 from typing import Optional
 
 import torch
@@ -101,6 +102,65 @@ def user_frame():
             return frame
         frame = frame.f_back
     return None
+
+
+def caller_at_user_line():
+    """A function `call(func, args, kwargs)` whose frame stands at the user's line that is
+    running (in its file, with its globals). The warnings torch raises inside a call made through
+    it (a C++ `TORCH_WARN`, or `warnings.warn(..., stacklevel=2)` in `torch.nn.functional`) then
+    name the user's line, and are shown once per that line, as without the guard, not the line of
+    the guard's watch that made the call; a traceback through it shows the user's line (IPython
+    and pytest leave it out). Where no user frame is found, a plain caller."""
+    frame = user_frame()
+    if frame is None:
+        return _PLAIN_CALLER
+    key = (frame.f_code.co_filename, frame.f_lineno, id(frame.f_globals))
+    caller = _CALLERS.get(key)
+    if caller is None:
+        if len(_CALLERS) >= _MAX_CALLERS:
+            _CALLERS.clear()
+        caller = _CALLERS[key] = _caller_at(frame)
+    return caller
+
+
+# A one-line function whose lines move to the user's (`co_firstlineno`); IPython and pytest
+# leave its frame out of tracebacks.
+def _without_columns(code):
+    """`code` with its lines but no columns (Python 3.11's location table, each entry "no
+    column"): a traceback then marks no part of the user's line, whose columns are not its own."""
+    if not hasattr(code, "co_positions"):
+        return code  # (before 3.11: lines only)
+    try:
+        table, left = bytearray(), len(code.co_code) // 2
+        while left:
+            units = min(8, left)
+            table += bytes((0x80 | 13 << 3 | units - 1, 0))  # code 13: no column, line + 0
+            left -= units
+        moved = code.replace(co_linetable=bytes(table))
+        lines = {line for line, *_ in moved.co_positions()}
+        return moved if lines == {code.co_firstlineno} else code
+    except Exception:  # (a table format this code does not know: columns are only cosmetic)
+        return code
+
+
+_CALLER_CODE = _without_columns(compile(
+    "def call(func, args, kwargs): __tracebackhide__ = True; return func(*args, **kwargs)",
+    "<numguard>", "exec").co_consts[0])
+_PLAIN_CALLER = types.FunctionType(_CALLER_CODE, {})
+_CALLERS: dict = {}  # (file, line, id(globals)) -> a caller standing there
+_MAX_CALLERS = 256
+
+
+def _caller_at(frame):
+    """A function whose one line is `frame`'s line, in its file, run with its globals (which it
+    holds: their id, in `_CALLERS`' key, cannot be reused while it is kept)."""
+    code = frame.f_code
+    names = {"co_name": code.co_name}
+    if hasattr(code, "co_qualname"):  # (Python 3.11 and later)
+        names["co_qualname"] = code.co_qualname
+    moved = _CALLER_CODE.replace(co_filename=code.co_filename, co_firstlineno=frame.f_lineno or 1,
+                                 **names)
+    return types.FunctionType(moved, frame.f_globals)
 
 
 def cell_name(filename: Optional[str]) -> Optional[str]:

@@ -877,3 +877,32 @@ def test_a_loop_of_autograd_grad_updates_names_the_step_whose_loss_broke(mode):
                 for p, g in zip(params, grads):
                     p -= 0.01 * g
     assert caught.value.report.batch_number == 3, caught.value.report.reason
+
+
+def _loss_code_warnings(mode, guarded: bool) -> list:
+    """(file, line, words) of each torch warning shown while a loop's loss code runs, under the
+    "default" action (once per line), with or without the guard."""
+    import contextlib
+    import warnings
+
+    model = mlp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with Guard(model, mode=mode) if guarded else contextlib.nullcontext():
+            for _ in range(3):
+                out = model(torch.randn(8, 4))
+                loss = F.mse_loss(out, torch.randn(8))  # a target of another size: torch warns
+                other = F.mse_loss(out, torch.randn(8))  # the same warning, from another line
+                _ = out.grad  # a non-leaf's .grad: a warning from torch's C++
+                (loss + other).backward()
+    return [(w.filename, w.lineno, str(w.message)[:30]) for w in caught
+            if not str(w.message).startswith("numguard")]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_torch_warnings_in_the_loss_code_name_the_users_line_as_without_the_guard(mode):
+    # The watch calls each torch function for the user: a warning raised inside then named the
+    # watch's own line (guard/outside.py) and, shown once per that line, hid the second line's.
+    unguarded = _loss_code_warnings(mode, guarded=False)
+    assert len(unguarded) == 3 and {file for file, *_ in unguarded} == {__file__}, unguarded
+    assert _loss_code_warnings(mode, guarded=True) == unguarded

@@ -28,7 +28,7 @@ import torch
 
 from .. import _tree
 from .._schema import CAUSE_OUTSIDE, FORWARD, INPUT, OUTPUT, OUTSIDE_MODULE
-from .._util import function_name
+from .._util import caller_at_user_line, function_name
 from ..errors import NonFiniteError
 from . import detect, frames
 from .function_mode import push as _push, stack_len as _stack_len
@@ -191,7 +191,7 @@ class OutsideWatch(BackwardWatch):
         self.settle(state, loss=loss)
         if self.judge_loss is not None and loss is not None and self.watching():
             self.judge_loss(loss)  # (a sentinel on a device: a -inf its models gave)
-        return func(*args, **kwargs)
+        return caller_at_user_line()(func, args, kwargs)
 
     def run_function(self, state: ThreadState, func, args, kwargs):
         """Run one torch function and check its floating-point outputs (a function giving none
@@ -200,10 +200,10 @@ class OutsideWatch(BackwardWatch):
         before = None
         if _is_inplace(func) and args and type(args[0]) in _PLAIN and args[0].is_floating_point():
             if not self.watching():
-                return func(*args, **kwargs)
+                return caller_at_user_line()(func, args, kwargs)
             before = self._before_inplace(state, args, kwargs)
         first_node = _next_node_number()  # the nodes it makes are numbered from here
-        out = func(*args, **kwargs)
+        out = caller_at_user_line()(func, args, kwargs)
         if type(out) in _PLAIN:
             if not out.is_floating_point():
                 return out

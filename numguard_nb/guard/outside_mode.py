@@ -20,6 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from .._util import caller_at_user_line
 from .function_mode import handling, leave_when_put_back
 from .function_mode import pop as _pop
 from .function_mode import stack_at as _stack_at, stack_len as _stack_len
@@ -137,8 +138,9 @@ class OutsideMode(TorchFunctionMode):
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
+        # (with a culprit held, a selection is watched: a `where` may drop its values)
         if type(func) is WRAPPER or (func in KEEPS_VALUES and state.held is None):
-            return func(*args, **kwargs)  # (with a culprit held: a `where` may drop its values)
+            return caller_at_user_line()(func, args, kwargs)
         return watch.run_function(state, func, args, kwargs)
 
 
@@ -164,7 +166,7 @@ def _run_recorded(recorder, watch, state, func, args, kwargs):
     __tracebackhide__ = True  # noqa: F841
     record = recorder.before(func, args, kwargs)
     if func in KEEPS_VALUES or type(func) is WRAPPER:
-        out = func(*args, **kwargs)
+        out = caller_at_user_line()(func, args, kwargs)
     else:
         out = watch.run_function(state, func, args, kwargs)
     recorder.after(record, out)
