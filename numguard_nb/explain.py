@@ -150,13 +150,14 @@ def _weights_hint(facts: Facts) -> str:
                 "std). If the model trained before, guard it from its first step to have the "
                 "step that wrote them named.")
     if origin in (ORIGIN_OUTSIDE_FORWARD, ORIGIN_SINCE_ATTACH):
-        before = ("the guard attached" if origin == ORIGIN_SINCE_ATTACH
-                  else "the model's previous forward")
+        before, between = (("the guard attached", "the guard's attach and this forward")
+                           if origin == ORIGIN_SINCE_ATTACH
+                           else ("the model's previous forward", "those two forwards"))
         return (f"{subject}, and no optimizer step ran since {before}, which "
                 "found them finite: code outside the model's forward wrote them, e.g. an in-place "
                 "update under `torch.no_grad()` (a hand-written optimizer, weight clipping, an "
                 "EMA) or `load_state_dict` from a checkpoint holding inf/nan. Check the code that "
-                "runs between those two forwards.")
+                f"runs between {between}.")
     if origin != ORIGIN_OPTIMIZER_STEP or step is None:
         return (f"{subject}: an optimizer step whose update was not finite (a learning rate that "
                 "makes training diverge; in float16, Adam's eps=1e-8, which rounds to 0) or code "

@@ -112,6 +112,12 @@ _OPS_ADVICE = {"%%numguard": "Rerun the cell with `%%numguard --ops` to name the
                "%numguard on": "Turn it on with `%numguard on --ops` to name the op and the line."}
 
 
+def _running_cell(shell) -> str:
+    """The source of the cell running now ('' where the shell does not say)."""
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    return str(getattr(getattr(result, "info", None), "raw_cell", "") or "")
+
+
 def _hidden(shell) -> dict:
     return getattr(shell, "user_ns_hidden", {})  # the shell's own variables
 
@@ -312,6 +318,7 @@ class NumguardMagics(Magics):
                              f"magic %numguard {command} (one %)")
         magic = "%%numguard"
         code, assigned = _compiled(self.shell, cell)  # a SyntaxError is raised before any hook
+        self._session.step_aside()
         waiting_for = _waiting_for(self.shell.user_ns, _hidden(self.shell), args.names, assigned)
         if waiting_for:  # the cell makes its model: guarded from the statement after
             try:  # bad options are refused now, not when a model appears
@@ -368,7 +375,7 @@ class NumguardMagics(Magics):
             self._show(self._session.arm(lambda: self._armed_run(args, magic), waiting_for))
         else:
             run = self._start_run(args, magic, show_first=self._show_session_reports)
-            self._show(self._session.start(run))
+            self._show(self._session.start(run, _running_cell(self.shell)))
         self._listen(True)
 
     def _not_defined_yet(self, names: List[str]) -> str:

@@ -552,15 +552,19 @@ class Session:
         return [] if run.quiet else [f"numguard: guarding {run.describe()} from this cell on, until "
                                      f"%numguard off{run.scaling()}"]
 
-    def start(self, run: GuardedRun) -> ToShow:
-        """Guard every following cell with `run` (in place of the current one, if any)."""
+    def start(self, run: GuardedRun, cell: str = "") -> ToShow:
+        """Guard every following cell with `run` (in place of the current one, if any), and the
+        rest of `cell`, the cell that started it, unless it is a `%%numguard` cell (whose own
+        guard runs it)."""
         self.stop()
         self.run = run
-        self._stepped_aside = False
+        self._stepped_aside = any(line.lstrip().startswith("%%numguard")
+                                  for line in cell.splitlines())
+        attached = [] if self._stepped_aside else run.step().lines
         if run.quiet:
-            return ToShow()
-        return ToShow(lines=[f"numguard: on, guarding {run.describe()} in every cell until %numguard "
-                             f"off{run.scaling()}"])
+            return ToShow(lines=attached)
+        return ToShow(lines=[f"numguard: on, guarding {run.describe()} from here on, in every cell "
+                             f"until %numguard off{run.scaling()}"] + attached)
 
     def stop(self) -> str:
         """Unhook the models; the line that says what was guarded."""
@@ -620,14 +624,20 @@ class Session:
         run = self.run
         if run is None:
             return ToShow()
-        self._stepped_aside = source.lstrip().startswith("%%numguard")
-        if self._stepped_aside:
-            # That cell brings its own guard: two guards on one model would double every hook.
-            run.guard.detach()
+        if source.lstrip().startswith("%%numguard"):
+            self.step_aside()
             return ToShow(lines=started)
+        self._stepped_aside = False
         shown = run.step()
         shown.lines[:0] = started
         return shown
+
+    def step_aside(self) -> None:
+        """For this cell, a `%%numguard` cell (also one inside another cell magic, `%%time`):
+        it brings its own guard, and two guards on one model would double every hook."""
+        if self.run is not None:
+            self._stepped_aside = True
+            self.run.guard.detach()
 
     def after_cell(self, success: bool, error: Optional[BaseException]) -> ToShow:
         """After a cell (post_run_cell): what the guard reported during it, and what the cell

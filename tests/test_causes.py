@@ -163,15 +163,17 @@ def test_weights_non_finite_from_the_start_were_so_when_the_guard_attached():
     report = detection(model, lambda: model(batch()))
     assert report.weights_origin == ORIGIN_BEFORE_ATTACH and report.optimizer_step is None
     assert report.reason.endswith(
-        "are non-finite in batch 0 (bias holds nan), in the guard's first forward of the model: "
-        "they were already non-finite when it attached"), report.reason
+        "are non-finite in batch 0 (bias holds nan): they were already non-finite when the guard "
+        "attached"), report.reason
     assert "checkpoint" in report.hint and "initialisation" in report.hint
     assert "learning rate" not in report.hint
 
 
-def test_weights_a_sentinel_saw_finite_at_attach_and_written_before_its_first_forward():
-    # The sentinel looks at the weights as it attaches: finite then, so not "already non-finite
-    # when it attached" (nor a checkpoint to check), but written since, outside the forward.
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_weights_finite_at_attach_and_written_before_the_first_forward_were_written_since(mode):
+    # The guard looks at the weights as it attaches: finite then, so not "already non-finite
+    # when it attached" (nor a checkpoint to check), but written since, outside the forward
+    # (full mode said "already non-finite when it attached": it did not look).
     model = linear()
 
     def write_then_forward():
@@ -179,7 +181,7 @@ def test_weights_a_sentinel_saw_finite_at_attach_and_written_before_its_first_fo
             model[0].weight[0, 0] = math.nan
         model(batch()).sum().backward()
 
-    report = detection(model, write_then_forward, mode="sentinel")
+    report = detection(model, write_then_forward, mode=mode)
     assert report.weights_origin == ORIGIN_SINCE_ATTACH and report.optimizer_step is None
     assert report.reason.endswith(
         "they changed outside the model's forward since the guard attached, which found them "
@@ -198,11 +200,10 @@ def test_a_step_before_the_guards_first_forward_may_have_written_them():
         model(batch())
 
     report = detection(model, step_then_forward)
-    assert report.weights_origin == ORIGIN_BEFORE_ATTACH
+    assert report.weights_origin == ORIGIN_OPTIMIZER_STEP  # (finite when the guard attached)
     assert report.reason.endswith(
-        "they were already non-finite when it attached, or an optimizer step wrote them since: "
-        "the 1st SGD step since the guard attached, before the first batch the guard saw "
-        "(lr inf)"), report.reason
+        "an optimizer step wrote them: the 1st SGD step since the guard attached, before the "
+        "first batch the guard saw (lr inf)"), report.reason
 
 
 def test_buffers_from_an_earlier_batch_keep_their_own_words():

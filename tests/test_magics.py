@@ -259,7 +259,7 @@ def test_without_names_top_level_modules_and_trainers_are_guarded(ip):
     assert result.success
     assert captured.stdout.strip() == (
         "numguard: on, guarding net (Sequential), loss_fn (MSELoss), trainer (Sequential) "
-        "in every cell until %numguard off"
+        "from here on, in every cell until %numguard off"
     )
     run(ip, "%numguard off")
     # a Trainer named explicitly stands for its model; names keep their prefixes in the report
@@ -549,7 +549,7 @@ def test_a_sentinel_cell_whose_batches_all_ran_with_the_full_hooks_says_what_it_
 def test_on_takes_a_comment_and_names_a_near_miss_it_waits_for(ip):
     result, captured = run(ip, "%numguard on net  # the training loop")
     assert result.success
-    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential) in every cell until %numguard off"
+    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential) from here on, in every cell until %numguard off"
     run(ip, "%numguard off")
     result, captured = run(ip, "%numguard on nett")
     assert result.success
@@ -560,7 +560,7 @@ def test_on_guards_a_loop_split_across_cells_until_off(ip):
     net = ip.user_ns["net"]
     result, captured = run(ip, "%numguard on net")
     assert result.success and len(event_handlers(ip)) == 2
-    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential) in every cell until %numguard off"
+    assert captured.stdout.strip() == "numguard: on, guarding net (Sequential) from here on, in every cell until %numguard off"
     result, captured = run(ip, "for x in xs[:3]:\n    step(net, x)")
     assert result.success and reports_displayed(captured) == []
     _, captured = run(ip, "%numguard status")
@@ -591,10 +591,11 @@ def test_on_guards_a_loop_split_across_cells_until_off(ip):
 def test_on_keeps_guarding_when_the_capture_stops_fitting_in_memory(ip, monkeypatch):
     from numguard_nb import _util
 
-    net = ip.user_ns["net"]
     result, _ = run(ip, "%numguard on --capture net")
     assert result.success
     monkeypatch.setattr(_util, "host_memory_available", lambda: 100)  # net takes 116 bytes
+    assert run(ip, "net = nn.Sequential(*net)")[0].success  # hooked anew from the next cell
+    net = ip.user_ns["net"]
     result, captured = run(ip, "for x in xs:\n    step(net, x)")
     error = result.error_in_exec
     assert isinstance(error, NonFiniteError) and error.report.batch_number == 4

@@ -237,3 +237,27 @@ def test_a_users_error_shows_no_frame_of_the_guard(ip, monkeypatch, guarded):
     text = "\n".join(traceback.lines)
     assert "F.cross_entropy(net(x * 0).float(), torch.tensor([7, 7, 7]))" in text  # the user's line
     assert "numguard_nb" not in text, text
+
+
+def test_numguard_on_guards_the_rest_of_its_own_cell(ip):
+    # A first-hour cell: `%numguard on` then the training code. The rest of the cell ran
+    # unguarded (hooks came with the next cell) and its overflow went by in silence.
+    result, captured = run(ip, "%numguard on net\n" + STEP)
+    assert isinstance(result.error_in_exec, NonFiniteError), captured.stdout
+    assert "guarding net (Sequential) from here on" in captured.stdout
+    ip.run_cell("%numguard off")
+
+
+def test_a_guarded_cell_inside_another_cell_magic_runs_alone_under_numguard_on(ip):
+    # `%%time` then `%%numguard --ops` under `%numguard on`: the session's guard stepped aside
+    # only for cells that begin with %%numguard, so both hooked every module and the session's
+    # caught the overflow, without the cell's options (no op named).
+    assert ip.run_cell("%numguard on net").success
+    hooks = "print('hooks', [len(m._forward_hooks) for m in net.modules()])\n"
+    result, captured = run(ip, "%%time\n%%numguard net --ops\n" + hooks + STEP)
+    assert "hooks [1, 1, 1, 1]" in captured.stdout
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert result.error_in_exec.report.first_nonfinite.op is not None
+    assert "a detection" not in run(ip, "%numguard status")[1].stdout  # not the session's
+    assert ip.run_cell(hooks).success  # the next cell: the session's guard again
+    ip.run_cell("%numguard off")

@@ -179,7 +179,8 @@ def test_the_session_guards_every_cell_until_it_is_stopped(ns):
     assert session.status() == "numguard: off (%numguard on [MODEL ...] guards every following cell)"
     run = GuardedRun(ns, find_models(ns, ["net"]))
     assert session.start(run).lines == [
-        "numguard: on, guarding net (Sequential) in every cell until %numguard off"]
+        "numguard: on, guarding net (Sequential) from here on, in every cell until %numguard off"]
+    assert hook_count(net) > 0  # the rest of the cell that started it is guarded too
     error, _ = run_cell(session, lambda: [step(net, x) for x in xs[:2]])
     assert error is None and hook_count(net) > 0  # hooked from the first cell on
     assert session.status() == "numguard: on, guarding net (Sequential), at batch 1"
@@ -262,9 +263,8 @@ def test_an_interrupted_pass_does_not_leak_into_the_next_cell(ns, monkeypatch):
 
 def test_the_capture_is_dropped_when_it_stops_fitting(ns, monkeypatch):
     session = Session()
-    session.start(GuardedRun(ns, find_models(ns, ["net"]), GuardOptions(capture=True)))
     monkeypatch.setattr(_util, "host_memory_available", lambda: 100)
-    (line,) = session.before_cell("").lines
+    _, line = session.start(GuardedRun(ns, find_models(ns, ["net"]), GuardOptions(capture=True))).lines
     assert line.startswith("numguard: no CPU replay after a CUDA error from now on: capture refused")
     assert session.run.guard.attached and not session.run.guard.capture_enabled
     session.stop()

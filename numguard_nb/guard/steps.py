@@ -204,23 +204,29 @@ class StepWatch:
             # A step that ran before it (after the guard attached) may have written them.
             earlier = [step for step in self._steps if step[STEP_FORWARD] < latest]
             step = self._first_holding(earlier[::-1], params)
-            if step is None and params and self._seen_at_attach(params):  # (finite then)
-                return Origin(ORIGIN_SINCE_ATTACH, None, None)
+            if params and self._seen_at_attach(params):  # finite then: written since
+                if step is None:
+                    return Origin(ORIGIN_SINCE_ATTACH, None, None)
+                step.stale_gradients = self._stale_at_first_step(earlier)
+                return Origin(ORIGIN_OPTIMIZER_STEP, step, None)
             return Origin(ORIGIN_BEFORE_ATTACH, step, None)
         if not params:  # buffers: no optimizer writes them
             return Origin("", None, finite_batch)
         since = [step for step in self._steps if before <= step[STEP_FORWARD] < latest]
         step = self._first_holding(since, params)
         if step is not None:
-            # The first step since attach applied gradients already non-finite (the backward's own
-            # were finite, else it was named; a loop that zeroes them first applied none of them).
-            step.stale_gradients = (bool(self._steps) and self._steps[0] in since
-                                    and self.lost_after < 0
-                                    and self.gradients_were_not_finite(at_first_step=True))
+            step.stale_gradients = self._stale_at_first_step(since)
             return Origin(ORIGIN_OPTIMIZER_STEP, step, finite_batch)
         if self.lost_after >= before:  # steps of that time are not kept: cannot tell
             return Origin("", None, finite_batch)
         return Origin(ORIGIN_OUTSIDE_FORWARD, None, finite_batch)
+
+    def _stale_at_first_step(self, steps: list) -> bool:
+        """Whether `steps` (those that may have written the weights) hold the first step since
+        attach, and it applied gradients already non-finite then (the backward's own were
+        finite, else it was named; a loop that zeroes them first applied none of them)."""
+        return (bool(self._steps) and self._steps[0] in steps and self.lost_after < 0
+                and self.gradients_were_not_finite(at_first_step=True))
 
     def _broken_at_attach(self, params) -> bool:
         """Whether one of `params` held inf or nan when the guard attached (known where the
