@@ -906,3 +906,32 @@ def test_torch_warnings_in_the_loss_code_name_the_users_line_as_without_the_guar
     unguarded = _loss_code_warnings(mode, guarded=False)
     assert len(unguarded) == 3 and {file for file, *_ in unguarded} == {__file__}, unguarded
     assert _loss_code_warnings(mode, guarded=True) == unguarded
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_evaluation_loss_made_nan_is_named_though_a_healthy_training_step_follows(mode, reading):
+    # Made under no_grad, the evaluation's nan is in no graph: the next training step's finite
+    # loss judged it harmless ("discarded") and the nan eval loss went by (a Trainer's eval_loss).
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode=mode):
+        with torch.no_grad():
+            eval_loss = -torch.log(model(torch.randn(4, 4)).sigmoid() - 2).mean()  # kept: nan
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        optimizer.step()
+    report = caught.value.report
+    assert report.first_nonfinite.module_name == OUTSIDE_MODULE
+    assert report.first_nonfinite.op == "aten.log.default" and eval_loss.isnan()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_evaluation_value_the_code_drops_is_a_note_though_a_training_step_follows(mode, reading):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Guard(model, mode=mode) as guard:
+        with torch.no_grad():
+            p = model(torch.randn(4, 4)).sigmoid()
+            entropy = torch.where(p > 0.5, p * torch.log(p - 0.5), torch.zeros_like(p)).sum()
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        optimizer.step()
+    assert guard.detection is None and entropy.isfinite()

@@ -297,6 +297,7 @@ class OutsideWatch(BackwardWatch):
         call = OutsideCall(function_name(func), FORWARD, self._batch(), state.ops)
         state.ops += 1
         call.func, call.received, call.where = func, scalars, user_where()
+        call.in_graph = any(t.grad_fn is not None for t in outputs)
         call.slots = list(slots)
         single = len(outputs) == 1 and type(out) in _PLAIN
         for index, t in enumerate(outputs):
@@ -387,6 +388,8 @@ class OutsideWatch(BackwardWatch):
         state.held = state.held_mask = None
         state.calls_held = 0
         owners = [item for item in (held, mask) if item is not None and item.alive() is not None]
+        if held in owners and not held.call.in_graph:
+            loss = None  # a loss's backward never met its values: dropped or kept, as without one
         if (loss is not None and _contained(loss)) or (loss is None and (
                 held not in owners or dropped_after(held.pass_, held.call))):
             for item in owners:

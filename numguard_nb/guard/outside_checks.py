@@ -44,7 +44,7 @@ class OutsideCall(CallRecord):
     """A torch function run outside the guarded modules (forward), or an autograd node created
     there running in backward: a call record named `<outside>`, with what names it."""
 
-    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op")
+    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op", "in_graph")
 
     def __init__(self, cls: str, phase: str, batch_number: int, index: int):
         super().__init__(0, OUTSIDE_MODULE, cls, phase, batch_number, index, True)
@@ -57,6 +57,9 @@ class OutsideCall(CallRecord):
         self.clean: Optional[bool] = None  # forward: gave nothing non-finite beyond a -inf mask
         self.checked = False  # checked when recorded (its values were on the host)
         self.op: Optional[str] = None  # its ATen op ('SqrtBackward0: aten.sqrt.default'), once named
+        # forward: an output of it is in autograd's graph (a loss's backward can judge it; one
+        # made under no_grad, an evaluation's loss, no loss can)
+        self.in_graph = True
 
 
 def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:
@@ -184,6 +187,12 @@ class BackwardWatch:
 
     def _immediate(self, tensors) -> bool:
         return self.guard.synchronous or all(t.device.type in IMMEDIATE_DEVICES for t in tensors)
+
+    def reads_at_once(self, args) -> bool:
+        """Whether a call given `args` is checked at once (its first tensor on the host), not
+        in a region read later."""
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return first is None or self._immediate((first,))
 
     def _hook_nodes(self, call: OutsideCall, outputs, first_node: int) -> None:
         """Put a post-hook on each autograd node the function created: those reached from its

@@ -138,8 +138,10 @@ class OutsideMode(TorchFunctionMode):
         recorder = watch.recorder
         if recorder is not None and watch.watching():  # capture=True: kept for a CPU replay
             return _run_recorded(recorder, watch, state, func, args, kwargs)
-        # (with a culprit held, a selection is watched: a `where` may drop its values)
-        if type(func) is WRAPPER or (func in KEEPS_VALUES and state.held is None):
+        # (with a culprit held, a selection is watched: a `where` may drop its values; under
+        # no_grad too where a GPU's region is read later: no loss judges what such code made)
+        if type(func) is WRAPPER or (func in KEEPS_VALUES and state.held is None and (
+                torch.is_grad_enabled() or watch.reads_at_once(args))):
             return caller_at_user_line()(func, args, kwargs)
         return watch.run_function(state, func, args, kwargs)
 
@@ -236,7 +238,9 @@ def leave_region(final: bool = False) -> None:
     withdraw(state)
     if state.held is not None or state.held_mask is not None:
         state.calls_held += 1
-        final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
+        # (a culprit whose values are in no graph, an evaluation's loss, no backward judges)
+        final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD or (
+            state.held is not None and not state.held.call.in_graph)
     if owner is not None and (checking or (final and (state.held or state.held_mask))):
         owner.settle(state, final=final)
 
