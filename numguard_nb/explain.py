@@ -178,6 +178,13 @@ def _weights_hint(facts: Facts) -> str:
                 f"to 0 in float16 (its smallest value is {format_number(FLOAT16_SMALLEST)}), so a "
                 "weight with a zero gradient gets 0/0. Keep the weights in float32 and train under "
                 "`torch.autocast` with `torch.amp.GradScaler`, or pass `eps=1e-4`.")
+    if step.cannot_have_made({row.dtype for row in rows}):
+        return (f"{subject}: the optimizer step before it, {step.words}, moves a weight by about "
+                "its learning rate at most from the finite gradients the guard saw, so code run "
+                "after that step wrote them (a callback or hook writing under `torch.no_grad()`, "
+                "weight clipping, an EMA copied back), or its state (`exp_avg_sq`) was loaded "
+                "holding inf/nan. Check the code that runs between `optimizer.step()` and the next "
+                "forward.")
     return (f"{subject}: the optimizer step that wrote them, {step.words}, made a non-finite "
             "update, typically from a learning rate that makes training diverge. Lower the "
             f"learning rate and clip gradients with `{CLIP}` before `optimizer.step()` (under "

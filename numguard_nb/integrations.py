@@ -140,8 +140,11 @@ class _GuardedRun:
     def _on_detect(self, report: Report):
         # The NonFiniteError about to be raised ends the run: leave no hooks behind.
         self.detach()
-        if report.stage:  # (taken when its values were made: a check read later says so too)
-            report.reason = f"during {report.stage}: {report.reason}"
+        during = f"during {report.stage}: "
+        # (taken when its values were made: a check read later says so too; once, should the
+        # report come here twice)
+        if report.stage and not report.reason.startswith(during):
+            report.reason = during + report.reason
         report.hint = report.hint.replace(  # (the engine's words name Guard)
             OPS_ADVICE, f"Pass `{type(self).__name__}(ops=True)` to name the op and the line.")
         user_on_detect = self.options.on_detect

@@ -168,6 +168,15 @@ class OptimizerStep:
     eps: Optional[float] = None  # that group's eps (Adam's and others'), where it has one
     # Its gradients were already non-finite when the guard attached (a .grad never zeroed)
     stale_gradients: bool = False
+    gradients_watched: bool = True  # the guard checked the gradients it applied (backward on)
+
+    def cannot_have_made(self, dtypes) -> bool:
+        """Whether this step cannot have made weights of `dtypes` (names) non-finite from finite
+        gradients and state: an Adam or AdamW step moves a weight by about its learning rate at
+        most (|m| / (sqrt(v) + eps), with eps above 0 and not rounded to 0 in float16)."""
+        return (self.optimizer in ("Adam", "AdamW") and self.eps is not None and self.eps > 0
+                and self.lr is not None and abs(self.lr) < 1e30 and "float16" not in dtypes
+                and self.gradients_watched and not self.stale_gradients)
 
     @property
     def words(self) -> str:

@@ -735,3 +735,44 @@ def test_ops_copies_small_buffers_and_large_ones_only_once_a_forward_wrote_them(
             copied = guard._op_recorder.calls[id(model)][5]
             copied_by_step.append(sorted(name for _, name, _, _ in copied))
     assert copied_by_step == [["small"], ["ema", "small"]]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_weights_written_after_an_adam_step_are_not_blamed_on_it(mode):
+    # A callback wrote nan into a weight after AdamW's step: the report said the step wrote them
+    # and advised a lower learning rate. An Adam step moves a weight by about its learning rate
+    # at most from the finite gradients the guard checked: code after it did.
+    model = linear()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train():
+        for step in range(3):
+            model(batch()).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan  # (an on_step_end of the user's)
+
+    report = detection(model, train, mode=mode)
+    assert report.weights_origin == ORIGIN_OPTIMIZER_STEP
+    assert "cannot have made them from finite gradients: AdamW step 2" in report.reason
+    assert report.reason.endswith("code run after it wrote them"), report.reason
+    assert "between `optimizer.step()` and the next forward" in report.hint
+    assert "learning rate that makes training diverge" not in report.hint
+
+
+def test_without_the_backward_watched_an_adam_step_may_still_have_written_them():
+    model = linear()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train():
+        for step in range(3):
+            model(batch()).sum().backward()
+            if step == 1:
+                model[2].weight.grad[0, 0] = math.nan  # unseen: the backward is not watched
+            optimizer.step()
+            optimizer.zero_grad()
+
+    report = detection(model, train, backward=False)
+    assert "an optimizer step wrote them: AdamW step 2" in report.reason, report.reason

@@ -401,6 +401,48 @@ def test_lightning_a_detection_in_validation_says_so(mode, sanity_check, request
     assert str(raised.value).startswith("net.scale (NanInTraining) produced"), str(raised.value)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel", "sentinel-gpu-path"])
+@pytest.mark.parametrize("sanity_check", [True, False])
+def test_lightning_a_nan_in_validation_steps_own_loss_code_says_its_stage(mode, sanity_check, request):
+    # The loss code's culprit is held, then judged after validation ended: it was raised as a
+    # training batch's ("in batch 1", no stage); once in sentinel mode, with the stage twice.
+    import lightning
+
+    from numguard_nb.integrations import NumguardLightningCallback
+
+    class Lit(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Classifier(blow_up_batch=None)
+
+        def training_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]
+
+        def validation_step(self, batch, batch_index):
+            logits = self.net(**batch)["logits"]
+            if batch_index == 1 and self.trainer.sanity_checking == sanity_check:
+                logits = logits / torch.zeros(())  # a bug in validation only
+            return nn.functional.cross_entropy(logits, batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module, callback = Lit(), NumguardLightningCallback(mode=mode_on_its_path(mode, request))
+    trainer = lightning.Trainer(
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        val_check_interval=2, num_sanity_val_steps=2 if sanity_check else 0)
+    loader = torch.utils.data.DataLoader(samples(), batch_size=4)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.fit(module, loader, loader)
+    stage = ("the sanity check before training, validation batch 1" if sanity_check
+             else "validation batch 1, after training batch 1")
+    assert raised.value.report.stage == stage
+    assert str(raised.value).startswith(f"during {stage}: code outside the guarded modules")
+    assert str(raised.value).count("during ") == 1
+    assert_no_hooks(module)
+
+
 def test_lightning_fit_resumed_from_a_checkpoint_numbers_batches_as_the_run_goes_on(tmp_path):
     import lightning
 

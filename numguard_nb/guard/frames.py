@@ -204,6 +204,9 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
             f"{batch} ({what})")
     kind, step = (origin.kind, origin.step) if origin is not None else ("", None)
     if kind == ORIGIN_OPTIMIZER_STEP:
+        if step.cannot_have_made({row.dtype for row in rows}):
+            return (f"{head}, and they changed since an optimizer step that cannot have made them "
+                    f"from finite gradients: {step.words}; code run after it wrote them")
         stale = (", from gradients whose .grad already held inf/nan when the guard attached"
                  if step.stale_gradients else "")
         return f"{head}, and an optimizer step wrote them: {step.words}{stale}"

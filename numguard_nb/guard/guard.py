@@ -248,7 +248,7 @@ class Guard:
                 self.outside.start()  # the loss is checked as in full mode
                 return self
             try:
-                self.steps.start(self.models, weights=True)
+                self.steps.start(self.models, weights=True, gradients=self.watch_backward)
                 if self.rerun_task == -1:  # (a sentinel's re-run raises on its own rank)
                     self._ranks = RankFlags.attach_any(self.models)  # DDP: which rank made it
                 self.module_hooks.add(self, self.models, self.watch_backward)

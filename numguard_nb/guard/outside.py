@@ -298,6 +298,7 @@ class OutsideWatch(BackwardWatch):
         state.ops += 1
         call.func, call.received, call.where = func, scalars, user_where()
         call.in_graph = any(t.grad_fn is not None for t in outputs)
+        call.stage = frames.stage_now(self.guard)  # (a culprit held is raised later, maybe past it)
         call.slots = list(slots)
         single = len(outputs) == 1 and type(out) in _PLAIN
         for index, t in enumerate(outputs):
@@ -488,6 +489,7 @@ class OutsideWatch(BackwardWatch):
         report = frames.detection_report(
             pass_, call.phase, call, bad, culprit, CAUSE_OUTSIDE, guard.recent.frames(options),
             options, call.batch_number)
+        report.stage = call.stage
         pass_.release()
         error = frames.detection_error(guard, report)
         if raising and hold_until_every_rank_knows(guard, error, call.phase == FORWARD):

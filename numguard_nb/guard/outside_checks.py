@@ -44,7 +44,8 @@ class OutsideCall(CallRecord):
     """A torch function run outside the guarded modules (forward), or an autograd node created
     there running in backward: a call record named `<outside>`, with what names it."""
 
-    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op", "in_graph")
+    __slots__ = ("func", "where", "meta", "received", "pass_", "clean", "checked", "op", "in_graph",
+                 "stage")
 
     def __init__(self, cls: str, phase: str, batch_number: int, index: int):
         super().__init__(0, OUTSIDE_MODULE, cls, phase, batch_number, index, True)
@@ -60,6 +61,7 @@ class OutsideCall(CallRecord):
         # forward: an output of it is in autograd's graph (a loss's backward can judge it; one
         # made under no_grad, an evaluation's loss, no loss can)
         self.in_graph = True
+        self.stage: Optional[str] = None  # forward: what the loop ran then (`Report.stage`)
 
 
 def _received(pass_: PassRecord, call: OutsideCall, category: str) -> set:

@@ -56,7 +56,7 @@ class _LentSteps:
         # latest forward of its batch may be a later call of it)
         self.forwards = forwards or {}
 
-    def start(self, models: dict, weights: bool = False) -> None:
+    def start(self, models: dict, weights: bool = False, gradients: bool = True) -> None:
         """Already watching, for the sentinel."""
 
     def stop(self) -> None:

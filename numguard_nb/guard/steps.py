@@ -96,14 +96,18 @@ class StepWatch:
         # run started again after one that went non-finite may add to a .grad never zeroed.
         self._grads_at_attach: list = []
         self._grads_at_first_step: Optional[list] = None
-        # A sentinel's forwards never look at the weights: their norms at attach, by parameter
-        # id, on their devices (read only at a detection), say which were broken from the start.
+        # The weights' norms at attach, by parameter id, on their devices (read only at a
+        # detection), say which were broken from the start (a sentinel's forwards never look at
+        # the weights; code may write them before full mode's first forward).
         self._weights_at_attach: list = []
+        self.gradients_watched = True  # the guard checks the gradients the steps apply
 
-    def start(self, models: dict, weights: bool = False) -> None:
+    def start(self, models: dict, weights: bool = False, gradients: bool = True) -> None:
         """Start watching steps (on attach) of optimizers of `models`' weights (name -> module):
-        what earlier attaches saw is forgotten."""
+        what earlier attaches saw is forgotten. `weights`: look at them now; `gradients`: the
+        guard checks the gradients the steps apply."""
         self.forwards, self.batch, self.lost_after = 0, None, -1
+        self.gradients_watched = gradients
         self._roots.clear()
         self._steps.clear()
         self._optimizers.clear()
@@ -262,7 +266,9 @@ class StepWatch:
         for step in steps:
             group = _group_holding(step, params)
             if group is not _NOT_HELD:
-                return _described(step, group, len(self._optimizers))
+                described = _described(step, group, len(self._optimizers))
+                described.gradients_watched = self.gradients_watched
+                return described
         return None
 
 
