@@ -154,6 +154,9 @@ def _unreadable(text: str, error: Exception, namespace) -> str:
     if isinstance(error, KeyError) and text.startswith("_numguard_traces[") and isinstance(traced, dict):
         return (f"batch {error.args[0]} was not traced; the traced batches are "
                 f"{', '.join(map(str, sorted(traced))) or 'none'} (--trace B,B)")
+    if isinstance(error, SyntaxError):  # (the parser's own words say nothing here)
+        return (f"cannot read {text}: not a name or an expression; give two reports, such as good "
+                "bad or _numguard_traces[149] _numguard_traces[150]")
     return f"cannot read {text}: {message_line(error)}"
 
 

@@ -573,3 +573,5 @@ def test_a_loss_class_given_for_its_instance_is_a_one_line_error():
         check_pipeline(model, data, loss_fn=nn.CrossEntropyLoss)
     with pytest.raises(TypeError, match="^collate_fn must be callable, got int$"):
         check_pipeline(model, data, collate_fn=3)
+    with pytest.raises(TypeError, match=r"^loss_fn is the model itself: pass the loss function"):
+        check_pipeline(model, data, loss_fn=model)  # (`%numguard_check model dl --loss model`)

@@ -238,6 +238,11 @@ def test_compare_points_at_the_first_module_that_differs(ip):
     result, captured = run(ip, "%numguard compare _numguard_traces[3] _numguard_traces[2]")
     assert usage_error_line(captured).endswith(
         "batch 2 was not traced; the traced batches are 3, 4 (--trace B,B)")
+    result, captured = run(ip, "%numguard compare good net.0")  # (Python reads no `.0`)
+    assert "invalid syntax" not in usage_error_line(captured)
+    assert usage_error_line(captured).endswith(
+        "cannot read net.0: not a name or an expression; give two reports, such as good bad or "
+        "_numguard_traces[149] _numguard_traces[150]")
 
 
 # ---- which models are guarded --------------------------------------------------------------

@@ -40,7 +40,7 @@ OVERFIT_STEPS = 10
 # Both spellings: the doctor's fixes are read in Python and under %numguard_check alike.
 GIVE_LOSS_FN = (
     "check_pipeline(model, data, loss_fn=torch.nn.CrossEntropyLoss()), "
-    "or `criterion = torch.nn.CrossEntropyLoss()` then `%numguard_check model data --loss criterion`"
+    "or `criterion = torch.nn.CrossEntropyLoss()` then `%numguard_check MODEL DATA --loss criterion`"
 )
 
 

@@ -66,6 +66,9 @@ def settings_from_arguments(model, data, collate_fn, loss_fn, optimizer, batch_s
     for name, value in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+    if loss_fn is not None and loss_fn is model:
+        raise TypeError("loss_fn is the model itself: pass the loss function, e.g. "
+                        "loss_fn=torch.nn.CrossEntropyLoss()")
     if isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module):  # (its call makes a module)
         raise TypeError(f"loss_fn is the class {loss_fn.__name__}: pass an instance, "
                         f"loss_fn={loss_fn.__name__}()")
