@@ -123,8 +123,6 @@ def caller_at_user_line():
     return caller
 
 
-# A one-line function whose lines move to the user's (`co_firstlineno`); IPython and pytest
-# leave its frame out of tracebacks.
 def _without_columns(code):
     """`code` with its lines but no columns (Python 3.11's location table, each entry "no
     column"): a traceback then marks no part of the user's line, whose columns are not its own."""
@@ -143,6 +141,8 @@ def _without_columns(code):
         return code
 
 
+# A one-line function whose lines move to the user's (`co_firstlineno`); IPython and pytest
+# leave its frame out of tracebacks.
 _CALLER_CODE = _without_columns(compile(
     "def call(func, args, kwargs): __tracebackhide__ = True; return func(*args, **kwargs)",
     "<numguard>", "exec").co_consts[0])

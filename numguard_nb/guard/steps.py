@@ -234,7 +234,7 @@ class StepWatch:
 
     def _broken_at_attach(self, params) -> bool:
         """Whether one of `params` held inf or nan when the guard attached (known where the
-        weights were looked at then: a sentinel's). A read: for a detection only."""
+        weights were looked at then: `start(weights=True)`). A read: for a detection only."""
         wanted = {id(p) for p in params}
         for ids, norms in self._weights_at_attach:
             positions = [i for i, pid in enumerate(ids) if pid in wanted]
