@@ -151,6 +151,11 @@ _CALLERS: dict = {}  # (file, line, id(globals)) -> a caller standing there
 _MAX_CALLERS = 256
 
 
+def forget_callers() -> None:
+    """Let go of the callers made so far (a watch stopping: each holds its code's globals)."""
+    _CALLERS.clear()
+
+
 def _caller_at(frame):
     """A function whose one line is `frame`'s line, in its file, run with its globals (which it
     holds: their id, in `_CALLERS`' key, cannot be reused while it is kept)."""

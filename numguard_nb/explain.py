@@ -180,11 +180,12 @@ def _weights_hint(facts: Facts) -> str:
                 "`torch.autocast` with `torch.amp.GradScaler`, or pass `eps=1e-4`.")
     if step.cannot_have_made({row.dtype for row in rows}):
         return (f"{subject}: the optimizer step before it, {step.words}, moves a weight by about "
-                "its learning rate at most from the finite gradients the guard saw, so code run "
-                "after that step wrote them (a callback or hook writing under `torch.no_grad()`, "
-                "weight clipping, an EMA copied back), or its state (`exp_avg_sq`) was loaded "
-                "holding inf/nan. Check the code that runs between `optimizer.step()` and the next "
-                "forward.")
+                "its learning rate at most from finite gradients, and the backward's were finite. "
+                "So either code changed the gradients between the backward and the step (a `.grad` "
+                "divided by a count that was 0), or code run after the step wrote the weights (a "
+                "callback or hook writing under `torch.no_grad()`, weight clipping, an EMA copied "
+                "back), or its state (`exp_avg_sq`) was loaded holding inf/nan. Check the code "
+                "around `optimizer.step()`.")
     return (f"{subject}: the optimizer step that wrote them, {step.words}, made a non-finite "
             "update, typically from a learning rate that makes training diverge. Lower the "
             f"learning rate and clip gradients with `{CLIP}` before `optimizer.step()` (under "

@@ -168,7 +168,8 @@ class OptimizerStep:
     eps: Optional[float] = None  # that group's eps (Adam's and others'), where it has one
     # Its gradients were already non-finite when the guard attached (a .grad never zeroed)
     stale_gradients: bool = False
-    gradients_watched: bool = True  # the guard checked the gradients it applied (backward on)
+    # the guard checked the backward's gradients finite (watching it, no inf allowed)
+    gradients_watched: bool = True
 
     def cannot_have_made(self, dtypes) -> bool:
         """Whether this step cannot have made weights of `dtypes` (names) non-finite from finite

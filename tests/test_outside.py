@@ -935,3 +935,31 @@ def test_an_evaluation_value_the_code_drops_is_a_note_though_a_training_step_fol
         model(torch.randn(4, 4)).pow(2).mean().backward()
         optimizer.step()
     assert guard.detection is None and entropy.isfinite()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_target_made_under_no_grad_and_masked_by_the_loss_after_a_model_call_is_a_note(mode, reading):
+    # Mean teacher / self-distillation: log(0) in a no_grad target, masked by `where` in the loss
+    # after the student's call. (Made in no graph, it was judged at that call, before the mask.)
+    model = mlp()
+    with Guard(model, mode=mode) as guard:
+        with torch.no_grad():
+            p = torch.cat([model(torch.randn(4, 4)).sigmoid(), torch.zeros(4, 1)], dim=1)
+            log_p = torch.log(p)  # -inf where p == 0
+        q = torch.cat([model(torch.randn(4, 4)).sigmoid(), torch.full((4, 1), 0.5)], dim=1)
+        kl = torch.where(p > 0, p * (log_p - torch.log(q)), torch.zeros_like(p)).sum()
+        kl.backward()
+    assert guard.detection is None and kl.isfinite()
+
+
+def test_the_watch_lets_go_of_the_code_it_called_from_when_it_detaches():
+    # Each caller standing at a user's line holds that code's globals (a namespace run by exec).
+    model = mlp()
+    namespace = {"torch": torch, "model": model, "big": torch.zeros(1000)}
+    freed = []
+    weakref.finalize(namespace["big"], freed.append, True)
+    with Guard(model):
+        exec("loss = model(torch.randn(2, 4)).sum() + big.sum()\nloss.backward()", namespace)
+    del namespace
+    gc.collect()
+    assert freed == [True]

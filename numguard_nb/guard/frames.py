@@ -206,7 +206,8 @@ def _weights_sentence(where: str, batch: int, rows, what: str, origin) -> str:
     if kind == ORIGIN_OPTIMIZER_STEP:
         if step.cannot_have_made({row.dtype for row in rows}):
             return (f"{head}, and they changed since an optimizer step that cannot have made them "
-                    f"from finite gradients: {step.words}; code run after it wrote them")
+                    f"from the backward's finite gradients: {step.words}; code around it changed "
+                    "the gradients or the weights")
         stale = (", from gradients whose .grad already held inf/nan when the guard attached"
                  if step.stale_gradients else "")
         return f"{head}, and an optimizer step wrote them: {step.words}{stale}"

@@ -248,7 +248,9 @@ class Guard:
                 self.outside.start()  # the loss is checked as in full mode
                 return self
             try:
-                self.steps.start(self.models, weights=True, gradients=self.watch_backward)
+                # (gradients with inf allowed are not all checked finite)
+                self.steps.start(self.models, weights=True,
+                                 gradients=self.watch_backward and not self.options.allow_inf)
                 if self.rerun_task == -1:  # (a sentinel's re-run raises on its own rank)
                     self._ranks = RankFlags.attach_any(self.models)  # DDP: which rank made it
                 self.module_hooks.add(self, self.models, self.watch_backward)

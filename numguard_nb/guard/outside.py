@@ -28,7 +28,7 @@ import torch
 
 from .. import _tree
 from .._schema import CAUSE_OUTSIDE, FORWARD, INPUT, OUTPUT, OUTSIDE_MODULE
-from .._util import caller_at_user_line, function_name
+from .._util import caller_at_user_line, forget_callers, function_name
 from ..errors import NonFiniteError
 from . import detect, frames
 from .function_mode import push as _push, stack_len as _stack_len
@@ -84,11 +84,15 @@ class _HeldCulprit:
     (`detect()`). Its owner (the watch, or the guard) is held weakly: a guard dropped meanwhile
     takes its culprit with it."""
 
-    __slots__ = ("owner", "pass_", "call", "bad", "detect")
+    __slots__ = ("owner", "pass_", "call", "bad", "detect", "dropped_later")
 
     def __init__(self, owner, pass_, call, bad=None, detect=None):
         self.owner, self.pass_, self.call, self.bad = weakref.ref(owner), pass_, call, bad
         self.detect = detect  # (the owner's method name, its arguments): raises the detection
+        # a later region's code dropped non-finite values it was given (a target made under
+        # no_grad, masked by the loss after the next model call): the loss judges it, as one
+        # in the graph
+        self.dropped_later = False
 
     def alive(self):
         return self.owner()
@@ -140,6 +144,7 @@ class OutsideWatch(BackwardWatch):
             if state.owner is self:
                 state.owner, state.pass_ = None, None
             self._unhook_nodes()
+            forget_callers()  # (each holds the globals of the code it stood in)
 
     def raise_found(self, when: bool = True) -> None:
         """Raise what `stop` found (on a `with` block's exit without an exception)."""
@@ -344,6 +349,9 @@ class OutsideWatch(BackwardWatch):
             culprit = self._first_culprit(pass_, look=state.held is None)
             if culprit is not None:
                 state.held = _HeldCulprit(self, pass_, *culprit)
+            elif state.held is not None and state.held.pass_ is not pass_ \
+                    and dropped_after(pass_, None):
+                state.held.dropped_later = True
             if state.held is None or state.held.pass_ is not pass_:
                 pass_.release()
         return self._judge(state, loss, raising, final, before_the_loss)
@@ -389,8 +397,10 @@ class OutsideWatch(BackwardWatch):
         state.held = state.held_mask = None
         state.calls_held = 0
         owners = [item for item in (held, mask) if item is not None and item.alive() is not None]
-        if held in owners and not held.call.in_graph:
-            loss = None  # a loss's backward never met its values: dropped or kept, as without one
+        if held in owners and not held.call.in_graph and not held.dropped_later:
+            # made in no graph (under no_grad: an evaluation's loss) and dropped by no later code:
+            # a loss never met its values; dropped or kept, as without a backward
+            loss = None
         if (loss is not None and _contained(loss)) or (loss is None and (
                 held not in owners or dropped_after(held.pass_, held.call))):
             for item in owners:

@@ -90,13 +90,14 @@ def from_the_mask(pass_: PassRecord, call: OutsideCall, bad) -> bool:
     return all(detect.value_kinds(pass_, slot, None) <= _INF_KINDS for slot in bad)
 
 
-def dropped_after(pass_: PassRecord, call: OutsideCall) -> bool:
+def dropped_after(pass_: PassRecord, call: Optional[OutsideCall]) -> bool:
     """With no loss to judge by (an evaluation or an acting loop under no_grad): whether the code
-    after `call` in its region dropped the non-finite values (a call given some that gave out
-    none: `where`, `masked_fill`, `nan_to_num`) and nothing after that holds any."""
-    dropped = False
+    after `call` in its region (None: all of it, a later region's) dropped the non-finite values
+    (a call given some that gave out none: `where`, `masked_fill`, `nan_to_num`) and nothing after
+    that holds any."""
+    dropped, after = False, call.seq if call is not None else -1
     for later in pass_.calls:
-        if later.seq <= call.seq or getattr(later.func, "__name__", "").endswith("_like"):
+        if later.seq <= after or getattr(later.func, "__name__", "").endswith("_like"):
             continue  # (zeros_like and the like read only the shape: they drop nothing)
         made = any(detect.value_kinds(pass_, slot, None) for slot in later.slots
                    if slot[SLOT_CATEGORY] == OUTPUT)

@@ -238,9 +238,7 @@ def leave_region(final: bool = False) -> None:
     withdraw(state)
     if state.held is not None or state.held_mask is not None:
         state.calls_held += 1
-        # (a culprit whose values are in no graph, an evaluation's loss, no backward judges)
-        final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD or (
-            state.held is not None and not state.held.call.in_graph)
+        final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
     if owner is not None and (checking or (final and (state.held or state.held_mask))):
         owner.settle(state, final=final)
 
