@@ -300,8 +300,10 @@ class BackwardWatch:
         value = numerics.stats_flag(pass_.vectors, pass_.sink)
         if value is None:
             return False
-        # (never sure: the code may discard what it made, or have made a -inf mask)
-        self.deferred.add(value, action, sure=None)
+        # (never sure: the code may discard what it made, or have made a -inf mask). Its rows
+        # go back once read, fine or not: else every step made new blocks of rows (and their
+        # views: a few ms a step on a GPU)
+        self.deferred.add(value, action, finish=pass_.release, sure=None)
         return True
 
     def _raise_backward(self, pass_: PassRecord, call: OutsideCall, bad) -> None:
