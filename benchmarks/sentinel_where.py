@@ -7,7 +7,8 @@ each configuration in pairs with its unguarded twin, in alternating order.
 
 On an NVIDIA H200 (2026-11-27) the loss outside the model cost the sentinel +5 ms a step more than
 inside it (1.34x against 1.09x), with DDP or without: that, not DDP, is what
-`ddp_overhead.py --backend nccl`'s 1.26x measures (its loss is outside the model).
+`ddp_overhead.py --backend nccl`'s 1.26x measures (its loss is outside the model). (The loss
+code's rows were then made anew each step; they are given back since.)
 """
 
 from __future__ import annotations
