@@ -24,17 +24,25 @@ import torch.multiprocessing as mp
 from torch import nn
 
 
-def _model(width: int, depth: int) -> nn.Module:
+def stack_model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
                            for _ in range(depth)])
 
 
-def _step(model, optimizer, x, device) -> float:
+def squared_mean(out: torch.Tensor) -> torch.Tensor:
+    """The loss, computed outside the model: three functions the guard's loss watch checks."""
+    return out.float().pow(2).mean()
+
+
+def timed_step(model, optimizer, x, device, loss_of=squared_mean, autocast=None) -> float:
+    """Seconds of one training step (synchronised on a GPU); `autocast`: bf16 autocast, by
+    default on a GPU only."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss = model(x).float().pow(2).mean()
+    autocast = device.type == "cuda" if autocast is None else autocast
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_of(model(x))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -54,7 +62,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.manual_seed(0)
-        base = _model(args.width, args.depth).to(device)
+        base = stack_model(args.width, args.depth).to(device)
         plain = nn.parallel.DistributedDataParallel(base)
         guarded = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         fused = {"fused": True} if device.type == "cuda" else {}
@@ -64,7 +72,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         times = [[], []]
         for i in range(args.warmup + args.steps):
             for which, model in enumerate((plain, guarded)):
-                elapsed = _step(model, optimizers[which], x, device)
+                elapsed = timed_step(model, optimizers[which], x, device)
                 if i >= args.warmup:
                     times[which].append(elapsed)
         guard.detach()

@@ -18,12 +18,12 @@ import copy
 import datetime
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_overhead import squared_mean, stack_model, timed_step
 from numguard_nb import Guard
 
 
@@ -33,28 +33,7 @@ class LossInside(nn.Module):
         self.body = body
 
     def forward(self, x):
-        return self.body(x).float().pow(2).mean()
-
-
-def stack(width: int, device) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
-                           for _ in range(48)]).to(device)
-
-
-def step(model, optimizer, x, outside: bool, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        out = model(x)
-        loss = out.float().pow(2).mean() if outside else out
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+        return squared_mean(self.body(x))
 
 
 def main() -> None:
@@ -75,7 +54,9 @@ def main() -> None:
     try:
         for ddp in (False, True):
             for outside in (False, True):
-                base = stack(width, device) if outside else LossInside(stack(width, device))
+                torch.manual_seed(0)
+                body = stack_model(width, 48).to(device)
+                base = body if outside else LossInside(body)
                 models = [base, copy.deepcopy(base)]
                 if ddp:
                     models = [nn.parallel.DistributedDataParallel(m) for m in models]
@@ -85,7 +66,9 @@ def main() -> None:
                 times: list = [[], []]
                 for i in range(args.steps + 5):
                     for which in ((0, 1) if i % 2 else (1, 0)):
-                        elapsed = step(models[which], optimizers[which], x, outside, device)
+                        elapsed = timed_step(models[which], optimizers[which], x, device,
+                                             squared_mean if outside else (lambda loss: loss),
+                                             autocast=True)
                         if i >= 5:
                             times[which].append(elapsed)
                 guard.detach()
