@@ -24,6 +24,10 @@ timeout 180 python -m pytest -q -p no:cacheprovider -m cuda -ra \
   tests/test_stats.py tests/test_reliability_hooks.py tests/test_sentinel_buffers.py \
   2>&1 | tail -25 | tee -a "$out/checks.txt"
 
+in_time 60 "the sentinel with the loss in the model or outside it" && {
+  section "the sentinel with the loss in the model or outside it, with and without DDP (one process)"
+  timeout 60 python benchmarks/sentinel_where.py 2>&1 | grep -v Warning | tee -a "$out/checks.txt"; }
+
 section "host syncs per training step, a loss outside the model"
 timeout 120 python - <<'PY' 2>&1 | tee -a "$out/checks.txt"
 import warnings, torch, torch.nn.functional as F
