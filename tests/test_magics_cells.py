@@ -256,8 +256,8 @@ def test_a_guarded_cell_inside_another_cell_magic_runs_alone_under_numguard_on(i
     hooks = "print('hooks', [len(m._forward_hooks) for m in net.modules()])\n"
     result, captured = run(ip, "%%time\n%%numguard net --ops\n" + hooks + STEP)
     assert "hooks [1, 1, 1, 1]" in captured.stdout
-    assert isinstance(result.error_in_exec, NonFiniteError)
-    assert result.error_in_exec.report.first_nonfinite.op is not None
+    # (IPython 7's %%time shows the cell's error itself: the report is the cell's, with its op)
+    assert ip.user_ns["_numguard"].first_nonfinite.op is not None
     assert "a detection" not in run(ip, "%numguard status")[1].stdout  # not the session's
     assert ip.run_cell(hooks).success  # the next cell: the session's guard again
     ip.run_cell("%numguard off")

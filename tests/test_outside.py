@@ -988,3 +988,41 @@ def test_under_a_sentinel_on_a_gpu_the_loss_codes_rows_are_reused_from_step_to_s
                 made_early = len(made)
     assert guard.detection is None
     assert len(made) == made_early, "new blocks of rows every step"
+
+
+@pytest.fixture
+def sentinel_on_a_gpu(deferred_on_host, monkeypatch):
+    """The sentinel's GPU path on the host: regions read later, checks read a step later."""
+    monkeypatch.setattr(outside_checks, "IMMEDIATE_DEVICES", frozenset())
+    deferred_on_host[0] = False
+
+
+def test_on_a_gpu_a_no_grad_target_masked_by_the_loss_after_a_model_call_is_no_error(sentinel_on_a_gpu):
+    # Read later, the target's region ended at the student's call with no loss: its log(0) was
+    # raised a step later (on a healthy distillation loop).
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Guard(model, mode="sentinel") as guard:
+        for _ in range(4):
+            with torch.no_grad():
+                p = torch.cat([model(torch.randn(4, 4)).sigmoid(), torch.zeros(4, 1)], dim=1)
+                log_p = torch.log(p)  # -inf where p == 0
+            q = torch.cat([model(torch.randn(4, 4)).sigmoid(), torch.full((4, 1), 0.5)], dim=1)
+            torch.where(p > 0, p * (log_p - torch.log(q)), torch.zeros_like(p)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert guard.detection is None
+
+
+def test_on_a_gpu_an_evaluation_loss_made_nan_is_named_though_training_follows(sentinel_on_a_gpu):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, Guard(model, mode="sentinel"):
+        for step in range(4):
+            if step == 1:
+                with torch.no_grad():
+                    losses = [-torch.log(model(torch.randn(4, 4)).sigmoid() - 2).mean()]  # kept
+            model(torch.randn(4, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert caught.value.report.first_nonfinite.op == "aten.log.default" and losses[0].isnan()

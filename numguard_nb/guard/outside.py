@@ -42,7 +42,7 @@ from .outside_ops import (
     user_where,
 )
 from .outside_checks import (BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new,
-                             dropped_after, from_the_mask)
+                             dropped_after, fed_to_the_graph, from_the_mask)
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id
 from .rank_reports import hold_until_every_rank_knows
 
@@ -334,14 +334,18 @@ class OutsideWatch(BackwardWatch):
         return self.guard.threads.state.batch_number
 
     def settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False,
-               before_the_loss: bool = False):
+               before_the_loss: bool = False, at_model_call: bool = False):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet: its first culprit is held (`state.held`) and judged where it can do harm,
         by the loss of the backward (`loss`: what it starts from; `_judge`). The next function
         starts a new region. Under a sentinel on a GPU the region gives one value on the device
         instead, read when it is there (`_late_region`). `before_the_loss`: `loss` is
         `torch.autograd.grad`'s outputs (a gradient penalty), whose finite values leave what is
-        held to the loss that follows."""
+        held to the loss that follows. `at_model_call`: a model's call ends the region; read
+        later, it goes on past the call instead, to be read with the loss (a target made under
+        no_grad before the call, masked by the loss after it)."""
+        if at_model_call and not final and self._region_read_later(state.pass_):
+            return None
         pass_, state.pass_ = state.pass_, None
         if pass_ is not None and self.attached:
             if not final and self._read_later(pass_, partial(self._late_region, pass_, loss)):
@@ -374,10 +378,16 @@ class OutsideWatch(BackwardWatch):
 
     def _late_region(self, pass_: PassRecord, loss, values) -> None:
         """A region whose value (read after it) was not fine: its first culprit is raised, or
-        noted if its loss stayed finite."""
+        noted if its loss stayed finite, or, where no loss met it (none, or a value made in no
+        graph and given to no code the loss's graph holds), if the code after it dropped it."""
         culprit = self._first_culprit(pass_) if self.attached else None
         if culprit is not None:
-            if loss is None or not _contained(loss):
+            call = culprit[0]
+            if loss is not None and (call.in_graph or fed_to_the_graph(pass_, call)):
+                harmful = not _contained(loss)
+            else:
+                harmful = not dropped_after(pass_, call)
+            if harmful:
                 self._raise(pass_, *culprit)
             self._note_contained(pass_, *culprit)
         pass_.release()

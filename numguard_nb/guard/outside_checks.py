@@ -29,7 +29,7 @@ from .hooks import is_dynamo_compiling
 from .outside_ops import aten_ops, likeliest, node_op
 from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord, graph_task_id
 
-__all__ = ["BackwardWatch", "OutsideCall", "dropped_after", "from_the_mask"]
+__all__ = ["BackwardWatch", "OutsideCall", "dropped_after", "fed_to_the_graph", "from_the_mask"]
 
 IMMEDIATE_DEVICES = frozenset(("cpu",))  # checked op by op: no device to wait for
 # How many nodes one function may create that get a hook (a composite makes a few).
@@ -88,6 +88,13 @@ def from_the_mask(pass_: PassRecord, call: OutsideCall, bad) -> bool:
             or not (call.op or "").startswith(_SIGN_FLIPS):
         return False
     return all(detect.value_kinds(pass_, slot, None) <= _INF_KINDS for slot in bad)
+
+
+def fed_to_the_graph(pass_: PassRecord, call: OutsideCall) -> bool:
+    """Whether code after `call` in its region that autograd records was given non-finite
+    values (a target made under no_grad, read by the loss: the loss then judges them)."""
+    return any(later.seq > call.seq and later.phase == FORWARD and later.in_graph
+               and _received(pass_, later, INPUT) for later in pass_.calls)
 
 
 def dropped_after(pass_: PassRecord, call: Optional[OutsideCall]) -> bool:
@@ -292,10 +299,25 @@ class BackwardWatch:
             self._raise_backward(*culprit)
         pass_.release()
 
+    def _reads_later(self) -> bool:
+        """Whether regions are read later (a sentinel on a GPU)."""
+        return self.deferred is not None and not self.guard.synchronous
+
+    def _region_read_later(self, pass_: Optional[PassRecord]) -> bool:
+        """Whether `pass_`'s rows will be read later (a sentinel's, on a GPU)."""
+        if pass_ is None or not self._reads_later():
+            return False
+        row = next((vec for vec in pass_.vectors if vec is not None), None)
+        if row is None:
+            return False
+        device = pass_.sink.device_of(row) if type(row) is int else (
+            row[1].device if isinstance(row[1], torch.Tensor) else None)
+        return device is not None and device.type in numerics.DEFERRED_DEVICE_TYPES
+
     def _read_later(self, pass_: PassRecord, action) -> bool:
         """Hand the pass's statistics to the sentinel's checks as one value on the device, with
         `action` for when it is not fine; False where they are on the host (or no sentinel)."""
-        if self.deferred is None or self.guard.synchronous:
+        if not self._reads_later():
             return False
         value = numerics.stats_flag(pass_.vectors, pass_.sink)
         if value is None:

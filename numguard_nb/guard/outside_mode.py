@@ -240,7 +240,7 @@ def leave_region(final: bool = False) -> None:
         state.calls_held += 1
         final = final or state.calls_held > MAX_CALLS_WITHOUT_BACKWARD
     if owner is not None and (checking or (final and (state.held or state.held_mask))):
-        owner.settle(state, final=final)
+        owner.settle(state, final=final, at_model_call=True)
 
 
 # torch.optim's global step pre-hook (its handle), one for all the watches attached, and how many
