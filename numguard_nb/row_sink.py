@@ -62,6 +62,42 @@ class RowSink:
                 torch.set_autocast_enabled(key[0].type, True)
         return rows[0] << _ROW_BITS | row
 
+    def write_many(self, tensors: list) -> list:
+        """Summarise `tensors` (dense, non-empty, floating; any devices and dtypes) into the next
+        rows, with a few multi-tensor reductions per device and dtype in place of a launch each
+        (on a GPU each launch is ~15 us of host time); their handles. Lean rows only (no abs
+        min): `_foreach_norm(inf)` gives the abs max A and `_foreach_max` the max M, nan
+        propagating through both; the row's min is -A where A > M (exact) and otherwise
+        max(-A, -tiny): not the min, but it keeps abs max, the signs of infinities and a known
+        abs min as `aminmax` would give them (abs min is then known for a tensor <= 0 or all
+        zeros, unmeasured for the rest; a tensor holding both +inf and -inf, and no nan, shows
+        only its +inf)."""
+        groups: dict = {}
+        for position, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(position)
+        handles: list = [0] * len(tensors)
+        for key, positions in groups.items():
+            pairs = _max_rows([tensors[i] for i in positions], key)
+            with self._lock:
+                rows = self._rows.get(key)
+                if rows is None:
+                    rows = self._rows[key] = [len(self._keys), [], 0]
+                    self._keys.append(key)
+                first = rows[2]
+                rows[2] = first + len(positions)
+                while rows[2] > len(rows[1]) * ROWS_PER_BLOCK:
+                    rows[1].append(_take_block(key))
+            row, done = first, 0
+            while done < len(positions):  # (rows may run on into the next block)
+                start = row % ROWS_PER_BLOCK
+                count = min(len(positions) - done, ROWS_PER_BLOCK - start)
+                rows[1][row // ROWS_PER_BLOCK].tensor[start:start + count, 1:].copy_(
+                    pairs[done:done + count])
+                row, done = row + count, done + count
+            for offset, position in enumerate(positions):
+                handles[position] = rows[0] << _ROW_BITS | (first + offset)
+        return handles
+
     def device_of(self, handle: int) -> torch.device:
         return self._keys[handle >> _ROW_BITS][0]
 
@@ -112,6 +148,23 @@ class RowSink:
 ROWS_PER_BLOCK = 256
 _ROW_BITS = 32
 _ROW_MASK = (1 << _ROW_BITS) - 1
+
+
+def _max_rows(tensors: list, key: tuple) -> torch.Tensor:
+    """(n, 2) rows (a min as `RowSink.write_many` says, max) of tensors of one device and dtype."""
+    device_type = key[0].type
+    autocast = _autocast_enabled(device_type)
+    if autocast:
+        torch.set_autocast_enabled(device_type, False)
+    try:
+        abs_max = torch.stack(torch._foreach_norm(tensors, _INF))
+        high = torch.stack(torch._foreach_max(tensors))
+    finally:
+        if autocast:
+            torch.set_autocast_enabled(device_type, True)
+    low = abs_max.neg_()
+    low = torch.where(high < -low, low, low.clamp(min=-torch.finfo(key[1]).tiny))
+    return torch.stack((low, high), dim=1)
 
 
 def _out_overloads_autocast() -> bool:

@@ -182,6 +182,32 @@ def device_stats(t: torch.Tensor, nonzero_min: bool = False, sign_hints: Optiona
         return None
 
 
+def written_together(t) -> bool:
+    """Whether `device_stats_many` writes `t`'s row: a plain dense float tensor, not empty, not
+    an inference tensor, on a device (CPU values are read at once)."""
+    return (t.dtype in _BITS and type(t) in _PLAIN and t.layout is torch.strided
+            and not (t.is_nested or t.is_meta or t.is_inference() or (CPU_READS_AT_ONCE and t.is_cpu))
+            and bool(t.numel()))
+
+
+def device_stats_many(tensors: list, sink: "RowSink") -> list:
+    """Rows of many tensors written into `sink` together (`RowSink.write_many`: a few launches
+    per device and dtype, not one each): their handles, None for a tensor left to
+    `device_stats` (off the common path, read at once on CPU, empty, an inference tensor), all
+    None where the reductions refuse them. Lean rows only: a sink without abs min."""
+    found: list = [None] * len(tensors)
+    if sink.abs_min or _dispatch_modes() or _tracing_state() is not None or _transforms_active():
+        return found
+    take = [i for i, t in enumerate(tensors) if written_together(t)]
+    if take:
+        try:
+            for i, handle in zip(take, sink.write_many([tensors[i] for i in take])):
+                found[i] = handle
+        except Exception:  # (a tensor the reductions refuse: each summarised on its own then)
+            return [None] * len(tensors)
+    return found
+
+
 def _summary(t: torch.Tensor, bits: Optional[torch.dtype], nonzero_min: bool, sign_hints,
              site, sink=None):
     """The row of a dense tensor that holds numbers (`bits`: its integer view dtype, or None)."""
@@ -588,6 +614,8 @@ def _to_host(vectors: list, sink) -> list:
     for index, vec in enumerate(vectors):
         if type(vec) is int:  # a row in the sink
             by_device.setdefault(sink.device_of(vec), []).append(index)
+        elif vec is None:  # a value gone before its row was written (`PassRecord.read_back`)
+            pass
         elif type(vec[0]) is float:  # read on the host already
             values[index] = vec
         else:

@@ -436,8 +436,7 @@ class Guard:
         self._start_batch(self.threads.state)
 
     def _start_batch(self, state: PassState) -> None:
-        batch = state.batch_number = self.batch_number = self.batches.next(
-            self.options.abort_after_batch)
+        batch = state.batch_number = self.batch_number = self.batches.next(self.options.abort_after_batch)
         state.call_counts.clear()
         state.first_calls.clear()
         state.tracing = self.tracing = batch in self.options.trace_batches
@@ -454,6 +453,7 @@ class Guard:
             if self.watch_backward and torch.is_grad_enabled():
                 self.module_hooks.rehook_changed(self)
         state.forward = PassRecord(_measures_abs_min(self, state.batch_number))
+        state.forward.summarise_weights(self.module_hooks.weights_under(module_id), self._nonzero_min)
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
 
@@ -530,17 +530,17 @@ class Guard:
         if not self._attached or self.paused or grad is None or is_dynamo_compiling():
             return None
         forward_call = hook.forward_call(self.threads.state, self)
-        self._record_grad((forward_call, hook.role, GRAD_PARAM), grad)
+        self._record_grad((forward_call, hook.role, GRAD_PARAM), grad, hook.grad_as_is(self))
         if hook.input_targets:  # the calls it was an input of
             self._on_leaf_grad(hook.input_targets, grad)
         return None
 
-    def _record_grad(self, targets, grad) -> None:
+    def _record_grad(self, targets, grad, param=None) -> None:
         """Summarise one gradient once and add it to every call it belongs to (`targets`: forward
         call, role, category, one after another)."""
         pass_ = self._backward_state()
         site = (targets[0].module_id, targets[1]) if targets else None
-        entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints)
+        entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints, later=param)
         index, shape, kind = entry[ENTRY_INDEX], entry[ENTRY_SHAPE], entry[ENTRY_KIND]
         # Targets were registered in forward order; backward reaches them in reverse (a tensor
         # that is A's output and B's input is B's input gradient before it is A's output's).

@@ -21,6 +21,7 @@ own; one refusing hooks is warned of.
 from __future__ import annotations
 
 import collections
+import itertools
 import sys
 import threading
 import warnings
@@ -248,6 +249,19 @@ class ParamHook:
     def __call__(self, grad):
         return self.guard._on_param_grad(self, grad)
 
+    def grad_as_is(self, guard) -> Optional[torch.Tensor]:
+        """The parameter, where the gradient its hook is given now becomes its `.grad` as it is
+        and stays so until the backward ends: it has no gradient yet, no hook but this one, no
+        call took it as an input, no process group reduces it (DDP writes `.grad` in place), and
+        the guard does not read each gradient at once (sync)."""
+        param = self.param
+        if param.grad is None and not self.input_targets and not guard.synchronous \
+                and len(param._backward_hooks) == 1 \
+                and not getattr(param, "_post_accumulate_grad_hooks", None) \
+                and not _distributed_initialised() and _accumulating():
+            return param
+        return None
+
     def forward_call(self, state, guard) -> CallRecord:
         """The call the gradient is reported under: its module's first call in the batch of the
         thread running the backward (`state`, a PassState; on a device's autograd thread, which
@@ -339,6 +353,21 @@ class _CompiledWeights:
             state.compiled_call = (module, args, kwargs, rerun.take())
 
 
+def _accumulating() -> bool:
+    """Whether the backward running a leaf's gradient hook writes the gradient into `.grad`
+    (`backward()`), not `autograd.grad()`, which gives it back and leaves `.grad` as it was.
+    (The node running is the leaf's AccumulateGrad either way; asked of a leaf's node under
+    autograd.grad, torch raises.)"""
+    try:
+        return bool(torch._C._will_engine_execute_node(torch._C._current_autograd_node()))
+    except Exception:
+        return False
+
+
+def _distributed_initialised() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _remove_handles(handles: list) -> None:
     while handles:
         handles.pop().remove()
@@ -371,10 +400,29 @@ class ModuleHooks:
         self._following: Optional[tuple] = None
         self._global: list = []  # that hook's handle (removed with this object too, if dropped)
         weakref.finalize(self, _remove_handles, self._global)
+        # id of a module called top-level -> the hooked modules its call runs (`weights_under`);
+        # forgotten whenever modules are hooked or let go
+        self._modules_under: Dict[int, list] = {}
+
+    def weights_under(self, module_id: int) -> list:
+        """The parameters and floating buffers of the hooked modules a top-level call of
+        `module_id` runs (itself and its submodules), as they are now: for its pass to
+        summarise together (`PassRecord.summarise_weights`). (Never kept: a weak reference
+        would stop `torch.utils.swap_tensors`, a strong one keep a replaced buffer alive.)"""
+        modules = self._modules_under.get(module_id)
+        if modules is None:
+            module = self.modules.get(module_id)
+            if module is None:
+                return []
+            modules = self._modules_under[module_id] = [
+                m for m in module.modules() if id(m) in self.modules]
+        return [t for m in modules for t in itertools.chain(m._parameters.values(), m._buffers.values())
+                if t is not None and t.is_floating_point()]
 
     def add(self, guard, models: Dict[str, nn.Module], watch_backward: bool) -> None:
         """Hook every module of `models` (once each, under its name with the model's prefix), and
         the submodules assigned to them from now on."""
+        self._modules_under.clear()
         for prefix, root in models.items():
             self._add_tree(guard, root, prefix, None, watch_backward)
         for module_id, module in self.modules.items():
@@ -391,6 +439,7 @@ class ModuleHooks:
     def follow(self, parent: nn.Module, child_name: str, child) -> None:
         """A submodule registered on a module (torch's global hook): hooked where it joins a
         hooked one, under its name, as `add` would have."""
+        self._modules_under.clear()
         known = self.names.get(id(parent))
         if known is None or self._following is None or not isinstance(child, nn.Module) \
                 or id(child) in self.names:
@@ -416,6 +465,7 @@ class ModuleHooks:
         gone = {module_id for module_id in self.modules if module_id not in reachable}
         if not gone:
             return
+        self._modules_under.clear()
         ids = set()
         for module_id in gone:
             hook_ids = self.hook_ids.pop(module_id, [])
@@ -572,6 +622,7 @@ class ModuleHooks:
         self.unwatched.clear()
 
     def remove(self) -> None:
+        self._modules_under.clear()
         self._following = None
         _remove_handles(self._global)
         for handle in self.handles:

@@ -47,6 +47,8 @@ ENTRY_REF, ENTRY_VERSION, ENTRY_INDEX, ENTRY_TARGETS, ENTRY_SHAPE, ENTRY_KIND = 
 # The problem kinds of a value with nothing wrong with it (see detect.value_kinds).
 FINE = frozenset()
 
+_LATER = -1  # in `PassRecord.vectors`: a gradient's row, written at the pass's read
+
 _set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad without its Python-level overhead
 
 
@@ -90,7 +92,8 @@ class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
     __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
-                 "received_by_module", "thread", "delivered", "backward_calls", "sink")
+                 "received_by_module", "thread", "delivered", "backward_calls", "sink",
+                 "grads_later")
 
     def __init__(self, abs_min: bool = True):
         self.calls: list = []
@@ -112,12 +115,20 @@ class PassRecord:
         # not on the forward call: a link back would make a reference cycle of every pass,
         # freed only by the garbage collector's full collections.
         self.backward_calls: Dict[int, CallRecord] = {}
+        # backward: (parameter, index in `vectors`) of gradients whose rows are written together
+        # at the pass's read, from the parameters' `.grad` (`summarise`'s `later`)
+        self.grads_later: list = []
 
     def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
-                  held: bool = False) -> list:
+                  held: bool = False, later=None) -> list:
         """The cache entry of `t` in this pass, computing its statistics the first time. `site`
         (module id, role) says where it was seen, for `stats.device_stats`' sign hints; `held`:
-        `t` is a weight or buffer, referenced strongly (see the module docstring)."""
+        `t` is a weight or buffer, referenced strongly (see the module docstring). `later`: the
+        parameter `t` is the gradient of, which `t` becomes the `.grad` of as it is (no grad
+        before, no other hook): where rows are lean and on a device its row is written at the
+        pass's read from that `.grad`, with the others' (`stats.device_stats_many`: a few
+        launches for all the gradients, not one each; holding `t` meanwhile would make autograd
+        copy it)."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
             key = id(t)
@@ -129,7 +140,10 @@ class PassRecord:
                 return entry
         vec = None
         numel = t.numel()
-        if numel:
+        if later is not None and not (nonzero_min or self.sink.abs_min) and _stats.written_together(t):
+            self.grads_later.append((later, len(self.vectors)))
+            vec = _LATER
+        elif numel:
             grad_was_enabled = torch.is_grad_enabled()
             if grad_was_enabled:
                 _set_grad_enabled(False)
@@ -148,6 +162,29 @@ class PassRecord:
         entry = self.cache[key] = [t if held else weakref.ref(t), version, index, None,
                                    _stats.shape_of(t), kind]
         return entry
+
+    def summarise_weights(self, tensors: list, nonzero_min: bool) -> None:
+        """Summarise the weights and buffers a forward is about to read, at its start and all
+        together: a few multi-tensor reductions per device and dtype (`RowSink.write_many`) in
+        place of a launch per tensor at each module's call, where a GPU's host time sets a
+        step's pace. A call then finds its weights' entries here (`weight_slot`), unless they
+        changed since (their version): summarised again then, as before. Lean rows on a device
+        only; elsewhere (CPU read at once, abs min measured) each call summarises its own."""
+        if nonzero_min or self.sink.abs_min or not tensors:
+            return
+        grad_was_enabled = torch.is_grad_enabled()
+        if grad_was_enabled:
+            _set_grad_enabled(False)
+        try:
+            handles = _stats.device_stats_many(tensors, self.sink)
+        finally:
+            if grad_was_enabled:
+                _set_grad_enabled(True)
+        for t, handle in zip(tensors, handles):
+            if handle is not None:
+                self.cache[id(t)] = [t, t._version, len(self.vectors), None, _stats.shape_of(t),
+                                     VALUE_TENSOR]
+                self.vectors.append(handle)
 
     def weight_slot(self, t: torch.Tensor, role: str, category: str, site, nonzero_min: bool,
                     sign_hints: dict) -> tuple:
@@ -218,9 +255,25 @@ class PassRecord:
 
     def read_back(self) -> None:
         """Move every pending statistic to the host: the pass's one synchronisation."""
+        if self.grads_later:
+            self._write_grads_later()
         if len(self.values) < len(self.vectors):
             numerics.count_read()
             self.values.extend(_stats.to_host(self.vectors[len(self.values):], self.sink))
+
+    def _write_grads_later(self) -> None:
+        """The rows of the gradients `summarise` left for now, from their parameters' `.grad`
+        (None for one gone meanwhile: no statistics, never made-up ones)."""
+        later, self.grads_later = self.grads_later, []
+        grads = [param.grad for param, _ in later]
+        with torch.no_grad():
+            handles = _stats.device_stats_many([g for g in grads if g is not None], self.sink)
+            handles.reverse()
+            for (_, index), grad in zip(later, grads):
+                handle = None if grad is None else handles.pop()
+                if handle is None and grad is not None:  # (one the reductions refused)
+                    handle = _stats.device_stats(grad, False, None, None, self.sink)
+                self.vectors[index] = handle
 
     def measure_abs_min(self, minus_inf_only: bool = False) -> bool:
         """Measure the abs min a lean pass left unmeasured (`stats.UNMEASURED`), for a report
