@@ -23,6 +23,9 @@ check. The variants:
 - `full-no-statistics`: full mode's hooks and bookkeeping, no statistics computed (no reductions,
   nothing to read back): the hooks' own cost.
 - `full-no-weights`: no rows for the weights and buffers.
+- `full-rows-one-at-a-time`: a forward's weights and a backward's parameter gradients summarised
+  each as it comes (a launch each), as before they were summarised together
+  (`RowSink.write_many`): that change's gain.
 - `full-forward-only`: `backward=False`.
 """
 
@@ -44,13 +47,13 @@ sys.path.insert(0, HERE)
 
 VARIANTS = ("sentinel", "sentinel-nested-hooked", "sentinel-model-only", "sentinel-no-gradient-flag",
             "sentinel-no-output-flag", "sentinel-no-flags", "full", "full-abs-min", "full-no-statistics",
-            "full-no-weights", "full-forward-only")
+            "full-no-weights", "full-rows-one-at-a-time", "full-forward-only")
 
 
 def parts_switched_off() -> list:
     """(the variants that switch it off, owner, attribute, its stand-in) for every part."""
     from numguard_nb import numerics, stats
-    from numguard_nb.guard import guard, passes, sentinel, set_aside
+    from numguard_nb.guard import guard, hooks, passes, sentinel, set_aside
 
     def no_weight_row(self, t, role, category, site, nonzero_min, sign_hints):
         return (role, category, passes.VALUE_UNSUPPORTED, t.dtype, tuple(t.shape), None, 0)
@@ -66,6 +69,9 @@ def parts_switched_off() -> list:
         (("full-abs-min",), guard, "_measures_abs_min", lambda owner, batch: True),
         (("full-no-statistics",), stats, "device_stats", lambda t, *args, **kwargs: None),
         (("full-no-weights",), passes.PassRecord, "weight_slot", no_weight_row),
+        (("full-rows-one-at-a-time",), passes.PassRecord, "summarise_weights",
+         lambda self, tensors, nonzero_min: None),
+        (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner: None),
     ]
 
 

@@ -157,7 +157,10 @@ def _max_rows(tensors: list, key: tuple) -> torch.Tensor:
     if autocast:
         torch.set_autocast_enabled(device_type, False)
     try:
-        abs_max = torch.stack(torch._foreach_norm(tensors, _INF))
+        if key[0].type == "cpu":  # (a GPU's path run on the host: CPU's vector_norm is slow)
+            abs_max = torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
+        else:  # one multi-tensor kernel, no copy
+            abs_max = torch.stack(torch._foreach_norm(tensors, _INF))
         high = torch.stack(torch._foreach_max(tensors))
     finally:
         if autocast:

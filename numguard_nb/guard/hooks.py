@@ -439,7 +439,6 @@ class ModuleHooks:
     def follow(self, parent: nn.Module, child_name: str, child) -> None:
         """A submodule registered on a module (torch's global hook): hooked where it joins a
         hooked one, under its name, as `add` would have."""
-        self._modules_under.clear()
         known = self.names.get(id(parent))
         if known is None or self._following is None or not isinstance(child, nn.Module) \
                 or id(child) in self.names:
@@ -448,6 +447,7 @@ class ModuleHooks:
         guard, watch_backward = self._following[0](), self._following[1]
         if guard is None:
             return
+        self._modules_under.clear()
         replaced = parent._modules.get(child_name)
         if replaced is not None and replaced is not child and id(replaced) in self.names:
             self._let_go(_reachable(guard.models, parent, child_name, child))  # (a new head)
