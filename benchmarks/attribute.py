@@ -23,9 +23,9 @@ check. The variants:
 - `full-no-statistics`: full mode's hooks and bookkeeping, no statistics computed (no reductions,
   nothing to read back): the hooks' own cost.
 - `full-no-weights`: no rows for the weights and buffers.
-- `full-rows-one-at-a-time`: a forward's weights and a backward's parameter gradients summarised
-  each as it comes (a launch each), as before they were summarised together
-  (`RowSink.write_many`): that change's gain.
+- `full-rows-one-at-a-time`: a forward's weights and a backward's gradients summarised each as
+  it comes (a launch each), as before they were summarised together (`RowSink.write_many`):
+  that change's gain.
 - `full-forward-only`: `backward=False`.
 """
 
@@ -72,6 +72,7 @@ def parts_switched_off() -> list:
         (("full-rows-one-at-a-time",), passes.PassRecord, "summarise_weights",
          lambda self, tensors, nonzero_min: None),
         (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner: None),
+        (("full-rows-one-at-a-time",), passes, "HELD_VALUE_BYTES", -1),
     ]
 
 

@@ -261,7 +261,8 @@ def test_parameters_gradients_are_summarised_together_from_grad_where_it_is_thei
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             deep(x).sum().backward()
         names = collections.Counter(event.name for event in prof.events())
-        assert names["aten::_foreach_max"] == 4, names  # the weights, then the gradients (two each)
+        # the weights, then the parameters' gradients and the values' gradients (two each)
+        assert names["aten::_foreach_max"] == 6, names
         for param in deep.parameters():  # an earlier micro-step's: not this backward's gradient
             param.grad = torch.full_like(param, 1e3)
         deep(x).sum().backward()
@@ -283,3 +284,58 @@ def test_parameters_gradients_are_summarised_together_from_grad_where_it_is_thei
     culprit = report.first_nonfinite
     assert (report.cause, culprit.module_name, culprit.phase) == ("backward", "1", "backward")
     assert [row.role for row in culprit.rows if row.nan] == ["weight.grad"]
+
+
+class _ZeroesItsGradient(torch.autograd.Function):
+    """Changes the gradient it is given in place (torch's docs say not to; some code does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.zero_()
+
+
+class ZeroesItsGradient(nn.Module):
+    def forward(self, x):
+        return _ZeroesItsGradient.apply(x)
+
+
+class NanInputGradient(nn.Module):
+    def forward(self, x):
+        return _NanGradient.apply(x)
+
+
+def test_values_gradients_are_held_to_be_summarised_together_and_one_changed_meanwhile_gets_no_row(
+        deferred_on_host, monkeypatch):
+    """A backward's small gradients of values are held until its read and summarised together
+    (at most `HELD_BYTES` held at once). One changed in place before the read (an autograd
+    Function zeroing its incoming gradient) gets no row, never the values it came to hold, and
+    its site is summarised as it comes from then on: its nan, hidden by the change in the
+    first backward, is named in the next."""
+    from numguard_nb import row_sink
+    from numguard_nb.guard import passes
+
+    sizes = []
+    write_many = row_sink.RowSink.write_many
+    monkeypatch.setattr(row_sink.RowSink, "write_many",
+                        lambda self, tensors: sizes.append(len(tensors)) or write_many(self, tensors))
+    monkeypatch.setattr(passes, "HELD_BYTES", 3 * 2 * 4 * 4)  # three gradients of (2, 4) floats
+    torch.manual_seed(0)
+    deep = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(2, 4)
+    with Guard(deep):
+        deep(x).sum().backward()
+        sizes.clear()
+        deep(x).sum().backward()
+    assert max(sizes[1:]) <= 3 and len(sizes) >= 5, sizes  # the weights, then gradients by threes
+
+    net = nn.Sequential(nn.Linear(4, 4), ZeroesItsGradient(), NanInputGradient(), nn.Linear(4, 1))
+    steps = 0
+    with pytest.raises(NonFiniteError) as caught, Guard(net):
+        for steps in range(1, 3):
+            net(x).sum().backward()
+    report = caught.value.report
+    assert steps == 2 and report.cause == "backward" and report.first_nonfinite.module_name == "2"

@@ -48,8 +48,8 @@ from .hooks import (
 from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .outside import OutsideWatch
 from .passes import (
-    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter, CallRecord,
-    PassRecord, PassState, ThreadPasses, graph_task_id,
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, HELD, BackwardPasses, BatchCounter,
+    CallRecord, PassRecord, PassState, ThreadPasses, graph_task_id,
 )
 from ..distributed.flags import RankFlags
 from .rank_reports import settle_after_reduction
@@ -249,8 +249,7 @@ class Guard:
                 return self
             try:
                 # (gradients with inf allowed are not all checked finite)
-                self.steps.start(self.models, weights=True,
-                                 gradients=self.watch_backward and not self.options.allow_inf)
+                self.steps.start(self.models, weights=True, gradients=self.watch_backward and not self.options.allow_inf)
                 if self.rerun_task == -1:  # (a sentinel's re-run raises on its own rank)
                     self._ranks = RankFlags.attach_any(self.models)  # DDP: which rank made it
                 self.module_hooks.add(self, self.models, self.watch_backward)
@@ -507,14 +506,15 @@ class Guard:
     def _backward_state(self) -> PassRecord:
         # Read everything back once, when the engine finishes this backward pass.
         _, pass_, opened = self._backward_passes.open(
-            lambda: PassRecord(_measures_abs_min(self, self.batch_number)), self._end_backward)
+            lambda: PassRecord(_measures_abs_min(self, self.batch_number), self.module_hooks.changed_sites),
+            self._end_backward)
         if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
             settle_after_reduction(self._ranks, self)
         return pass_
 
     def _on_grad(self, targets, grad):
         if self._attached and not self.paused and grad is not None and not is_dynamo_compiling():
-            self._record_grad(targets, grad)
+            self._record_grad(targets, grad, HELD)  # (a value's gradient: no `.grad` to take it from)
         return None
 
     def _on_leaf_grad(self, leaf_targets, grad):
@@ -535,12 +535,12 @@ class Guard:
             self._on_leaf_grad(hook.input_targets, grad)
         return None
 
-    def _record_grad(self, targets, grad, param=None) -> None:
+    def _record_grad(self, targets, grad, later=None) -> None:
         """Summarise one gradient once and add it to every call it belongs to (`targets`: forward
         call, role, category, one after another)."""
         pass_ = self._backward_state()
         site = (targets[0].module_id, targets[1]) if targets else None
-        entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints, later=param)
+        entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints, later=later)
         index, shape, kind = entry[ENTRY_INDEX], entry[ENTRY_SHAPE], entry[ENTRY_KIND]
         # Targets were registered in forward order; backward reaches them in reverse (a tensor
         # that is A's output and B's input is B's input gradient before it is A's output's).

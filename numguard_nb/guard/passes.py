@@ -47,7 +47,12 @@ ENTRY_REF, ENTRY_VERSION, ENTRY_INDEX, ENTRY_TARGETS, ENTRY_SHAPE, ENTRY_KIND = 
 # The problem kinds of a value with nothing wrong with it (see detect.value_kinds).
 FINE = frozenset()
 
-_LATER = -1  # in `PassRecord.vectors`: a gradient's row, written at the pass's read
+_LATER = -1  # in `PassRecord.vectors`: a row written later (`PassRecord.summarise`)
+# `summarise`'s `later` for a value held for its row to be written with others': a value no larger
+# than HELD_VALUE_BYTES, while the pass holds no more than HELD_BYTES (then it writes them)
+HELD = object()
+HELD_VALUE_BYTES = 4 * 2**20
+HELD_BYTES = 64 * 2**20
 
 _set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad without its Python-level overhead
 
@@ -93,9 +98,9 @@ class PassRecord:
 
     __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
                  "received_by_module", "thread", "delivered", "backward_calls", "sink",
-                 "grads_later")
+                 "grads_later", "held", "held_bytes", "changed_sites")
 
-    def __init__(self, abs_min: bool = True):
+    def __init__(self, abs_min: bool = True, changed_sites: Optional[set] = None):
         self.calls: list = []
         self.children: Dict[int, list] = {}  # forward: id(call) -> its direct children, closed
         self.vectors: list = []  # stats vectors still on the device (or their handles in `sink`)
@@ -118,17 +123,29 @@ class PassRecord:
         # backward: (parameter, index in `vectors`) of gradients whose rows are written together
         # at the pass's read, from the parameters' `.grad` (`summarise`'s `later`)
         self.grads_later: list = []
+        # (value, its version, index in `vectors`, site) held for their rows to be written
+        # together (`summarise`'s HELD); `changed_sites`: the sites (module id, role) whose held
+        # value was changed in place before its row was written, whose values are written as
+        # they come from then on (None: nothing held in this pass)
+        self.held: list = []
+        self.held_bytes = 0
+        self.changed_sites = changed_sites
 
     def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
                   held: bool = False, later=None) -> list:
         """The cache entry of `t` in this pass, computing its statistics the first time. `site`
         (module id, role) says where it was seen, for `stats.device_stats`' sign hints; `held`:
-        `t` is a weight or buffer, referenced strongly (see the module docstring). `later`: the
-        parameter `t` is the gradient of, which `t` becomes the `.grad` of as it is (no grad
-        before, no other hook): where rows are lean and on a device its row is written at the
-        pass's read from that `.grad`, with the others' (`stats.device_stats_many`: a few
-        launches for all the gradients, not one each; holding `t` meanwhile would make autograd
-        copy it)."""
+        `t` is a weight or buffer, referenced strongly (see the module docstring). Where rows
+        are lean and on a device, the row may be written later, with others (`stats.
+        device_stats_many`: a few launches for all, not one each), by `later`:
+        - the parameter `t` is the gradient of, which `t` becomes the `.grad` of as it is (no
+          grad before, no other hook): written at the pass's read from that `.grad` (holding `t`
+          meanwhile would make autograd copy it);
+        - HELD, for a gradient in backward, which nothing but a user's autograd Function changes
+          in place: `t` is held until the pass's read, or until the pass holds HELD_BYTES (small
+          values only: a large one's reduction keeps the device busy for its launch's time). Its
+          version tells whether it changed meanwhile: then it gets no row (no statistics, never
+          another value's), and its site is written as it comes from then on."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
             key = id(t)
@@ -141,9 +158,15 @@ class PassRecord:
         vec = None
         numel = t.numel()
         if later is not None and not (nonzero_min or self.sink.abs_min) and _stats.written_together(t):
-            self.grads_later.append((later, len(self.vectors)))
-            vec = _LATER
-        elif numel:
+            if later is not HELD:
+                self.grads_later.append((later, len(self.vectors)))
+                vec = _LATER
+            elif self.changed_sites is not None and site not in self.changed_sites \
+                    and numel * t.element_size() <= HELD_VALUE_BYTES:
+                self.held.append((t, t._version, len(self.vectors), site))
+                self.held_bytes += numel * t.element_size()
+                vec = _LATER
+        if vec is None and numel:
             grad_was_enabled = torch.is_grad_enabled()
             if grad_was_enabled:
                 _set_grad_enabled(False)
@@ -156,6 +179,8 @@ class PassRecord:
         if vec is not None:
             index = len(self.vectors)
             self.vectors.append(vec)
+        if self.held_bytes >= HELD_BYTES:
+            self._write_held()
         kind = VALUE_TENSOR if index is not None else (VALUE_EMPTY if numel == 0 else VALUE_UNSUPPORTED)
         if inference:
             return [None, None, index, None, _stats.shape_of(t), kind]
@@ -257,6 +282,8 @@ class PassRecord:
         """Move every pending statistic to the host: the pass's one synchronisation."""
         if self.grads_later:
             self._write_grads_later()
+        if self.held:
+            self._write_held()
         if len(self.values) < len(self.vectors):
             numerics.count_read()
             self.values.extend(_stats.to_host(self.vectors[len(self.values):], self.sink))
@@ -274,6 +301,23 @@ class PassRecord:
                 if handle is None and grad is not None:  # (one the reductions refused)
                     handle = _stats.device_stats(grad, False, None, None, self.sink)
                 self.vectors[index] = handle
+
+    def _write_held(self) -> None:
+        """The rows of the values held (`summarise`'s HELD), together; none for a value changed
+        in place since, whose site is then written as it comes."""
+        held, self.held, self.held_bytes = self.held, [], 0
+        unchanged = []
+        for t, version, index, site in held:
+            if t._version == version:
+                unchanged.append((t, index))
+            else:
+                self.vectors[index] = None
+                self.changed_sites.add(site)
+        with torch.no_grad():
+            handles = _stats.device_stats_many([t for t, _ in unchanged], self.sink)
+            for (t, index), handle in zip(unchanged, handles):
+                self.vectors[index] = handle if handle is not None else \
+                    _stats.device_stats(t, False, None, None, self.sink)
 
     def measure_abs_min(self, minus_inf_only: bool = False) -> bool:
         """Measure the abs min a lean pass left unmeasured (`stats.UNMEASURED`), for a report
@@ -312,6 +356,7 @@ class PassRecord:
         """Drop what only the recording needed, once read back: device memory and tensor refs."""
         self.vectors = []
         self.cache = {}
+        self.held, self.grads_later = [], []
         self.sink.release()
 
     def slots_in_arrival_order(self):
