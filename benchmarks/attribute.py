@@ -23,8 +23,8 @@ check. The variants:
 - `full-no-statistics`: full mode's hooks and bookkeeping, no statistics computed (no reductions,
   nothing to read back): the hooks' own cost.
 - `full-no-weights`: no rows for the weights and buffers.
-- `full-rows-one-at-a-time`: a forward's weights and a backward's gradients summarised each as
-  it comes (a launch each), as before they were summarised together (`RowSink.write_many`):
+- `full-rows-one-at-a-time`: every row summarised as it comes (a launch each), as before a
+  pass's weights, gradients and small values were summarised together (`RowSink.write_many`):
   that change's gain.
 - `full-forward-only`: `backward=False`.
 """

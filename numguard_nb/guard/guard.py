@@ -451,7 +451,7 @@ class Guard:
             self.steps.forward_began(module_id, state.batch_number)
             if self.watch_backward and torch.is_grad_enabled():
                 self.module_hooks.rehook_changed(self)
-        state.forward = PassRecord(_measures_abs_min(self, state.batch_number))
+        state.forward = PassRecord(_measures_abs_min(self, state.batch_number), self.module_hooks.holding)
         state.forward.summarise_weights(self.module_hooks.weights_under(module_id), self._nonzero_min)
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
@@ -484,7 +484,7 @@ class Guard:
                     kind = VALUE_NONE if leaf is None else VALUE_OTHER
                     call.slots.append((leaf_role, category, kind, None, None, None, 0))
             return
-        entry = pass_.summarise(value, (call.module_id, role), self._nonzero_min, self._sign_hints)
+        entry = pass_.summarise(value, (call.module_id, role), self._nonzero_min, self._sign_hints, later=HELD)
         call.slots.append(
             (role, category, entry[ENTRY_KIND], value.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0))
         if watch_grads and value.requires_grad:
@@ -506,7 +506,7 @@ class Guard:
     def _backward_state(self) -> PassRecord:
         # Read everything back once, when the engine finishes this backward pass.
         _, pass_, opened = self._backward_passes.open(
-            lambda: PassRecord(_measures_abs_min(self, self.batch_number), self.module_hooks.changed_sites),
+            lambda: PassRecord(_measures_abs_min(self, self.batch_number), self.module_hooks.holding, True),
             self._end_backward)
         if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
             settle_after_reduction(self._ranks, self)

@@ -35,7 +35,7 @@ from .. import rerun
 from .._schema import BUFFER, FORWARD, PARAM
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from . import copies
-from .passes import CallRecord
+from .passes import CallRecord, Holding
 
 __all__ = [
     "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
@@ -403,9 +403,7 @@ class ModuleHooks:
         # id of a module called top-level -> the hooked modules its call runs (`weights_under`);
         # forgotten whenever modules are hooked or let go
         self._modules_under: Dict[int, list] = {}
-        # sites (module id, role) whose gradient a user's autograd Function changed in place
-        # before its row was written: written as they come (`PassRecord.changed_sites`)
-        self.changed_sites: set = set()
+        self.holding = Holding()  # what the passes learnt of values written later
 
     def weights_under(self, module_id: int) -> list:
         """The parameters and floating buffers of the hooked modules a top-level call of
@@ -626,7 +624,7 @@ class ModuleHooks:
 
     def remove(self) -> None:
         self._modules_under.clear()
-        self.changed_sites.clear()
+        self.holding = Holding()
         self._following = None
         _remove_handles(self._global)
         for handle in self.handles:
