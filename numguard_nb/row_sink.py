@@ -37,15 +37,7 @@ class RowSink:
     def write(self, t: torch.Tensor) -> int:
         """Summarise `t` into the next row of its dtype; its handle."""
         key = (t.device, t.dtype)
-        with self._lock:
-            rows = self._rows.get(key)
-            if rows is None:
-                rows = self._rows[key] = [len(self._keys), [], 0]
-                self._keys.append(key)
-            row = rows[2]
-            rows[2] = row + 1
-            if row == len(rows[1]) * ROWS_PER_BLOCK:
-                rows[1].append(_take_block(key))
+        rows, row = self._reserve(key, 1)
         lowest, low, high = rows[1][row // ROWS_PER_BLOCK].views[row % ROWS_PER_BLOCK]
         autocast = _OUT_OVERLOADS_AUTOCAST and _autocast_enabled(key[0].type)
         if autocast:  # (as `_device_row`)
@@ -80,15 +72,7 @@ class RowSink:
         handles: list = [0] * len(tensors)
         for key, positions in groups.items():
             pairs = _max_rows([tensors[i] for i in positions], key, exact)
-            with self._lock:
-                rows = self._rows.get(key)
-                if rows is None:
-                    rows = self._rows[key] = [len(self._keys), [], 0]
-                    self._keys.append(key)
-                first = rows[2]
-                rows[2] = first + len(positions)
-                while rows[2] > len(rows[1]) * ROWS_PER_BLOCK:
-                    rows[1].append(_take_block(key))
+            rows, first = self._reserve(key, len(positions))
             row, done = first, 0
             while done < len(positions):  # (rows may run on into the next block)
                 start = row % ROWS_PER_BLOCK
@@ -99,6 +83,20 @@ class RowSink:
             for offset, position in enumerate(positions):
                 handles[position] = rows[0] << _ROW_BITS | (first + offset)
         return handles
+
+    def _reserve(self, key: tuple, count: int) -> tuple:
+        """(the rows of `key`: [its number, its blocks, rows written], the first of `count` rows
+        taken for the caller), blocks added as needed."""
+        with self._lock:
+            rows = self._rows.get(key)
+            if rows is None:
+                rows = self._rows[key] = [len(self._keys), [], 0]
+                self._keys.append(key)
+            first = rows[2]
+            rows[2] = first + count
+            while rows[2] > len(rows[1]) * ROWS_PER_BLOCK:
+                rows[1].append(_take_block(key))
+        return rows, first
 
     def device_of(self, handle: int) -> torch.device:
         return self._keys[handle >> _ROW_BITS][0]

@@ -530,7 +530,7 @@ class Guard:
         if not self._attached or self.paused or grad is None or is_dynamo_compiling():
             return None
         forward_call = hook.forward_call(self.threads.state, self)
-        self._record_grad((forward_call, hook.role, GRAD_PARAM), grad, hook.grad_as_is(self))
+        self._record_grad((forward_call, hook.role, GRAD_PARAM), grad, hook.grad_as_is(self, grad))
         if hook.input_targets:  # the calls it was an input of
             self._on_leaf_grad(hook.input_targets, grad)
         return None

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from .. import rerun
+from .. import rerun, stats
 from .._schema import BUFFER, FORWARD, PARAM
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from . import copies
@@ -249,12 +249,14 @@ class ParamHook:
     def __call__(self, grad):
         return self.guard._on_param_grad(self, grad)
 
-    def grad_as_is(self, guard) -> Optional[torch.Tensor]:
+    def grad_as_is(self, guard, grad) -> Optional[torch.Tensor]:
         """The parameter, where the gradient its hook is given now becomes its `.grad` as it is
         and stays so until the backward ends: it has no gradient yet, no hook but this one, no
         call took it as an input, no process group reduces it (DDP writes `.grad` in place), and
         the guard does not read each gradient at once (sync)."""
         param = self.param
+        if grad.is_cpu and stats.CPU_READS_AT_ONCE:
+            return None  # (read at once)
         if param.grad is None and not self.input_targets and not guard.synchronous \
                 and len(param._backward_hooks) == 1 \
                 and not getattr(param, "_post_accumulate_grad_hooks", None) \
@@ -417,6 +419,10 @@ class ModuleHooks:
                 return []
             modules = self._modules_under[module_id] = [
                 m for m in module.modules() if id(m) in self.modules]
+        if stats.CPU_READS_AT_ONCE:  # a CPU model's values are read at once: nothing to gather
+            first = next((t for m in modules for t in m._parameters.values() if t is not None), None)
+            if first is not None and first.is_cpu:
+                return []
         return [t for m in modules for t in itertools.chain(m._parameters.values(), m._buffers.values())
                 if t is not None and t.is_floating_point()]
 
