@@ -24,8 +24,8 @@ check. The variants:
   nothing to read back): the hooks' own cost.
 - `full-no-weights`: no rows for the weights and buffers.
 - `full-rows-one-at-a-time`: every row summarised as it comes (a launch each), as before a
-  pass's weights, gradients and small values were summarised together (`RowSink.write_many`):
-  that change's gain.
+  pass's weights and parameter gradients were summarised together (`RowSink.write_many`): that
+  change's gain.
 - `full-forward-only`: `backward=False`.
 """
 
@@ -72,7 +72,6 @@ def parts_switched_off() -> list:
         (("full-rows-one-at-a-time",), passes.PassRecord, "summarise_weights",
          lambda self, tensors, nonzero_min: None),
         (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner, grad: None),
-        (("full-rows-one-at-a-time",), passes, "HELD_VALUE_BYTES", -1),
     ]
 
 

@@ -55,7 +55,7 @@ class RowSink:
                 torch.set_autocast_enabled(key[0].type, True)
         return rows[0] << _ROW_BITS | row
 
-    def write_many(self, tensors: list, exact: bool = False) -> list:
+    def write_many(self, tensors: list) -> list:
         """Summarise `tensors` (dense, non-empty, floating; any devices and dtypes) into the next
         rows, with a few multi-tensor reductions per device and dtype in place of a launch each
         (on a GPU each launch is ~15 us of host time); their handles. Lean rows only (no abs
@@ -64,14 +64,13 @@ class RowSink:
         max(-A, -tiny): not the min, but it keeps abs max, the signs of infinities and a known
         abs min as `aminmax` would give them (abs min is then known for a tensor <= 0 or all
         zeros, unmeasured for the rest; a tensor holding both +inf and -inf, and no nan, shows
-        only its +inf). `exact`: the min is the max of -t, a copy of each tensor (small ones,
-        as `passes.HELD_BYTES` bounds them): rows as `aminmax` writes them."""
+        only its +inf)."""
         groups: dict = {}
         for position, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype), []).append(position)
         handles: list = [0] * len(tensors)
         for key, positions in groups.items():
-            pairs = _max_rows([tensors[i] for i in positions], key, exact)
+            pairs = _max_rows([tensors[i] for i in positions], key)
             rows, first = self._reserve(key, len(positions))
             row, done = first, 0
             while done < len(positions):  # (rows may run on into the next block)
@@ -150,17 +149,13 @@ _ROW_BITS = 32
 _ROW_MASK = (1 << _ROW_BITS) - 1
 
 
-def _max_rows(tensors: list, key: tuple, exact: bool) -> torch.Tensor:
+def _max_rows(tensors: list, key: tuple) -> torch.Tensor:
     """(n, 2) rows (a min as `RowSink.write_many` says, max) of tensors of one device and dtype."""
     device_type = key[0].type
     autocast = _autocast_enabled(device_type)
     if autocast:
         torch.set_autocast_enabled(device_type, False)
     try:
-        if exact:
-            high = torch._foreach_max(tensors)
-            low = torch._foreach_max(torch._foreach_neg(tensors))
-            return torch.stack((torch.stack(low).neg_(), torch.stack(high)), dim=1)
         if key[0].type == "cpu":  # (a GPU's path run on the host: CPU's vector_norm is slow)
             abs_max = torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
         else:  # one multi-tensor kernel, no copy

@@ -190,19 +190,18 @@ def written_together(t) -> bool:
             and bool(t.numel()))
 
 
-def device_stats_many(tensors: list, sink: "RowSink", exact: bool = False) -> list:
+def device_stats_many(tensors: list, sink: "RowSink") -> list:
     """Rows of many tensors written into `sink` together (`RowSink.write_many`: a few launches
     per device and dtype, not one each): their handles, None for a tensor left to
     `device_stats` (off the common path, read at once on CPU, empty, an inference tensor), all
-    None where the reductions refuse them. Lean rows only: a sink without abs min. `exact`:
-    rows as `aminmax` writes them, through a copy of each tensor (`RowSink.write_many`)."""
+    None where the reductions refuse them. Lean rows only: a sink without abs min."""
     found: list = [None] * len(tensors)
     if sink.abs_min or _dispatch_modes() or _tracing_state() is not None or _transforms_active():
         return found
     take = [i for i, t in enumerate(tensors) if written_together(t)]
     if take:
         try:
-            for i, handle in zip(take, sink.write_many([tensors[i] for i in take], exact)):
+            for i, handle in zip(take, sink.write_many([tensors[i] for i in take])):
                 found[i] = handle
         except Exception:  # (a tensor the reductions refuse: each summarised on its own then)
             return [None] * len(tensors)

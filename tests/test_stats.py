@@ -362,14 +362,12 @@ def test_rows_written_in_place_read_back_as_the_device_rows_do(monkeypatch, dtyp
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("exact", [False, True], ids=["weights", "values"])
-def test_rows_written_together_read_back_as_lean_rows_written_one_at_a_time(monkeypatch, dtype, device, exact):
+def test_rows_written_together_read_back_as_lean_rows_written_one_at_a_time(monkeypatch, dtype, device):
     """A pass's weights are summarised together (`RowSink.write_many`: two multi-tensor
     reductions, abs max and max, per device and dtype). Their rows give what a lean row (one
     `aminmax`) gives, nan, abs max and the infinities, over more rows than a block holds and
     after rows written one at a time; what they give up is the abs min of a tensor holding a
-    positive value (unmeasured) and the -inf beside a +inf with no nan. Small values' rows
-    (`exact`: the min through a copy of -t) give all of it."""
+    positive value (unmeasured) and the -inf beside a +inf with no nan."""
     monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
     cases = {name: t.to(device) for name, t in special_tensors(dtype, 300).items()}
     names = (list(cases) * (1 + 2 * row_sink.ROWS_PER_BLOCK // len(cases)))[:2 * row_sink.ROWS_PER_BLOCK + 7]
@@ -377,10 +375,7 @@ def test_rows_written_together_read_back_as_lean_rows_written_one_at_a_time(monk
     _rows_through_sink([torch.ones(3, dtype=dtype, device=device)] * 5, together)  # rows before
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"), torch.no_grad():
         expected = stats.to_host([one.write(cases[name]) for name in names], one)
-        got = stats.to_host(together.write_many([cases[name] for name in names], exact), together)
-    if exact:
-        assert [str(row) for row in got] == [str(row) for row in expected]
-        return
+        got = stats.to_host(together.write_many([cases[name] for name in names]), together)
     for name, want, have in zip(names, expected, got):
         abs_min, abs_max, nan, posinf, neginf, _ = stats.decode(have)
         w_abs_min, w_abs_max, w_nan, w_posinf, w_neginf, _ = stats.decode(want)

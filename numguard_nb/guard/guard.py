@@ -48,7 +48,7 @@ from .hooks import (
 from .options import OPTION_DOCS, GuardOptions, keyword_signature
 from .outside import OutsideWatch
 from .passes import (
-    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, HELD, BackwardPasses, BatchCounter,
+    ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, ENTRY_TARGETS, BackwardPasses, BatchCounter,
     CallRecord, PassRecord, PassState, ThreadPasses, graph_task_id,
 )
 from ..distributed.flags import RankFlags
@@ -451,7 +451,7 @@ class Guard:
             self.steps.forward_began(module_id, state.batch_number)
             if self.watch_backward and torch.is_grad_enabled():
                 self.module_hooks.rehook_changed(self)
-        state.forward = PassRecord(_measures_abs_min(self, state.batch_number), self.module_hooks.holding)
+        state.forward = PassRecord(_measures_abs_min(self, state.batch_number))
         state.forward.summarise_weights(self.module_hooks.weights_under(module_id), self._nonzero_min)
         state.forget_when_gone(frame_local_of_call())
         self._grad_hooks.drop_dead()  # keep the list bounded over long runs
@@ -484,7 +484,7 @@ class Guard:
                     kind = VALUE_NONE if leaf is None else VALUE_OTHER
                     call.slots.append((leaf_role, category, kind, None, None, None, 0))
             return
-        entry = pass_.summarise(value, (call.module_id, role), self._nonzero_min, self._sign_hints, later=HELD)
+        entry = pass_.summarise(value, (call.module_id, role), self._nonzero_min, self._sign_hints)
         call.slots.append(
             (role, category, entry[ENTRY_KIND], value.dtype, entry[ENTRY_SHAPE], entry[ENTRY_INDEX], 0))
         if watch_grads and value.requires_grad:
@@ -506,7 +506,7 @@ class Guard:
     def _backward_state(self) -> PassRecord:
         # Read everything back once, when the engine finishes this backward pass.
         _, pass_, opened = self._backward_passes.open(
-            lambda: PassRecord(_measures_abs_min(self, self.batch_number), self.module_hooks.holding, True),
+            lambda: PassRecord(_measures_abs_min(self, self.batch_number), self.module_hooks.holding),
             self._end_backward)
         if opened and self._ranks is not None:  # then, after DDP's reduction, what ranks learnt
             settle_after_reduction(self._ranks, self)
@@ -514,7 +514,7 @@ class Guard:
 
     def _on_grad(self, targets, grad):
         if self._attached and not self.paused and grad is not None and not is_dynamo_compiling():
-            self._record_grad(targets, grad, HELD)  # (a value's gradient: no `.grad` to take it from)
+            self._record_grad(targets, grad)
         return None
 
     def _on_leaf_grad(self, leaf_targets, grad):

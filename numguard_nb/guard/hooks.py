@@ -405,7 +405,7 @@ class ModuleHooks:
         # id of a module called top-level -> the hooked modules its call runs (`weights_under`);
         # forgotten whenever modules are hooked or let go
         self._modules_under: Dict[int, list] = {}
-        self.holding = Holding()  # what the passes learnt of values written later
+        self.holding = Holding()  # what the backwards learnt of gradients taken from `.grad`
 
     def weights_under(self, module_id: int) -> list:
         """The parameters and floating buffers of the hooked modules a top-level call of

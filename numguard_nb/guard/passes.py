@@ -6,9 +6,9 @@ Contract: a `CallRecord` is one module call in one phase; its slots are plain tu
 None, arrival order). A `PassRecord` summarises each tensor once per pass (`summarise`,
 `weight_slot`) into a cache entry, a list indexed by `ENTRY_REF` ... `ENTRY_KIND`: [reference,
 version, stats index or None, gradient targets or None, shape, value kind]; `read_back()` is the
-pass's one read-back. On a device a pass writes its rows a pass's worth at a time where it can
-(`summarise_weights`, `summarise`'s `later`; `Holding`: what its guard's passes learnt of where it
-cannot). `PassState`: one thread's place in a forward pass (its open calls, its pass,
+pass's one read-back. On a device a pass writes its weights' and its parameter gradients' rows
+together (`summarise_weights`, `summarise`'s `later`; `Holding`: what its guard's backwards
+learnt of where it cannot). `PassState`: one thread's place in a forward pass (its open calls, its pass,
 its batch; one per thread, `ThreadPasses`); `BackwardPasses`: the backward passes in progress.
 
 Limits: the reference is weak for values, the tensor itself for weights and buffers (their module
@@ -49,7 +49,7 @@ ENTRY_REF, ENTRY_VERSION, ENTRY_INDEX, ENTRY_TARGETS, ENTRY_SHAPE, ENTRY_KIND = 
 # The problem kinds of a value with nothing wrong with it (see detect.value_kinds).
 FINE = frozenset()
 
-_LATER = -1  # in `PassRecord.vectors`: a row written later (`PassRecord.summarise`)
+_LATER = -1  # in `PassRecord.vectors`: a gradient's row, written at the pass's read
 def _same_gradient(param, ptr: int, version: int) -> bool:
     """Whether `param.grad` is still the gradient its hook saw (`ptr`, `version`)."""
     grad = param.grad
@@ -57,33 +57,25 @@ def _same_gradient(param, ptr: int, version: int) -> bool:
 
 
 class Holding:
-    """What a guard's passes learnt of values whose rows are written later (`PassRecord.
-    summarise`): the sites (module id, role) whose value code changed in place after its call,
-    the parameters whose `.grad` was not the gradient their hook saw by the backward's end (both
-    written as they come), and how many passes of each phase still learn them (holding
-    nothing): the first after attaching."""
+    """What a guard's backward passes learnt of the parameters whose `.grad` was not the
+    gradient their hook saw by the backward's end (`PassRecord.summarise`): summarised as they
+    come. The first backwards after attaching learn it without deferring any gradient."""
 
-    __slots__ = ("changed_sites", "changed_grads", "to_learn")
+    __slots__ = ("changed_grads", "to_learn")
 
     def __init__(self):
-        self.changed_sites: set = set()
         self.changed_grads: set = set()  # ids of parameters (the guard's: alive while attached)
-        self.to_learn = [LEARNING_PASSES, LEARNING_PASSES]  # forward, backward
+        self.to_learn = LEARNING_PASSES
 
-    def learns(self, backward: bool) -> bool:
-        left = self.to_learn[backward]
-        if left:
-            self.to_learn[backward] = left - 1
-        return bool(left)
+    def learns(self) -> bool:
+        if self.to_learn:
+            self.to_learn -= 1
+            return True
+        return False
 
 
 LEARNING_PASSES = 2
 
-# `summarise`'s `later` for a value held for its row to be written with others': a value no larger
-# than HELD_VALUE_BYTES, while the pass holds no more than HELD_BYTES (then it writes them)
-HELD = object()
-HELD_VALUE_BYTES = 4 * 2**20
-HELD_BYTES = 32 * 2**20  # (and as much again for the copies an exact row takes: `RowSink.write_many`)
 
 _set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad without its Python-level overhead
 
@@ -129,11 +121,9 @@ class PassRecord:
 
     __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
                  "received_by_module", "thread", "delivered", "backward_calls", "sink",
-                 "grads_later", "held", "held_bytes", "holding", "learning", "grads_checked",
-                 "weight_ptrs")
+                 "grads_later", "holding", "grads_checked", "weight_ptrs")
 
-    def __init__(self, abs_min: bool = True, holding: Optional["Holding"] = None,
-                 backward: bool = False):
+    def __init__(self, abs_min: bool = True, holding: Optional["Holding"] = None):
         self.calls: list = []
         self.children: Dict[int, list] = {}  # forward: id(call) -> its direct children, closed
         self.vectors: list = []  # stats vectors still on the device (or their handles in `sink`)
@@ -153,41 +143,29 @@ class PassRecord:
         # not on the forward call: a link back would make a reference cycle of every pass,
         # freed only by the garbage collector's full collections.
         self.backward_calls: Dict[int, CallRecord] = {}
-        # What the guard's passes learnt of values written later (None: all written as they come)
+        # backward: what the guard's backwards learnt (None: every gradient summarised as it comes)
         self.holding = holding
         # backward: (parameter, index in `vectors`, the gradient's data pointer and version) of
         # gradients whose rows are written together at the pass's read from `.grad` (`summarise`)
         self.grads_later: list = []
-        # (value, its version, index in `vectors`, site) held for their rows to be written
-        # together (`summarise`'s HELD)
-        self.held: list = []
-        self.held_bytes = 0
-        # A pass that learns holds nothing: id(value) -> its site (at its read, the values still
-        # alive whose version moved since are `holding.changed_sites`), and (parameter, data
-        # pointer, version) of the gradients its hooks saw, to find `.grad` the same at its read
-        learns = holding is not None and holding.learns(backward)
-        self.learning: Optional[dict] = {} if learns else None
-        self.grads_checked: Optional[list] = [] if learns else None
+        # A backward that learns defers nothing: (parameter, data pointer, version) of the
+        # gradients its hooks saw, to find `.grad` the same at its read
+        self.grads_checked: Optional[list] = [] if holding is not None and holding.learns() else None
         self.weight_ptrs: dict = {}  # id -> data pointer of the weights summarised at its start
 
     def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
                   held: bool = False, later=None) -> list:
         """The cache entry of `t` in this pass, computing its statistics the first time. `site`
         (module id, role) says where it was seen, for `stats.device_stats`' sign hints; `held`:
-        `t` is a weight or buffer, referenced strongly (see the module docstring). Where rows
-        are lean and on a device, the row may be written later, with others (`stats.
-        device_stats_many`: a few launches for all, not one each), by `later`:
-        - the parameter `t` is the gradient of, which `t` becomes the `.grad` of as it is (no
-          grad before, no other hook): written at the pass's read from that `.grad` (holding `t`
-          meanwhile would make autograd copy it), if it is still `t` (its data pointer and
-          version); where it is not (a hook on the AccumulateGrad node wrote it: Horovod, Apex;
-          an optimizer stepping in backward), the row is none and the parameter's gradient is
-          written as it comes from then on. Passes that learn check that without deferring;
-        - HELD, for a value: `t` is held until the pass's read, or until the pass holds
-          HELD_BYTES (small values only: a large one's reduction keeps the device busy for its
-          launch's time). Its version tells whether it changed meanwhile: then it gets no row
-          (no statistics, never another value's), and its site is written as it comes from then
-          on. A pass that is `learning` holds nothing and learns those sites at its read."""
+        `t` is a weight or buffer, referenced strongly (see the module docstring). `later`: the
+        parameter `t` is the gradient of, which `t` becomes the `.grad` of as it is (no grad
+        before, no other hook): where rows are lean and on a device, its row is written at the
+        pass's read from that `.grad`, with the others' (`stats.device_stats_many`: a few
+        launches for all, not one each; holding `t` meanwhile would make autograd copy it), if
+        `.grad` is still `t` then (its data pointer and version). Where it is not (a hook on the
+        AccumulateGrad node wrote it: Horovod, Apex; an optimizer stepping in backward; a copy
+        to the weight's layout), the row is none and the parameter's gradient is summarised as
+        it comes from then on. The first backwards after attaching check that without deferring."""
         inference = t.is_inference()  # inference tensors have no version counter to cache on
         if not inference:
             key = id(t)
@@ -201,20 +179,10 @@ class PassRecord:
         numel = t.numel()
         if later is not None and self.holding is not None and not (nonzero_min or self.sink.abs_min) \
                 and _stats.written_together(t):
-            if later is not HELD:
-                if self.grads_checked is not None:
-                    self.grads_checked.append((later, t.data_ptr(), t._version))
-                elif id(later) not in self.holding.changed_grads:
-                    self.grads_later.append((later, len(self.vectors), t.data_ptr(), t._version))
-                    vec = _LATER
-            elif self.learning is not None:
-                earlier = self.learning.get(key)
-                if earlier is not None and entry is not None and _is_entry_of(entry, t):
-                    self.holding.changed_sites.add(earlier)  # changed in place since (a ReLU(inplace=True))
-                self.learning[key] = site
-            elif site not in self.holding.changed_sites and numel * t.element_size() <= HELD_VALUE_BYTES:
-                self.held.append((t, t._version, len(self.vectors), site))
-                self.held_bytes += numel * t.element_size()
+            if self.grads_checked is not None:
+                self.grads_checked.append((later, t.data_ptr(), t._version))
+            elif id(later) not in self.holding.changed_grads:
+                self.grads_later.append((later, len(self.vectors), t.data_ptr(), t._version))
                 vec = _LATER
         if vec is None and numel:
             grad_was_enabled = torch.is_grad_enabled()
@@ -229,8 +197,6 @@ class PassRecord:
         if vec is not None:
             index = len(self.vectors)
             self.vectors.append(vec)
-        if self.held_bytes >= HELD_BYTES:
-            self._write_held()
         kind = VALUE_TENSOR if index is not None else (VALUE_EMPTY if numel == 0 else VALUE_UNSUPPORTED)
         if inference:
             return [None, None, index, None, _stats.shape_of(t), kind]
@@ -336,10 +302,6 @@ class PassRecord:
         """Move every pending statistic to the host: the pass's one synchronisation."""
         if self.grads_later:
             self._write_grads_later()
-        if self.held:
-            self._write_held()
-        if self.learning:
-            self._learn_changed_sites()
         if self.grads_checked:
             checked, self.grads_checked = self.grads_checked, []
             for param, ptr, version in checked:
@@ -365,32 +327,6 @@ class PassRecord:
             for (grad, index), handle in zip(same, handles):
                 self.vectors[index] = handle if handle is not None else \
                     _stats.device_stats(grad, False, None, None, self.sink)
-
-    def _write_held(self) -> None:
-        """The rows of the values held (`summarise`'s HELD), together; none for a value changed
-        in place since, whose site is then written as it comes."""
-        held, self.held, self.held_bytes = self.held, [], 0
-        unchanged = []
-        for t, version, index, site in held:
-            if t._version == version:
-                unchanged.append((t, index))
-            else:
-                self.vectors[index] = None
-                self.holding.changed_sites.add(site)
-        with torch.no_grad():
-            handles = _stats.device_stats_many([t for t, _ in unchanged], self.sink, exact=True)
-            for (t, index), handle in zip(unchanged, handles):
-                self.vectors[index] = handle if handle is not None else \
-                    _stats.device_stats(t, False, None, None, self.sink)
-
-    def _learn_changed_sites(self) -> None:
-        learning, self.learning = self.learning, {}
-        for key, site in learning.items():
-            entry = self.cache.get(key)
-            if entry is not None and type(entry[ENTRY_REF]) is weakref.ref:
-                t = entry[ENTRY_REF]()
-                if t is not None and t._version != entry[ENTRY_VERSION]:
-                    self.holding.changed_sites.add(site)
 
     def measure_abs_min(self, minus_inf_only: bool = False) -> bool:
         """Measure the abs min a lean pass left unmeasured (`stats.UNMEASURED`), for a report
@@ -429,7 +365,7 @@ class PassRecord:
         """Drop what only the recording needed, once read back: device memory and tensor refs."""
         self.vectors = []
         self.cache = {}
-        self.held, self.grads_later = [], []
+        self.grads_later = []
         self.sink.release()
 
     def slots_in_arrival_order(self):
