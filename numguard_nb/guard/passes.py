@@ -53,7 +53,10 @@ _LATER = -1  # in `PassRecord.vectors`: a gradient's row, written at the pass's 
 def _same_gradient(param, ptr: int, version: int) -> bool:
     """Whether `param.grad` is still the gradient its hook saw (`ptr`, `version`)."""
     grad = param.grad
-    return grad is not None and grad.data_ptr() == ptr and grad._version == version
+    try:
+        return grad is not None and grad.data_ptr() == ptr and grad._version == version
+    except Exception:  # (a hook set a tensor without storage, a sparse one: not the same)
+        return False
 
 
 class Holding:
@@ -209,7 +212,7 @@ class PassRecord:
         together: a few multi-tensor reductions per device and dtype (`RowSink.write_many`) in
         place of a launch per tensor at each module's call, where a GPU's host time sets a
         step's pace. A call then finds its weights' entries here (`weight_slot`), unless they
-        changed since (their version): summarised again then, as before. Lean rows on a device
+        changed since (their version, or their data pointer: `.data` set): summarised again then. Lean rows on a device
         only; elsewhere (CPU read at once, abs min measured) each call summarises its own."""
         if nonzero_min or self.sink.abs_min or not tensors:
             return
