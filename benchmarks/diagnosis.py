@@ -1,6 +1,6 @@
 """Score inf/nan detectors on real bugs: which module, phase, op and batch each one names.
 
-    python benchmarks/diagnosis.py [--cases a,b] [--json PATH]
+    python benchmarks/diagnosis.py [--cases a,b] [--json PATH] [--as-on-a-gpu]
 
 Every case of diagnosis_cases (public bug reports reproduced small on CPU, plus traps where
 nothing is wrong) is run from scratch once per detector:
@@ -24,6 +24,9 @@ backward: the autograd node, and the ATen op if one is named) and batch. A detec
 silent, or names no op, has those wrong. On a trap the only question is whether it raised a
 false alarm. Each truth is also re-derived here by diagnosis_tracer (independent of numguard):
 the "tracer" column says whether it agrees.
+
+`--as-on-a-gpu` runs numguard as it runs on a GPU, on this CPU: statistics written as device rows
+and read once per pass, the sentinel's flags and the loss code's regions read later.
 """
 
 from __future__ import annotations
@@ -384,11 +387,26 @@ def markdown(results: List[dict], detectors=DETECTORS) -> str:
     return "\n".join(lines)
 
 
+def read_as_on_a_gpu() -> None:
+    """Run numguard's GPU path on CPU tensors, for this process: rows stay on the "device" and
+    are read once per pass, the sentinel's flags and the loss code's regions are read later."""
+    from numguard_nb import numerics, stats
+    from numguard_nb.guard import outside_checks
+
+    numerics.DEFERRED_DEVICE_TYPES.add("cpu")
+    stats.CPU_READS_AT_ONCE = False
+    outside_checks.IMMEDIATE_DEVICES = frozenset()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated case names (default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--as-on-a-gpu", action="store_true",
+                        help="numguard's GPU path on this CPU (rows and flags read later)")
     args = parser.parse_args(argv)
+    if args.as_on_a_gpu:
+        read_as_on_a_gpu()
     if args.cases:
         unknown = [n for n in args.cases.split(",") if n not in CASES_BY_NAME]
         if unknown:

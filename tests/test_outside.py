@@ -629,7 +629,7 @@ def _kl_steps(model, targets, steps=3, contained=True):
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_non_finite_value_the_code_discards_before_the_loss_is_a_note_not_an_error(mode):
+def test_a_non_finite_value_the_code_discards_before_the_loss_is_a_note_not_an_error(mode, place):
     torch.manual_seed(0)
     model = mlp()
     targets = torch.tensor([[0.0, 0.5, 0.25, 0.25]] * 4)
@@ -665,8 +665,18 @@ def observations_and_legal_actions():
     return obs, legal
 
 
+@pytest.fixture(params=["host", "a GPU's way"])
+def place(request, monkeypatch):
+    """Values read at once (CPU), or as on a GPU: the model's rows and flags, and the loss code's
+    regions, read later."""
+    if request.param != "host":
+        request.getfixturevalue("deferred_on_host")[0] = False  # (ready when looked at)
+        monkeypatch.setattr(outside_checks, "IMMEDIATE_DEVICES", frozenset())
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode):
+def test_minus_inf_logits_at_the_models_output_are_judged_by_the_loss(mode, place):
     from torch.distributions import Categorical
 
     torch.manual_seed(0)

@@ -1262,3 +1262,59 @@ def test_load_state_dict_in_swap_mode_works_under_numguard_on(swap_mode):
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
     session.after_cell(True, None)
     session.stop()
+
+
+# ---- the guard's own registration of gradient hooks ------------------------------------------
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tensor", ["non-leaf", "leaf"])
+def test_the_guards_gradient_hooks_run_and_go_as_torchs_own_in_their_order(tensor):
+    """`register_tensor_hook` (a module output's gradient hook, each call in full mode) keeps
+    torch's contract: the hook sees the gradient in registration order among the user's own
+    hooks, its handle removes it and no other, and its handle is pruned once the tensor goes."""
+    from numguard_nb._util import LiveHandles, register_tensor_hook
+
+    x = torch.ones(3, requires_grad=True)
+    y = x if tensor == "leaf" else x * 2
+    order = []
+    user_before = y.register_hook(lambda g: order.append("user before"))
+    ours = register_tensor_hook(y, lambda g: order.append(("ours", g.tolist())))
+    y.register_hook(lambda g: order.append("user after"))
+    (y * 3).sum().backward()
+    assert order == ["user before", ("ours", [3.0, 3.0, 3.0]), "user after"]
+    order.clear()
+    ours.remove()
+    user_before.remove()
+    ours.remove()  # (twice: nothing)
+    y = x if tensor == "leaf" else x * 2
+    (y * 3).sum().backward()
+    assert order == ([] if tensor == "non-leaf" else ["user after"])
+    handles = LiveHandles(slack=0)
+    z = (x * 2).exp()
+    handles.add(register_tensor_hook(z, lambda g: None))
+    del z
+    handles.prune()
+    assert len(handles) == 0  # its tensor and graph gone: nothing to remove
+
+
+def test_the_guards_gradient_hook_on_a_tensor_under_a_torch_function_mode_goes_through_it():
+    from numguard_nb._util import register_tensor_hook
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    seen = []
+    with _PassThroughMode() as mode:
+        register_tensor_hook(y, seen.append)
+    assert "register_hook" in mode.seen
+    y.sum().backward()
+    assert len(seen) == 1
+    with pytest.raises(RuntimeError, match="doesn't require gradient"):
+        register_tensor_hook(torch.ones(2), seen.append)

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import _tree, rerun
 from .. import stats as _stats
-from .._util import user_stacklevel
+from .._util import register_tensor_hook, user_stacklevel
 from .._schema import (
     BACKWARD, CAUSE_COMPILED, CAUSE_DATA, CAUSE_TRANSIENT, CODE_CAUSES, FORWARD, GRAD_INPUT, GRAD_OUTPUT, GRAD_PARAM, INPUT, LATEST,
     MODE_SENTINEL, OUTPUT, VALUE_NONE, VALUE_OTHER,
@@ -495,7 +495,7 @@ class Guard:
             elif entry[ENTRY_TARGETS] is None:
                 # One hook per tensor (and version), fanned out to every call that saw it.
                 targets = entry[ENTRY_TARGETS] = []
-                self._grad_hooks.handles.append(value.register_hook(GradHook(self, targets)))
+                self._grad_hooks.handles.append(register_tensor_hook(value, GradHook(self, targets)))
             else:
                 targets = entry[ENTRY_TARGETS]
             targets += (call, "grad_" + role, GRAD_OUTPUT if category == OUTPUT else GRAD_INPUT)

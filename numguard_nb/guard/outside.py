@@ -193,9 +193,10 @@ class OutsideWatch(BackwardWatch):
         __tracebackhide__ = True  # noqa: F841
         state.active = False  # the mode passes everything through until it can leave the stack
         loss = args[0] if args else kwargs.get("tensors")
-        self.settle(state, loss=loss)
+        judged: list = []
+        self.settle(state, loss=loss, judged=judged)
         if self.judge_loss is not None and loss is not None and self.watching():
-            self.judge_loss(loss)  # (a sentinel on a device: a -inf its models gave)
+            judged += self.judge_loss(loss) or ()  # (a sentinel on a device: a -inf its models gave)
         return caller_at_user_line()(func, args, kwargs)
 
     def run_function(self, state: ThreadState, func, args, kwargs):
@@ -334,7 +335,8 @@ class OutsideWatch(BackwardWatch):
         return self.guard.threads.state.batch_number
 
     def settle(self, state: ThreadState, raising: bool = True, loss=None, final: bool = False,
-               before_the_loss: bool = False, at_model_call: bool = False):
+               before_the_loss: bool = False, at_model_call: bool = False,
+               judged: Optional[list] = None):
         """Read the region's statistics back (one transfer on a GPU) and check what was not
         checked yet: its first culprit is held (`state.held`) and judged where it can do harm,
         by the loss of the backward (`loss`: what it starts from; `_judge`). The next function
@@ -343,12 +345,13 @@ class OutsideWatch(BackwardWatch):
         `torch.autograd.grad`'s outputs (a gradient penalty), whose finite values leave what is
         held to the loss that follows. `at_model_call`: a model's call ends the region; read
         later, it goes on past the call instead, to be read with the loss (a target made under
-        no_grad before the call, masked by the loss after it)."""
+        no_grad before the call, masked by the loss after it). `judged`: filled with the notes of
+        the models' -inf a sentinel's loss judgment, read after the region, holds (`_late_region`)."""
         if at_model_call and not final and self._region_read_later(state.pass_):
             return None
         pass_, state.pass_ = state.pass_, None
         if pass_ is not None and self.attached:
-            if not final and self._read_later(pass_, partial(self._late_region, pass_, loss)):
+            if not final and self._read_later(pass_, partial(self._late_region, pass_, loss, judged)):
                 return self._judge(state, loss, raising, final, before_the_loss)
             culprit = self._first_culprit(pass_, look=state.held is None)
             if culprit is not None:
@@ -376,10 +379,13 @@ class OutsideWatch(BackwardWatch):
                 found = (call, bad)
         return found
 
-    def _late_region(self, pass_: PassRecord, loss, values) -> None:
+    def _late_region(self, pass_: PassRecord, loss, judged: Optional[list], values) -> None:
         """A region whose value (read after it) was not fine: its first culprit is raised, or
         noted if its loss stayed finite, or, where no loss met it (none, or a value made in no
-        graph and given to no code the loss's graph holds), if the code after it dropped it."""
+        graph and given to no code the loss's graph holds), if the code after it dropped it. A
+        culprit whose inf is a model's -inf mask negated (`from_the_mask`) is left to the loss's
+        judgment of that mask, read next (`judged`): it runs the model's call again and names the
+        -inf's maker, as the host's `_judge` does."""
         culprit = self._first_culprit(pass_) if self.attached else None
         if culprit is not None:
             call = culprit[0]
@@ -387,6 +393,10 @@ class OutsideWatch(BackwardWatch):
                 harmful = not _contained(loss)
             else:
                 harmful = not dropped_after(pass_, call)
+            if harmful and judged and any(note.held for note in judged) \
+                    and from_the_mask(pass_, *culprit):
+                pass_.release()
+                return
             if harmful:
                 self._raise(pass_, *culprit)
             self._note_contained(pass_, *culprit)
@@ -407,9 +417,11 @@ class OutsideWatch(BackwardWatch):
         state.held = state.held_mask = None
         state.calls_held = 0
         owners = [item for item in (held, mask) if item is not None and item.alive() is not None]
-        if held in owners and not held.call.in_graph and not held.dropped_later:
-            # made in no graph (under no_grad: an evaluation's loss) and dropped by no later code:
-            # a loss never met its values; dropped or kept, as without a backward
+        if held in owners and not held.call.in_graph and not held.dropped_later \
+                and not fed_to_the_graph(held.pass_, held.call):
+            # made in no graph (under no_grad: an evaluation's loss), dropped by no later code
+            # and given to none the graph holds: a loss never met its values; dropped or kept,
+            # as without a backward
             loss = None
         if (loss is not None and _contained(loss)) or (loss is None and (
                 held not in owners or dropped_after(held.pass_, held.call))):
@@ -460,10 +472,13 @@ class OutsideWatch(BackwardWatch):
         if item.detect is None:
             self._note_contained(item.pass_, item.call, item.bad)
         else:
-            where = item.call.module_name or item.call.module_class
-            self._note(f"{where} gave the model's output -inf (a mask), and the loss stayed finite: "
-                       "not an error")
+            self.note_mask(item.call.module_name or item.call.module_class)
         item.pass_.release()
+
+    def note_mask(self, where: str) -> None:
+        """The -inf model `where` gave its output, which the loss showed harmless (a mask)."""
+        self._note(f"{where} gave the model's output -inf (a mask), and the loss stayed finite: "
+                   "not an error")
 
     def _note(self, note: str) -> None:
         if note not in self.contained and len(self.contained) < 8:

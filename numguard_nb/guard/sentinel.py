@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics, rerun
-from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
+from .._util import LiveHandles, WeakHook, compiled_original, qualified_name, register_tensor_hook
 from .._schema import (
     BACKWARD, CAUSE_BACKWARD, FORWARD, GRAD_PARAM, LATEST, OUTPUT, PROBLEM_NEGINF, WRITTEN_IN_FORWARD,
 )
@@ -214,6 +214,7 @@ class Sentinel:
             self.checks.start()
             self.guard.outside.deferred = self.checks  # the loss code's values: read alike
             self.guard.outside.judge_loss = self.masks.judge_later
+            self.masks.note = self.guard.outside.note_mask  # (a mask the loss showed harmless)
             self.ranks = RankFlags.attach_any(self.guard.models)
             # The parameters are looked up again only after one is set or a submodule replaced.
             # Held weakly by torch's global registries: a sentinel dropped while attached goes.
@@ -452,7 +453,7 @@ class Sentinel:
         for position, t in enumerate(tensors):
             if t.requires_grad and id(t) not in hooked:
                 hooked.add(id(t))
-                self._grad_handles.add(t.register_hook(_OutputGradient(self, call, position)))
+                self._grad_handles.add(register_tensor_hook(t, _OutputGradient(self, call, position)))
 
     def _on_output_gradient(self, call: _Call, position: int, grad) -> None:
         if self.paused or grad is None or not self.attached or is_dynamo_compiling():

@@ -114,18 +114,19 @@ class MasksForTheLoss:
         self._share = share  # (value) -> every rank learns it (several ranks), or nothing
         self._notes: deque = deque(maxlen=MAX_CALLS_WITHOUT_BACKWARD)
         self._kept = False  # judged by a gradient penalty: kept through its backward's end
+        self.note: Optional[Callable[[str], None]] = None  # (its name): a -inf the loss showed a mask
 
     def add(self, call, flag: torch.Tensor) -> None:
         note = _MaskNote(call, flag)
         self._notes.append(note)
         self._checks.add(flag, partial(_note_mask, note), sure=None)
 
-    def judge_later(self, loss, before_the_loss: bool = False) -> None:
+    def judge_later(self, loss, before_the_loss: bool = False) -> Optional[list]:
         """The loss a backward starts from (a tensor, or several): judged when it is read.
         `before_the_loss`: `torch.autograd.grad`'s outputs (a gradient penalty): the notes stay
-        for the loss that follows."""
+        for the loss that follows. Returns the notes it judges (None: no judgment)."""
         if not self._notes:
-            return
+            return None
         notes = list(self._notes)
         if before_the_loss:
             self._kept = True
@@ -134,15 +135,20 @@ class MasksForTheLoss:
         tensors = [t for t in _tree.tensors(loss) if t.is_floating_point() or t.is_complex()]
         flags = numerics.output_flags(tensors) if tensors else None
         if flags is None:
-            return
+            return None
         with torch.no_grad():
             high, low = flags
             size = high if low is None else torch.maximum(high, low)  # nan, or inf either way
             masks = torch.stack([note.flag.to(size.device, non_blocking=True).reshape(())
                                  for note in notes]).amax().reshape(1)
-            value = masks.masked_fill(size.isfinite(), -math.inf)  # fine unless both
+            finite = size.isfinite()
+            value = masks.masked_fill(finite, -math.inf)  # fine unless both
+            harmless = masks.masked_fill(~finite, -math.inf)  # a mask: said, no detection
         self._checks.add(value, partial(_late_loss, self._rerun, notes))
+        if self.note is not None:
+            self._checks.add(harmless, partial(_late_mask, self.note, notes), sure=None)
         self._share(value)
+        return notes
 
     def forget(self) -> None:
         if not self._kept:
@@ -161,6 +167,14 @@ def _late_loss(rerun: Callable, notes: list, values: list) -> None:
     for note in notes:
         if note.held:
             rerun(note.call, [math.nan])
+
+
+def _late_mask(say: Callable, notes: list, values: list) -> None:
+    """A call's outputs held -inf and the loss was finite: a mask, said as the host's loss
+    watch says it."""
+    held = next((note for note in notes if note.held), None)
+    if held is not None:
+        say(held.call.entry.name or held.call.entry.cls)
 
 
 def _remove_all(handles: list) -> None:
