@@ -11,6 +11,10 @@ the host (device rows stacked and read once per pass, the sentinel's flags read 
 configuration is attached once to its own copy; steps are interleaved; the figure is the median
 of per-step differences to the unguarded step of the same round, in ms and per module call.
 
+Timing on a shared machine moves by a few tenths of a millisecond from run to run; beside it each
+configuration's Python function calls a step are counted (cProfile, 10 steps): a count that does
+not move, of the host's work that most of a guard's cost on a GPU is.
+
 A median hides the garbage collector's full collections, which pause the process for 0.1-0.2 s
 (transformers loaded) every so many steps. So each configuration then runs `--gc-steps` steps on
 its own, counting the collections (`gc.callbacks`): full ones per 1,000 steps and the collector's
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import cProfile
 import gc
+import pstats
 import statistics
 import time
 
@@ -30,6 +36,7 @@ import torch
 from torch import nn
 
 from numguard_nb import Guard, numerics, stats
+from numguard_nb.guard import outside_checks
 
 
 def build_gpt2_small():
@@ -95,10 +102,14 @@ def bench(name: str, steps: int, gc_steps: int) -> None:
     model, loss_of = BUILDERS[name]()
     calls = sum(1 for _ in model.modules())
     runs = {"none": (model, torch.optim.AdamW(model.parameters(), lr=0.0))}
+    python = {"none": python_calls(model, loss_of, runs["none"][1])}
     for config, options in CONFIGS.items():
         copy_ = copy.deepcopy(model)
-        Guard(copy_, **options).attach()
         runs[config] = (copy_, torch.optim.AdamW(copy_.parameters(), lr=0.0))
+        guard = Guard(copy_, **options).attach()  # (counted alone: torch's global hooks are shared)
+        python[config] = python_calls(copy_, loss_of, runs[config][1])
+        guard.detach()
+    guards = [Guard(runs[config][0], **options).attach() for config, options in CONFIGS.items()]
     times = {config: [] for config in runs}
     for round_ in range(steps + 5):
         for config, (m, optimizer) in runs.items():
@@ -106,14 +117,31 @@ def bench(name: str, steps: int, gc_steps: int) -> None:
             if round_ >= 5:  # warm-up rounds
                 times[config].append(elapsed)
     base = times["none"]
-    print(f"{name} ({calls} modules): unguarded step {statistics.median(base) * 1e3:.2f} ms")
+    print(f"{name} ({calls} modules): unguarded step {statistics.median(base) * 1e3:.2f} ms, "
+          f"{python['none']:,.0f} Python calls")
     for config in runs:
         extra = statistics.median(t - b for t, b in zip(times[config], base))
         model_, optimizer = runs[config]
         full, seconds = collections_of(model_, loss_of, optimizer, gc_steps) if gc_steps else (0, 0.0)
-        print(f"  {config:14s} +{extra * 1e3:6.2f} ms a step, {extra / calls * 1e6:5.1f} us a module;"
-              f" garbage collector: {full * 1000 / max(gc_steps, 1):4.1f} full collections per"
-              f" 1,000 steps, {seconds / max(gc_steps, 1) * 1e3:.2f} ms a step")
+        print(f"  {config:14s} +{extra * 1e3:6.2f} ms a step, {extra / calls * 1e6:5.1f} us a module,"
+              f" {python[config] - python['none']:+7,.0f} Python calls; garbage collector: {full * 1000 / max(gc_steps, 1):4.1f}"
+              f" full collections per 1,000 steps, {seconds / max(gc_steps, 1) * 1e3:.2f} ms a step")
+    for guard in guards:  # (their global hooks would see the next model's registrations)
+        guard.detach()
+
+
+def python_calls(model, loss_of, optimizer, steps: int = 10) -> float:
+    """Python function calls a step (cProfile's count, the builtins called too), after 3 steps."""
+    for _ in range(3):
+        step(model, loss_of, optimizer)
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        for _ in range(steps):
+            step(model, loss_of, optimizer)
+    finally:
+        profile.disable()
+    return sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / steps
 
 
 def collections_of(model, loss_of, optimizer, steps: int) -> tuple:
@@ -142,9 +170,11 @@ def main() -> None:
     parser.add_argument("--gc-steps", type=int, default=300, help="steps of each alone (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core, as the host of a GPU launches from one thread
-    # The GPU's path, on the host: device rows read once per pass, flags read later.
+    # The GPU's path, on the host: device rows read once per pass, flags and the loss code's
+    # regions read later.
     stats.CPU_READS_AT_ONCE = False
     numerics.DEFERRED_DEVICE_TYPES.add("cpu")
+    outside_checks.IMMEDIATE_DEVICES = frozenset()
     with contextlib.suppress(KeyboardInterrupt):
         for name in args.models.split(","):
             bench(name, args.steps, args.gc_steps)

@@ -496,13 +496,18 @@ def _is_functorch_wrapped(t: torch.Tensor) -> bool:
 is_functorch_wrapped = _is_functorch_wrapped
 
 
+def _all_ints(vectors: list) -> bool:
+    """Whether every row is a sink's handle (at C speed: a pass has hundreds)."""
+    return set(map(type, vectors)) == {int}
+
+
 def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] = None) -> list:
     """The rows of one device as host lists, with one transfer. Rows are stacked per dtype: a
     stack of mixed dtypes (bfloat16 activations beside float32 weights under autocast) is a
     copy per value (cat's fallback: a kernel launch each on a GPU), one of a single dtype is one
     batched copy. A sink's rows come as matrices already."""
     host_float = _host_float(device)
-    if type(vectors[0]) is int and all(type(vec) is int for vec in vectors):
+    if type(vectors[0]) is int and _all_ints(vectors):
         # A sink's rows only (the device path's common case): in order with one comprehension.
         matrices, places = sink.rows_of(vectors)
         rows = _host_rows(_joined([matrix.to(host_float) for matrix in matrices]), sink.abs_min)
@@ -605,15 +610,14 @@ def _one_to_host(vec, sink) -> Optional[list]:
 
 
 def _to_host(vectors: list, sink) -> list:
-    if sink is not None and type(vectors[0]) is int:
-        device = sink.only_device()
-        if device is not None and all(type(vec) is int for vec in vectors):
-            return _stack_to_host(vectors, device, sink)
+    device = sink.only_device() if sink is not None else None  # (of every row in the sink)
+    if device is not None and type(vectors[0]) is int and _all_ints(vectors):
+        return _stack_to_host(vectors, device, sink)
     values: list = [None] * len(vectors)
     by_device: dict = {}
     for index, vec in enumerate(vectors):
         if type(vec) is int:  # a row in the sink
-            by_device.setdefault(sink.device_of(vec), []).append(index)
+            by_device.setdefault(device or sink.device_of(vec), []).append(index)
         elif vec is None:  # a value gone before its row was written (`PassRecord.read_back`)
             pass
         elif type(vec[0]) is float:  # read on the host already

@@ -611,6 +611,37 @@ def test_a_parameter_set_while_guarded_has_its_gradient_checked():
     assert [row.role for row in report.frames[-1].rows if row.flagged] == ["w.grad"]
 
 
+class SlicesItsLayers(nn.Module):
+    """Hugging Face's Llama slices its layers in forward: a new ModuleList (and a registration
+    per layer in it) each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_forward_building_a_container_each_call_looks_the_parameters_up_once():
+    torch.manual_seed(0)
+    model = SlicesItsLayers()
+    with Guard(model, mode="sentinel") as guard:
+        model(x4()).sum().backward()
+        known = guard._sentinel.parts.parameters()
+        for _ in range(3):
+            model(x4()).sum().backward()
+        assert guard._sentinel.parts.parameters() is known  # (not once per step)
+        bad = SqrtWeight()
+        with torch.no_grad():
+            bad.w.zero_()  # sqrt(0): its gradient is inf
+        model.layers[1] = bad  # joins the model: looked up again, its gradient checked
+        report = caught(lambda: model(x4()).sum().backward()).report
+    assert report.first_nonfinite.module_name == "layers.1" and report.phase == "backward"
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_distributed_model_is_re_run_inside_its_wrapper_on_this_rank_alone(tmp_path, phase):
     import torch.distributed as dist

@@ -8,6 +8,7 @@ most passes are clean and never shown, so a pass is kept as slots and host value
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 from typing import Optional
 
@@ -460,6 +461,9 @@ def add_op_location(frame: Frame, where) -> None:
         frame.source, frame.op_made = where.source, where.made
 
 
+_SEQ = operator.attrgetter("seq")
+
+
 class RecentPasses:
     """The last passes, kept as (pass, its last calls) and turned into frames only when a report
     needs them as context."""
@@ -471,7 +475,7 @@ class RecentPasses:
     def remember(self, pass_: PassRecord, max_frames: int) -> None:
         """Keep the pass's last calls (it has been read back) as context for a later report."""
         pass_.release()
-        calls = sorted(pass_.calls, key=lambda c: c.seq)[-max_frames:]
+        calls = sorted(pass_.calls, key=_SEQ)[-max_frames:]
         with self._lock:
             self.passes.append((pass_, calls))
             # Keep just enough passes to fill max_frames frames of context.

@@ -476,8 +476,8 @@ class Guard:
     def _add(self, pass_: PassRecord, call: CallRecord, role, category, value, watch_grads) -> None:
         """Add a slot for one value of a call (one per leaf of a nested value); for
         gradients-to-be, hook the tensor."""
-        if not isinstance(value, torch.Tensor):
-            for leaf_role, leaf in _tree.named_leaves(value, role):
+        if not isinstance(value, torch.Tensor):  # (None, as most keyword arguments are: no walk)
+            for leaf_role, leaf in ((role, None),) if value is None else _tree.named_leaves(value, role):
                 if isinstance(leaf, torch.Tensor):
                     self._add(pass_, call, leaf_role, category, leaf, watch_grads)
                 else:

@@ -4,9 +4,8 @@ cost, and the full diagnosis when a step breaks.
 Contract: it checks what a step cannot hide (each top-level call's outputs and the buffers it
 wrote, the code between a call and its backward, the gradients after each backward) and, on the
 first problem, runs the failing call(s) again under the full guard (`sentinel_rerun`) and raises
-that report
-(`found_by="re-run"`), before an optimizer step writes weights from those gradients. A healthy
-step's outputs and gradients are bit-identical, and on a GPU it waits for nothing
+that report (`found_by="re-run"`), before an optimizer step writes weights from those gradients.
+A healthy step's outputs and gradients are bit-identical, and on a GPU it waits for nothing
 (`sentinel_checks`). Under DDP and FSDP2 every rank stops at the same point (`ranks`).
 
 Limits: a value the model clamps or masks inside itself is not seen; a fault the re-run does
@@ -55,7 +54,7 @@ from .sentinel_checks import (
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
-from .sentinel_calls import ThreadState, closes_top_level, entry_modules, pass_through
+from .sentinel_calls import GuardedParts, ThreadState, closes_top_level, entry_modules, pass_through
 from .sentinel_rerun import (forward_frame, gradient_frame, rerun_backward, rerun_forward,
                              rerun_step_together)
 
@@ -186,7 +185,7 @@ class Sentinel:
         self._batch = -1  # the batch whose start was seen last
         self._call_counts: Dict[int, int] = {}  # module id -> top-level calls in the batch
         self._sampled = SampledBatches(guard)  # traced and sampled batches: the full hooks
-        self._known_parameters: Optional[list] = None  # None: look them up again
+        self.parts = GuardedParts(guard)  # the models' parameters and modules
         self._registration_handles: list = []  # torch's global hooks telling of new parameters
         weakref.finalize(self, _remove_all, self._registration_handles)
         self.checks = StepChecks(self._parameters)  # read later: CUDA's checks
@@ -270,7 +269,8 @@ class Sentinel:
         self._sampled.stop()
         self._handles.clear()
         self._registration_handles.clear()  # in place: the finalizer holds it
-        self._known_parameters = self.checks.guarded_ids = None
+        self.parts.forget()
+        self.checks.guarded_ids = None
         self.entries.clear()
         self.tasks.clear()
         self._sign_hints.clear()
@@ -577,7 +577,8 @@ class Sentinel:
         if source is None or self.ranks.rank in made or (own_named_later
                                                           and self.ranks.rank in forward):
             return False
-        first, self._known_parameters = calls[0], None  # (FSDP2 swaps them, unseen)
+        first = calls[0]
+        self.parts.forget()  # (FSDP2 swaps them, unseen)
         self._raise(received_report(seen or gradient_frame(
             first.entry.name, first.entry.cls, first.batch_number, first.call_index,
             self._bad_gradients(self._parameters())), source, source in forward,
@@ -585,17 +586,17 @@ class Sentinel:
 
     def _parameters(self) -> list:
         """The guarded parameters (each once), as of the last parameter or submodule set."""
-        if self._known_parameters is None:  # (those models share, once)
-            self._known_parameters = list({id(p): p for root in self.guard.models.values()
-                                           for p in root.parameters()}.values())
-        return self._known_parameters
+        return self.parts.parameters()
 
     def new_parameters(self, module, name, value) -> None:
-        self._known_parameters = self.checks.guarded_ids = None
-        _forget_submodules(self.entries)
+        if self.parts.holds(module):  # (not a container a forward builds and drops)
+            self.parts.forget()
+            self.checks.guarded_ids = None
+            _forget_submodules(self.entries)
 
     def new_buffer(self, module, name, value) -> None:
-        sentinel_buffers.forget(self.entries.values(), module, name)
+        if self.parts.holds(module):
+            sentinel_buffers.forget(self.entries.values(), module, name)
 
     def parameter_names(self) -> dict:
         return _parameter_names(self.guard.models)

@@ -5,7 +5,8 @@ thread, the top-level call under way.
 Contract: `entry_modules` lists the modules to hook; a thread's `ThreadState` says how deep it is
 in calls of them; `closes_top_level` tells the closing hook of the top-level call from one
 inside it; `pass_through` marks calls that are no top-level ones (Lightning's evaluation step
-called through the DDP or FSDP wrapper).
+called through the DDP or FSDP wrapper); `GuardedParts` which parameters and modules are the
+models'.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .._util import compiled_original, qualified_name
 
 from .hooks import own_call_frame_id, still_running
 
-__all__ = ["ThreadState", "closes_top_level", "entry_modules", "pass_through"]
+__all__ = ["GuardedParts", "ThreadState", "closes_top_level", "entry_modules", "pass_through"]
 
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 
@@ -106,3 +107,33 @@ def closes_top_level(local: ThreadState, module) -> bool:
         return False
     local.depth = 0
     return True
+
+
+class GuardedParts:
+    """The guarded models' parameters (each once) and modules, looked up again only after torch's
+    global hooks tell of a parameter or submodule registered on one of those modules: a forward
+    that builds a container each call (Hugging Face's Llama slices its ModuleList of layers, a
+    dozen registrations a step) changes nothing of theirs."""
+
+    __slots__ = ("_guard", "_parameters", "_module_ids")
+
+    def __init__(self, guard):
+        self._guard = guard  # (its models: the ones it is pointed at now)
+        self._parameters = None
+        self._module_ids = None
+
+    def parameters(self) -> list:
+        if self._parameters is None:  # (those models share, once)
+            self._parameters = list({id(p): p for root in self._guard.models.values()
+                                     for p in root.parameters()}.values())
+        if self._module_ids is None:  # (looked up here, a backward's end: the models are whole)
+            self._module_ids = {id(m) for root in self._guard.models.values() for m in root.modules()}
+        return self._parameters
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether `module` is one of the models' (True while that is not known: a submodule
+        being registered joins them only after the hook that tells of it)."""
+        return self._module_ids is None or id(module) in self._module_ids
+
+    def forget(self) -> None:
+        self._parameters = self._module_ids = None
