@@ -54,7 +54,8 @@ from .sentinel_checks import (
 from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
-from .sentinel_calls import GuardedParts, ThreadState, closes_top_level, entry_modules, pass_through
+from .sentinel_calls import (GuardedParts, ThreadState, closes_top_level, entry_modules,
+                             forget_submodules, modes_of, pass_through)
 from .sentinel_rerun import (forward_frame, gradient_frame, rerun_backward, rerun_forward,
                              rerun_step_together)
 
@@ -367,7 +368,7 @@ class Sentinel:
         if first is not None and numerics.deferred(first) and not self.guard.synchronous:
             # an asynchronous device: one value computed there, read when it is ready (its
             # re-run then, after the loop's model.train(), puts each module back in its mode)
-            call.training = _modes_of(entry)
+            call.training = modes_of(entry)
             flags = numerics.output_flags((t for t in tensors if numerics.readable(t)),
                                           sentinel_buffers.produced(written, deferred=True))
             if flags is not None:  # read with the gradients of the backward that follows
@@ -592,7 +593,7 @@ class Sentinel:
         if self.parts.holds(module):  # (not a container a forward builds and drops)
             self.parts.forget()
             self.checks.guarded_ids = None
-            _forget_submodules(self.entries)
+            forget_submodules(self.entries)
 
     def new_buffer(self, module, name, value) -> None:
         if self.parts.holds(module):
@@ -616,18 +617,6 @@ class Sentinel:
         if self.ranks is not None and report.source_rank is None and report.rank is not None:
             report.source_rank = self.ranks.rank  # this rank's own values made it
         raise frames.detection_error(self.guard, report)
-
-
-def _modes_of(entry: _Entry) -> tuple:
-    """(the entry's modules, each one's train/eval mode now)."""
-    if entry.submodules is None:
-        entry.submodules = list(entry.module.modules())
-    return entry.submodules, tuple(module.training for module in entry.submodules)
-
-
-def _forget_submodules(entries: dict) -> None:
-    for entry in entries.values():
-        entry.submodules = None
 
 
 def _backward_due(sentinel) -> bool:

@@ -11,6 +11,7 @@ models'.
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -20,9 +21,11 @@ from .._util import compiled_original, qualified_name
 
 from .hooks import own_call_frame_id, still_running
 
-__all__ = ["GuardedParts", "ThreadState", "closes_top_level", "entry_modules", "pass_through"]
+__all__ = ["GuardedParts", "ThreadState", "closes_top_level", "entry_modules", "forget_submodules",
+           "modes_of", "pass_through"]
 
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
+_TRAINING = operator.attrgetter("training")
 
 
 def entry_modules(prefix: str, root: nn.Module):
@@ -137,3 +140,16 @@ class GuardedParts:
 
     def forget(self) -> None:
         self._parameters = self._module_ids = None
+
+
+def modes_of(entry) -> tuple:
+    """(an entry's modules, each one's train/eval mode now), to put back for its re-run."""
+    if entry.submodules is None:
+        entry.submodules = list(entry.module.modules())
+    return entry.submodules, tuple(map(_TRAINING, entry.submodules))
+
+
+def forget_submodules(entries: dict) -> None:
+    """A module joined the models: each entry looks its submodules up again."""
+    for entry in entries.values():
+        entry.submodules = None
