@@ -66,13 +66,15 @@ def shell(ipython):
 
 @pytest.fixture
 def deferred_on_host(monkeypatch):
-    """CPU values read as a GPU's are (statistics as device rows, flags read later); `held[0]`
-    True: the device has not finished them yet."""
+    """CPU values read as a GPU's are (statistics as device rows, flags and the loss code's
+    regions read later); `held[0]` True: the device has not finished them yet."""
     from numguard_nb import numerics, stats
     from numguard_nb.numerics import DeferredRead
 
     monkeypatch.setattr(numerics, "DEFERRED_DEVICE_TYPES", {"cpu", "cuda"})
     monkeypatch.setattr(stats, "CPU_READS_AT_ONCE", False)
+    from numguard_nb.guard import outside_checks
+    monkeypatch.setattr(outside_checks, "IMMEDIATE_DEVICES", frozenset())
     held = [True]
     real_ready = DeferredRead.ready
     monkeypatch.setattr(DeferredRead, "ready",

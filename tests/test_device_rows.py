@@ -86,6 +86,24 @@ def test_a_healthy_step_makes_one_reduction_a_row_and_a_traced_batch_two(deferre
             if (name, phase, row.role) == ("div", "forward", "input[1]")] == [0.5]
 
 
+def test_the_loss_codes_rows_are_one_reduction_and_its_culprit_shows_abs_min(deferred_on_host):
+    """The loss code's rows too are one reduction each on a GPU (a region read later, a
+    backward's nodes); a loss-code culprit's report measures the abs min of its values still
+    alive, as a model's detection does: log's input of both signs shows its smallest |x|."""
+    net = Net()
+    with Guard(net) as guard:
+        _train_step(net)
+        healthy = _reductions(lambda: (net(X, DIVISOR) * 2).pow(2).sum().backward())
+    assert healthy["norm"] == 0, healthy
+    with pytest.raises(NonFiniteError) as caught, Guard(net):
+        out = net(X, DIVISOR)
+        torch.log(out).sum().backward()  # log of the negative outputs: nan
+    culprit = caught.value.report.first_nonfinite
+    assert (culprit.module_name, culprit.op) == ("<outside>", "aten.log.default")
+    given = next(row for row in culprit.rows if row.category == "input")
+    assert given.abs_min == pytest.approx(float(out.detach().abs().min()))
+
+
 def test_a_detection_measures_the_abs_min_of_its_values_still_alive(deferred_on_host):
     """The division's divisor (both signs) is alive when the report is made: its abs min, 0, is
     measured, and the hint gives it as evidence. A value freed since shows no abs min."""

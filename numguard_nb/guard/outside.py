@@ -41,8 +41,8 @@ from .outside_ops import (
     Meta, aten_ops, fallback_op, in_optimizer, input_role, likeliest, scalar_kinds, source_of,
     user_where,
 )
-from .outside_checks import (BackwardWatch, OutsideCall, _finite, _learn_clean, _made_new,
-                             dropped_after, fed_to_the_graph, from_the_mask)
+from .outside_checks import (_LEAN_PASS, BackwardWatch, OutsideCall, _finite, _learn_clean,
+                             _made_new, dropped_after, fed_to_the_graph, from_the_mask)
 from .passes import ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, PassRecord, graph_task_id
 from .rank_reports import hold_until_every_rank_knows
 
@@ -268,7 +268,7 @@ class OutsideWatch(BackwardWatch):
         if pass_ is None or len(pass_.calls) >= MAX_REGION_OPS:
             if pass_ is not None:
                 self.settle(state)
-            pass_ = state.pass_ = PassRecord()
+            pass_ = state.pass_ = _LEAN_PASS()
         return pass_
 
     def _summarise_inputs(self, pass_: PassRecord, args, kwargs, skip_first: bool = False):
@@ -518,6 +518,7 @@ class OutsideWatch(BackwardWatch):
         """Build the report of an outside culprit, keep it on the guard and raise it (or, without
         `raising`, report it and return the error to raise)."""
         guard, options = self.guard, self.guard.options
+        pass_.measure_abs_min()  # (of the values still alive: a device's rows leave it out)
         culprit = frames.build_frame(pass_, call, options, {id(s) for s in bad})
         culprit.op = call.op
         culprit.source = source_of(call.where)

@@ -32,6 +32,9 @@ from .passes import FINE, SLOT_CATEGORY, BackwardPasses, CallRecord, PassRecord,
 __all__ = ["BackwardWatch", "OutsideCall", "dropped_after", "fed_to_the_graph", "from_the_mask"]
 
 IMMEDIATE_DEVICES = frozenset(("cpu",))  # checked op by op: no device to wait for
+# A region's or a backward's record: one reduction a device row (abs min is measured for a
+# report, `OutsideWatch._raise`).
+_LEAN_PASS = partial(PassRecord, abs_min=False)
 # How many nodes one function may create that get a hook (a composite makes a few).
 MAX_NODES_PER_OP = 16
 _INF_KINDS = detect.INF_KINDS
@@ -233,7 +236,7 @@ class BackwardWatch:
             given = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
             if not given or (self._immediate(given) and all(_finite(g) for g in given)):
                 return  # the common case: finite gradients, nothing recorded
-            _, pass_, _ = self.backward_passes.open(PassRecord, self._end_backward)
+            _, pass_, _ = self.backward_passes.open(_LEAN_PASS, self._end_backward)
             call = OutsideCall(hook.node, BACKWARD, forward.batch_number, forward.call_index)
             call.forward, call.where = forward, forward.where
             grads = []
