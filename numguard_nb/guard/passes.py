@@ -201,10 +201,13 @@ class PassRecord:
             index = len(self.vectors)
             self.vectors.append(vec)
         kind = VALUE_TENSOR if index is not None else (VALUE_EMPTY if numel == 0 else VALUE_UNSUPPORTED)
+        try:  # (`stats.shape_of`, inline: a value of every module call goes through here)
+            shape = tuple(t.shape)
+        except Exception:  # (a strided nested tensor has none)
+            shape = None
         if inference:
-            return [None, None, index, None, _stats.shape_of(t), kind]
-        entry = self.cache[key] = [t if held else weakref.ref(t), version, index, None,
-                                   _stats.shape_of(t), kind]
+            return [None, None, index, None, shape, kind]
+        entry = self.cache[key] = [t if held else weakref.ref(t), version, index, None, shape, kind]
         return entry
 
     def summarise_weights(self, tensors: list, nonzero_min: bool) -> None:
