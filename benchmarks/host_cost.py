@@ -8,8 +8,9 @@ step of a model of many small modules waits on the host. This script measures th
 CPU: models of realistic depth made small (GPT-2's and a Llama-style model's 12 layers at width
 64 and 8 tokens; the 48 x [Linear, GELU, LayerNorm] stack at width 16), bf16 autocast, AdamW, with the GPU's path run on
 the host (device rows stacked and read once per pass, the sentinel's flags read later). Each
-configuration is attached once to its own copy; steps are interleaved; the figure is the median
-of per-step differences to the unguarded step of the same round, in ms and per module call.
+configuration is attached once to its own copy; configurations take turns, `--block` steps each
+(the first of a block, after another model's steps, not counted); the figure is the median of
+per-step differences to the unguarded step of the same round, in ms and per module call.
 
 Timing on a shared machine moves by a few tenths of a millisecond from run to run; beside it each
 configuration's Python function calls a step are counted (cProfile, 10 steps): a count that does
@@ -97,7 +98,7 @@ def step(model, loss_of, optimizer) -> float:
     return time.perf_counter() - start
 
 
-def bench(name: str, steps: int, gc_steps: int) -> None:
+def bench(name: str, steps: int, gc_steps: int, block: int) -> None:
     torch.manual_seed(0)
     model, loss_of = BUILDERS[name]()
     calls = sum(1 for _ in model.modules())
@@ -111,11 +112,13 @@ def bench(name: str, steps: int, gc_steps: int) -> None:
         guard.detach()
     guards = [Guard(runs[config][0], **options).attach() for config, options in CONFIGS.items()]
     times = {config: [] for config in runs}
-    for round_ in range(steps + 5):
+    counted = max(block - 1, 1)  # (a block's first step, after another model's, is not counted)
+    for round_ in range(-(-steps // counted) + 5):
         for config, (m, optimizer) in runs.items():
-            elapsed = step(m, loss_of, optimizer)
-            if round_ >= 5:  # warm-up rounds
-                times[config].append(elapsed)
+            for position in range(block):
+                elapsed = step(m, loss_of, optimizer)
+                if round_ >= 5 and (position or block == 1):  # (5 warm-up rounds)
+                    times[config].append(elapsed)
     base = times["none"]
     print(f"{name} ({calls} modules): unguarded step {statistics.median(base) * 1e3:.2f} ms, "
           f"{python['none']:,.0f} Python calls")
@@ -168,6 +171,10 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(BUILDERS))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--gc-steps", type=int, default=300, help="steps of each alone (0: none)")
+    parser.add_argument("--block", type=int, default=4,
+                        help="each configuration's steps in blocks of this many in a row, as a loop "
+                             "runs one model (the sentinel keeps its nested hooks aside between its "
+                             "calls only while other modules' calls between them stay few)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core, as the host of a GPU launches from one thread
     # The GPU's path, on the host: device rows read once per pass, flags and the loss code's
@@ -177,7 +184,7 @@ def main() -> None:
     outside_checks.IMMEDIATE_DEVICES = frozenset()
     with contextlib.suppress(KeyboardInterrupt):
         for name in args.models.split(","):
-            bench(name, args.steps, args.gc_steps)
+            bench(name, args.steps, args.gc_steps, max(args.block, 1))
 
 
 if __name__ == "__main__":

@@ -224,11 +224,12 @@ def step(model, batch, context, device, optimizer=None, sync_debug=None):
     return time.perf_counter() - start
 
 
-def bench(name, device, steps, warmup=3, train=False, pairs=False):
+def bench(name, device, steps, warmup=3, train=False, pairs=False, block=1):
     """Rows (detector, median ms, median ratio, mean ratio, host syncs, unguarded copy's ratio).
     Round-robin over every configuration; with `pairs`, each detector in rounds of its own with
     the unguarded model and an unguarded copy of it (the copy's ratio: the noise floor), its
-    steps alone between the unguarded ones, as in a training loop that runs one of them."""
+    steps alone between the unguarded ones, as in a training loop that runs one of them: `block`
+    steps of each in a row, the first of a block (after another model's steps) not counted."""
     torch.manual_seed(0)
     model, batch = BUILDERS[name](device)
     model.eval()  # no dropout: every configuration computes exactly the same thing
@@ -252,9 +253,10 @@ def bench(name, device, steps, warmup=3, train=False, pairs=False):
             for i in range(warmup + steps):
                 for key in (group if i % 2 or not pairs else group[::-1]):
                     m, context = configs[key]
-                    elapsed = step(m, batch, context, device, optimizers[key])
-                    if i >= warmup:
-                        (copy_ if pairs and key == group[1] else times[key]).append(elapsed)
+                    for position in range(block if pairs else 1):
+                        elapsed = step(m, batch, context, device, optimizers[key])
+                        if i >= warmup and (position or block == 1):
+                            (copy_ if pairs and key == group[1] else times[key]).append(elapsed)
             if pairs:
                 copy_times[group[2]] = (list(times["none"]), copy_)
                 times[group[2] + " base"] = times["none"]
@@ -306,6 +308,9 @@ def main():
     parser.add_argument("--pairs", action="store_true",
                         help="time each detector in rounds of its own with the unguarded model and an "
                              "unguarded copy (whose ratio is the noise floor), not all round-robin")
+    parser.add_argument("--block", type=int, default=1,
+                        help="with --pairs: each configuration's steps in blocks of this many in a row "
+                             "(the first of each not counted), as a loop runs one model")
     parser.add_argument("--quick", action="store_true",
                         help="a first look: T5 and the MLP, 8 steps (unless --models/--steps say otherwise)")
     args = parser.parse_args()
@@ -320,13 +325,15 @@ def main():
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     what = "training steps (forward, backward, AdamW step, zero_grad)" if args.train else "steps (forward, backward)"
     how = "in pairs with the unguarded model" if args.pairs else "interleaved"
+    if args.pairs and args.block > 1:
+        how += f", in blocks of {args.block} steps (the first of each not counted)"
     print(f"torch {torch.__version__}, {label}, median of {args.steps} {what}, {how}\n")
     copy_column = (" unguarded copy |", "---:|") if args.pairs else ("", "")
     print(f"| model | detector | step (ms) | ratio | mean ratio | host syncs per step |{copy_column[0]}\n"
           f"|---|---|---:|---:|---:|---:|{copy_column[1]}")
     for name in args.models.split(","):
         for key, ms, ratio, mean, syncs, noise in bench(name, device, args.steps, train=args.train,
-                                                        pairs=args.pairs):
+                                                        pairs=args.pairs, block=max(args.block, 1)):
             extra = f" {noise} |" if args.pairs else ""
             print(f"| {name} | {key} | {ms:.1f} | {ratio:.2f}x | {mean:.2f}x | {syncs} |{extra}", flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s in all)")

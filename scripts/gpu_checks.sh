@@ -17,7 +17,7 @@ nvidia-smi -L | tee -a "$out/checks.txt"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/checks.txt"
 
 section "overhead of a training step (bf16 autocast, fused AdamW), each detector in pairs with the unguarded model"
-timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --models gpt2-124m,llama-125m,stack194 --steps 20 2>&1 | tee "$out/overhead.md" | tail -30
+timeout 300 python benchmarks/overhead.py --device cuda --train --pairs --block 2 --models gpt2-124m,llama-125m,stack194 --steps 12 2>&1 | tee "$out/overhead.md" | tail -30
 section "cuda tests"
 timeout 180 python -m pytest -q -p no:cacheprovider -m cuda -ra \
   tests/test_sentinel_deferred.py tests/test_guard.py tests/test_replay.py tests/test_distcheck.py \

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from models import EatsInput, Exp, FirstCallOnly, LogNet, SqrtOfZero, SqrtOfZeroPlusInput, SqrtWeight
 from numguard_nb import Guard, NonFiniteError
@@ -1118,12 +1119,13 @@ def _raising_at_the_second_block(error: BaseException):
     return probe
 
 
-def test_a_model_call_that_raises_leaves_the_nested_hooks_in_place():
+def test_after_a_model_call_that_raises_its_blocks_called_alone_are_checked():
     model = Blocks(probe=_raising_at_the_second_block(ValueError("the user's forward fails")))
     with Guard(model, mode="sentinel"):
         with pytest.raises(ValueError):
             model(x4())
-        assert all(len(block._forward_hooks) == 1 for block in model.blocks)
+        _block_alone_is_checked(model, 0)
+        assert all(len(block._forward_hooks) == 1 for block in model.blocks)  # put back
     assert hooks_left(model) == []
 
 
@@ -1133,10 +1135,75 @@ def test_while_the_model_runs_its_inner_entries_take_torch_s_fast_path_and_get_t
                                                      len(block._forward_hooks))))
     with Guard(model, mode="sentinel"):
         before = [(list(b._forward_pre_hooks), list(b._forward_hooks)) for b in model.blocks]
-        model(x4()).backward()
-        assert seen == [(0, 0)] * 3  # no hook: torch's fast path for each block
+        for _ in range(3):
+            model(x4()).backward()
+        assert seen == [(0, 0)] * 9  # no hook: torch's fast path for each block
+        # kept aside between the model's calls: a block called alone has them put back
+        model.blocks[2](x4())
         assert [(list(b._forward_pre_hooks), list(b._forward_hooks)) for b in model.blocks] == before
     assert hooks_left(model) == []
+
+
+def test_an_inner_entry_called_alone_between_the_model_s_calls_is_checked_each_time():
+    model = Blocks()
+    with Guard(model, mode="sentinel"):
+        for index in (0, 1, 0, 2):  # the model's call between: its blocks' hooks aside again
+            model(x4()).backward()
+            model.blocks[index](x4()).sum().backward()  # a healthy call alone
+            model(x4()).backward()
+            _block_alone_is_checked(model, index)
+    assert hooks_left(model) == []
+
+
+def test_the_watch_between_the_model_s_calls_hands_a_block_its_keyword_arguments():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x, *, scale):
+            return x * self.weight * scale
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Scaled()
+
+        def forward(self, x):
+            return self.inner(x, scale=2.0).sum()
+
+    model = Outer()
+    with Guard(model, mode="sentinel"):
+        model(x4()).backward()
+        with pytest.raises(NonFiniteError) as caught:
+            model.inner(x4(), scale=float("inf"))  # its call is re-run with the same scale
+    report = caught.value.report
+    assert report.found_by == "re-run" and report.first_nonfinite.module_name == "inner"
+    assert hooks_left(model) == []
+
+
+def test_many_calls_of_other_modules_between_the_model_s_calls_end_the_watch():
+    # (each of them takes torch's slow path while the watch is in its registry)
+    from numguard_nb.guard.set_aside import GAPS_TO_STOP
+
+    model, teacher = Blocks(), nn.Sequential(*(nn.Linear(4, 4) for _ in range(40)))
+    with Guard(model, mode="sentinel") as guard:
+        model(x4()).backward()
+        assert len(module_hooks._global_forward_pre_hooks) == 1  # watching
+        with torch.no_grad():
+            teacher(x4())  # once: its calls past the limit put the hooks back, the watch goes
+        assert not module_hooks._global_forward_pre_hooks and not guard._sentinel.aside.kept
+        model(x4()).backward()
+        assert len(module_hooks._global_forward_pre_hooks) == 1  # kept aside again
+        for _ in range(GAPS_TO_STOP):  # the teacher called each step: not kept aside any more
+            with torch.no_grad():
+                teacher(x4())
+            model(x4()).backward()
+        for _ in range(2):
+            model(x4()).backward()
+            assert not module_hooks._global_forward_pre_hooks and not guard._sentinel.aside.kept
+        _block_alone_is_checked(model, 1)
+    assert hooks_left(model, teacher) == []
 
 
 def test_a_hook_registered_on_an_inner_entry_while_the_model_runs_comes_after_the_guard_s():
@@ -1150,6 +1217,7 @@ def test_a_hook_registered_on_an_inner_entry_while_the_model_runs_comes_after_th
     with Guard(model, mode="sentinel"):
         ours = list(model.blocks[0]._forward_hooks)
         model(x4()).backward()
+        model.blocks[0](x4())  # (called alone: the guard's are put back)
         assert list(model.blocks[0]._forward_hooks) == ours + [added[0].id]
         added[0].remove()
     assert hooks_left(model) == []
@@ -1354,12 +1422,13 @@ def test_a_detach_while_another_thread_puts_the_hooks_back_leaves_no_hook_behind
     guard = Guard(model, mode="sentinel").attach()
 
     def call():
+        model(x4())  # (its blocks' hooks kept aside after it)
         SlowHooks.armed = True  # (the attach's own writes are done)
-        model(x4())
+        model.blocks[0](x4())
 
     caller = threading.Thread(target=call)
     caller.start()
-    assert writing.wait(5)  # the call's end is putting the hooks back
+    assert writing.wait(5)  # the call alone is putting the hooks back
     detacher = threading.Thread(target=guard.detach)
     detacher.start()
     detacher.join(0.2)  # it waits for the put-back (without the lock: done by now)

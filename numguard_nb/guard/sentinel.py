@@ -30,7 +30,6 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from .. import _tree, numerics, rerun
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name, register_tensor_hook
@@ -46,7 +45,7 @@ from .hooks import (
 from .passes import (
     ENTRY_INDEX, ENTRY_KIND, ENTRY_SHAPE, SLOT_ROLE, BackwardPasses, CallRecord, PassRecord, graph_task_id,
 )
-from .set_aside import Inner, SetAside
+from .set_aside import CallWatch, Inner, SetAside
 from .sentinel_buffers import Before, BufferSlots
 from .sentinel_checks import (
     SURE_ANY, SURE_NAN, MasksForTheLoss, StepChecks, check_gradients_later, kept_gradient, stood_in,
@@ -55,7 +54,7 @@ from ..distributed.flags import RankFlags
 from .rank_reports import received_report
 from .sentinel_batches import SampledBatches
 from .sentinel_calls import (GuardedParts, ThreadState, closes_top_level, entry_modules,
-                             forget_submodules, modes_of, pass_through)
+                             forget_submodules, modes_of, pass_through, registration_hooks)
 from .sentinel_rerun import (forward_frame, gradient_frame, rerun_backward, rerun_forward,
                              rerun_step_together)
 
@@ -202,10 +201,14 @@ class Sentinel:
     def attach(self) -> bool:
         """Hook the models' top-level modules; returns True (detaches itself if it fails)."""
         try:
-            for position, (prefix, root) in enumerate(self.guard.models.items()):
+            watch = self.aside.watch = CallWatch(self)  # (inner hooks kept aside between calls)
+            self._registration_handles.append(watch)  # (removed as they are, the sentinel gone)
+            for prefix, root in self.guard.models.items():
                 for name, module, outer in entry_modules(prefix, root):
                     if id(module) not in self.entries:
                         self._hook(module, name, module is root, len(outer) <= 1)
+                        if outer:
+                            watch.flag(module)
                     hook_ids = tuple(self.entries[id(module)].hook_ids)
                     for caller in outer:  # set aside in their calls
                         self.entries[id(caller)].inner.append((module, hook_ids))
@@ -216,15 +219,7 @@ class Sentinel:
             self.guard.outside.judge_loss = self.masks.judge_later
             self.masks.note = self.guard.outside.note_mask  # (a mask the loss showed harmless)
             self.ranks = RankFlags.attach_any(self.guard.models)
-            # The parameters are looked up again only after one is set or a submodule replaced.
-            # Held weakly by torch's global registries: a sentinel dropped while attached goes.
-            changed, buffers = (WeakHook(self, "new_parameters", takes=3),
-                                WeakHook(self, "new_buffer", takes=3))  # (a module: both)
-            self._registration_handles += [
-                module_hooks.register_module_parameter_registration_hook(changed),
-                module_hooks.register_module_module_registration_hook(changed),
-                module_hooks.register_module_module_registration_hook(buffers),
-                module_hooks.register_module_buffer_registration_hook(buffers)]
+            self._registration_handles += registration_hooks(self)
         except BaseException:
             self.detach()
             raise
@@ -344,13 +339,15 @@ class Sentinel:
         local.call = _Call(entry, args, kwargs, guard.batch_number, index,
                            frames.stage_now(guard, module))
 
+    opens = _pre_hook  # (a call of an inner entry whose hooks were kept aside: `CallWatch`)
+
     def _post_hook(self, module, args, kwargs, output=_RAISED):
         if is_dynamo_compiling() or self.paused:
             return
         local = self._local
         if pass_through(local, module, False) or not closes_top_level(local, module):
             return
-        self.aside.put_back()  # (the inner entries' hooks, if this call set them aside)
+        self.aside.end()  # (the inner entries' hooks, if this call set them aside: kept)
         call, local.call = local.call, None
         if call is None or output is _RAISED or call.entry.module is not module \
                 or forward_raised():

@@ -16,13 +16,14 @@ import threading
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
-from .._util import compiled_original, qualified_name
+from .._util import WeakHook, compiled_original, qualified_name
 
 from .hooks import own_call_frame_id, still_running
 
 __all__ = ["GuardedParts", "ThreadState", "closes_top_level", "entry_modules", "forget_submodules",
-           "modes_of", "pass_through"]
+           "modes_of", "pass_through", "registration_hooks"]
 
 _UNIMPLEMENTED_FORWARD = nn.Module.forward  # containers (ModuleList, ModuleDict) are never called
 _TRAINING = operator.attrgetter("training")
@@ -153,3 +154,15 @@ def forget_submodules(entries: dict) -> None:
     """A module joined the models: each entry looks its submodules up again."""
     for entry in entries.values():
         entry.submodules = None
+
+
+def registration_hooks(sentinel) -> list:
+    """torch's global hooks telling `sentinel` of a parameter, submodule or buffer registered on
+    a module (`new_parameters`, `new_buffer`): the parameters are looked up again only after one
+    is set or a submodule replaced. They hold it weakly: a sentinel dropped while attached goes."""
+    changed, buffers = (WeakHook(sentinel, "new_parameters", takes=3),
+                        WeakHook(sentinel, "new_buffer", takes=3))  # (a module: both)
+    return [module_hooks.register_module_parameter_registration_hook(changed),
+            module_hooks.register_module_module_registration_hook(changed),
+            module_hooks.register_module_module_registration_hook(buffers),
+            module_hooks.register_module_buffer_registration_hook(buffers)]
