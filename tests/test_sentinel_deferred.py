@@ -1169,3 +1169,22 @@ def test_a_backward_re_run_read_after_eval_keeps_the_training_modes(deferred_on_
                 model(torch.randn(8, 4))  # the check is read here
     assert caught.value.report.cause == "backward-inline", caught.value.report.reason
     assert not model.training and not any(m.training for m in model.modules())
+
+
+def test_the_gradients_checked_on_a_device_are_every_parameter_s_that_holds_numbers():
+    from numguard_nb.guard.sentinel_checks import gradients_by_device
+
+    floats = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    for p in floats[:2]:
+        p.grad = torch.ones(3)  # (the third has none: a frozen or unused parameter)
+    [(params, by_dtype)] = gradients_by_device(floats)
+    assert params == floats[:2] and [[g is p.grad for g, p in zip(by_dtype[0], floats)]] == [[True, True]]
+    spectral = nn.Parameter(torch.randn(2, dtype=torch.cfloat))  # a complex one alone: as floats
+    spectral.grad = torch.ones(2, dtype=torch.cfloat)
+    [(params, [[grad]])] = gradients_by_device([spectral])
+    assert params == [spectral] and grad.dtype == torch.float32 and grad.shape == (2, 2)
+    half = nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
+    half.grad = torch.ones(3, dtype=torch.bfloat16)
+    [(params, by_dtype)] = gradients_by_device([floats[0], half, floats[1]])
+    assert params == [floats[0], floats[1], half]  # grouped by dtype, in that order
+    assert [[g.dtype for g in grads] for grads in by_dtype] == [[torch.float32] * 2, [torch.bfloat16]]
