@@ -7,14 +7,18 @@
 
 Each variant runs in a process of its own (a variant patches the package for the whole process):
 the unguarded model, an unguarded copy of it (its ratio is the noise floor) and the guarded copy,
-in alternating order, whole training steps as `overhead.py --train` times them (on a GPU: bf16
-autocast, fused AdamW). A row gives the median extra time a step over the unguarded step of the
+in alternating order, `--block` steps of each in a row (the first of a block, after another
+model's steps, not counted: a loop runs one model, and the sentinel keeps its nested hooks aside
+only while other modules' calls between its model's calls stay few), whole training steps as
+`overhead.py --train` times them (on a GPU: bf16 autocast, fused AdamW). A row gives the median extra time a step over the unguarded step of the
 same round, and its ratio. A variant is a diagnostic, not a mode: what it leaves out, it does not
 check. The variants:
 
 - `sentinel`, `full`: as they are.
 - `sentinel-nested-hooked`: the hooks of the entries inside a model stay in place while it runs
   (what `guard/set_aside.py` saves).
+- `sentinel-put-back-each-call`: those hooks go back after each call of the model, not kept aside
+  between its calls (what `SetAside.end` saves).
 - `sentinel-model-only`: only the models hooked, not their callable submodules.
 - `sentinel-no-gradient-flag`, `sentinel-no-output-flag`, `sentinel-no-flags`: the step's device
   checks left out (with both, nothing is read back at all).
@@ -45,7 +49,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-VARIANTS = ("sentinel", "sentinel-nested-hooked", "sentinel-model-only", "sentinel-no-gradient-flag",
+VARIANTS = ("sentinel", "sentinel-nested-hooked", "sentinel-put-back-each-call", "sentinel-model-only",
+            "sentinel-no-gradient-flag",
             "sentinel-no-output-flag", "sentinel-no-flags", "full", "full-abs-min", "full-no-statistics",
             "full-no-weights", "full-rows-one-at-a-time", "full-forward-only")
 
@@ -60,6 +65,7 @@ def parts_switched_off() -> list:
 
     return [
         (("sentinel-nested-hooked",), set_aside.SetAside, "take", lambda self, modules: None),
+        (("sentinel-put-back-each-call",), set_aside.SetAside, "end", lambda self: self.put_back()),
         (("sentinel-model-only",), sentinel, "entry_modules",
          lambda prefix, root: iter([(prefix, root, ())])),
         (("sentinel-no-gradient-flag", "sentinel-no-flags"), sentinel, "check_gradients_later",
@@ -88,7 +94,7 @@ def patch(variant: str) -> dict:
 
 
 def run_variant(model_name: str, variant: str, device: torch.device, steps: int,
-                warmup: int) -> str:
+                warmup: int, block: int = 1) -> str:
     from numguard_nb import Guard
     from overhead import BUILDERS, loss_of
 
@@ -108,16 +114,17 @@ def run_variant(model_name: str, variant: str, device: torch.device, steps: int,
     for i in range(warmup + steps):
         for key in (list(runs) if i % 2 else list(runs)[::-1]):
             m = runs[key]
-            sync()
-            start = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = loss_of(m, batch)
-            loss.backward()
-            optimizers[key].step()
-            optimizers[key].zero_grad(set_to_none=True)
-            sync()
-            if i >= warmup:
-                times[key].append(time.perf_counter() - start)
+            for position in range(block):
+                sync()
+                start = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss = loss_of(m, batch)
+                loss.backward()
+                optimizers[key].step()
+                optimizers[key].zero_grad(set_to_none=True)
+                sync()
+                if i >= warmup and (position or block == 1):
+                    times[key].append(time.perf_counter() - start)
     base = times["none"]
 
     def extra(key):
@@ -137,6 +144,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=2, help="each run's steps in blocks of this many")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -145,16 +153,18 @@ def main() -> None:
         parser.error(f"unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}")
     device = torch.device(args.device)
     if args.one:
-        print(run_variant(args.model, variants[0], device, args.steps, args.warmup), flush=True)
+        print(run_variant(args.model, variants[0], device, args.steps, args.warmup, max(args.block, 1)),
+              flush=True)
         return
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {label}, {args.model}, median of {args.steps} training steps"
-          " in pairs\n\n| model | variant | unguarded step (ms) | extra a step (ms) | ratio |"
+          f" in pairs, in blocks of {args.block}\n\n| model | variant | unguarded step (ms) | extra a step (ms) | ratio |"
           " unguarded copy |\n|---|---|---:|---:|---:|---:|", flush=True)
     for variant in variants:
         child = subprocess.run(
             [sys.executable, __file__, "--one", "--model", args.model, "--variants", variant,
-             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+             "--block", str(args.block)],
             capture_output=True, text=True)
         rows = [line for line in child.stdout.splitlines() if line.startswith("|")]
         print(rows[-1] if child.returncode == 0 and rows else
