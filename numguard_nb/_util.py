@@ -300,8 +300,6 @@ class TensorHookHandle:
             hooks.pop(self.id, None)
 
 
-
-
 def register_tensor_hook(t: torch.Tensor, hook) -> "TensorHookHandle":
     """`t.register_hook(hook)` at a fifth of its host time (1 against 4-9 us, a hook per module
     output a step in full mode): the same dict on the tensor and on its graph node, without the

@@ -1182,6 +1182,20 @@ def test_the_watch_between_the_model_s_calls_hands_a_block_its_keyword_arguments
     assert hooks_left(model) == []
 
 
+def test_a_loss_module_compiled_whole_between_the_model_s_calls_traces_through_the_watch():
+    # (the watch is in torch's global registry there: dynamo traces it, and must not break)
+    torch.manual_seed(0)
+    model, cross_entropy = Blocks(), nn.CrossEntropyLoss()
+    loss_of = torch.compile(lambda out, y: cross_entropy(out, y), fullgraph=True, backend="eager")
+    with Guard(model, mode="sentinel") as guard:
+        for _ in range(3):
+            out = model.blocks[0](x4())  # (a block as the model: the Blocks call keeps it aside)
+            model(x4()).backward()
+            assert len(module_hooks._global_forward_pre_hooks) == 1 and guard._sentinel.aside.kept
+            loss_of(out, torch.tensor([0, 1, 2])).backward()
+    assert hooks_left(model) == []
+
+
 def test_many_calls_of_other_modules_between_the_model_s_calls_end_the_watch():
     # (each of them takes torch's slow path while the watch is in its registry)
     from numguard_nb.guard.set_aside import GAPS_TO_STOP
