@@ -253,7 +253,7 @@ class CallWatch:
         self.others = 0
         self.busy_gaps = 0  # gaps in a row with more calls of other modules than `limit`
         self.stopped = False
-        self._flagged: list = []  # the `_forward_pre_hooks_with_kwargs` dicts holding its id
+        self._flagged: list = []  # (weakly) the modules whose kwargs flags hold its id
 
     def flag(self, module) -> None:
         """Have torch hand it `module`'s keyword arguments (copies of it leave the flag out)."""
