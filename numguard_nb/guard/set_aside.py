@@ -8,12 +8,12 @@ a GPU step's pace that is measurable: on the 48 blocks of overhead.py's stack, w
 unhooked, the sentinel's extra time on an H200 fell by 0.6-1.2 ms a step (of 21 ms). So while a
 top-level call of the model runs, each submodule whose only forward hooks are the sentinel's has
 them taken out of its hook dicts (torch's fast path), and they go back, first in their dicts as
-they were, when the call ends.
+they were, when one of them is called on its own (below).
 
 What that misses: a submodule called on its own by another thread while the model runs in this
 one; and, after an interrupt that skipped the model's closing hook, a submodule called on its own
 before the model's next call ends (the session puts them back after a failed cell; detaching
-drops them). A hook registered on such a submodule during the model's call with `prepend=True`
+drops them). A hook registered on such a submodule with `prepend=True` while they are aside
 ends up after the sentinel's. Calls of the model in other threads are still checked: a call
 inside whose opening hook did not run (the hooks were aside then) cannot end theirs
 (`sentinel._closes_top_level`), and a copy made meanwhile gets hook dicts of its own (`copies`).
