@@ -75,7 +75,7 @@ def parts_switched_off() -> list:
         (("full-abs-min",), guard, "_measures_abs_min", lambda owner, batch: True),
         (("full-no-statistics",), stats, "device_stats", lambda t, *args, **kwargs: None),
         (("full-no-weights",), passes.PassRecord, "weight_slot", no_weight_row),
-        (("full-rows-one-at-a-time",), passes.PassRecord, "summarise_weights",
+        (("full-rows-one-at-a-time", "full-no-weights"), passes.PassRecord, "summarise_weights",
          lambda self, tensors, nonzero_min: None),
         (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner, grad: None),
     ]

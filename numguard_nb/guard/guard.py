@@ -538,7 +538,7 @@ class Guard:
     def _record_grad(self, targets, grad, later=None) -> None:
         """Summarise one gradient once and add it to every call it belongs to (`targets`: forward
         call, role, category, one after another)."""
-        pass_ = self._backward_state()
+        pass_ = self._backward_passes.get(graph_task_id()) or self._backward_state()  # (no call once open)
         site = (targets[0].module_id, targets[1]) if targets else None
         entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints, later=later)
         index, shape, kind = entry[ENTRY_INDEX], entry[ENTRY_SHAPE], entry[ENTRY_KIND]
@@ -546,7 +546,7 @@ class Guard:
         # that is A's output and B's input is B's input gradient before it is A's output's).
         for position in range(len(targets) - 3, -1, -3):
             forward_call, role, category = targets[position:position + 3]
-            call = pass_.backward_call(forward_call)
+            call = pass_.backward_calls.get(id(forward_call)) or pass_.backward_call(forward_call)
             slot = (role, category, kind, grad.dtype, shape, index, next(pass_.seq))
             call.slots.append(slot)
             if self.synchronous and not self.tracing:

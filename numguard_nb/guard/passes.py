@@ -246,8 +246,18 @@ class PassRecord:
     def add_weight_slots(self, module, module_id: int, slots: list, nonzero_min: bool,
                          sign_hints: dict) -> None:
         """The slots of a call's parameters and floating buffers, at its start."""
+        cache, ptrs = self.cache, self.weight_ptrs
         for name, param in module._parameters.items():
-            if param is not None:
+            if param is None:
+                continue
+            # The common case inline (a module call's hottest loop): summarised at the pass's
+            # start or by an earlier call, the same tensor and data since. (`weight_slot` else.)
+            entry = cache.get(id(param))
+            if entry is not None and entry[ENTRY_REF] is param and entry[ENTRY_VERSION] == param._version \
+                    and ptrs.get(id(param)) in (None, param.data_ptr()):
+                slots.append((name, PARAM, entry[ENTRY_KIND], param.dtype, entry[ENTRY_SHAPE],
+                              entry[ENTRY_INDEX], 0))
+            else:
                 slots.append(self.weight_slot(param, name, PARAM, (module_id, name), nonzero_min, sign_hints))
         for name, buffer in module._buffers.items():
             # Running statistics go bad like weights; integer/bool buffers cannot.
@@ -472,12 +482,9 @@ def _forget_if_open(state: PassState, pass_: PassRecord, _gone) -> None:
         state.reset()
 
 
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def graph_task_id() -> int:
-    """Id of the autograd graph task running the caller (-1 outside backward)."""
-    return _current_graph_task_id()
+# graph_task_id(): id of the autograd graph task running the caller (-1 outside backward); torch's
+# own function, called as it is (a gradient hook's hottest line asks it).
+graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class BackwardPasses(dict):
@@ -492,7 +499,7 @@ class BackwardPasses(dict):
     def open(self, make: Callable, at_end: Callable) -> tuple:
         """(task, state, opened) of the backward pass running the caller: its state, made by
         `make()` on first use, when `at_end(task)` is queued to run once autograd ends it."""
-        task = _current_graph_task_id()
+        task = graph_task_id()
         state = self.get(task)
         if state is not None:
             return task, state, False
