@@ -37,6 +37,7 @@ import struct
 import threading
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from .row_sink import RowSink, _autocast_enabled, release_spare_blocks
@@ -505,13 +506,14 @@ def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] 
     """The rows of one device as host lists, with one transfer. Rows are stacked per dtype: a
     stack of mixed dtypes (bfloat16 activations beside float32 weights under autocast) is a
     copy per value (cat's fallback: a kernel launch each on a GPU), one of a single dtype is one
-    batched copy. A sink's rows come as matrices already."""
+    batched copy. A sink's rows come as matrices already. Device rows become host rows on the
+    host, after the transfer (`_host_rows`: a dozen array operations, not a dozen launches)."""
     host_float = _host_float(device)
     if type(vectors[0]) is int and _all_ints(vectors):
         # A sink's rows only (the device path's common case): in order with one comprehension.
         matrices, places = sink.rows_of(vectors)
-        rows = _host_rows(_joined([matrix.to(host_float) for matrix in matrices]), sink.abs_min)
-        rows = list(map(tuple, rows.cpu().tolist()))
+        raw = _joined([matrix.to(host_float) for matrix in matrices]).cpu().numpy()
+        rows = list(map(tuple, _host_rows(raw, sink.abs_min).tolist()))
         return [rows[place] for place in places]
     width = len(vectors[0]) if type(vectors[0]) is not int else 3
     groups: dict = {}
@@ -521,25 +523,30 @@ def _stack_to_host(vectors: list, device: torch.device, sink: Optional[RowSink] 
             handles.append(index)
         else:
             groups.setdefault((type(vec) is DeviceRow, vec[0].dtype), []).append(index)
-    order, device_blocks, other_blocks = [], [], []
+    order, blocks, sink_rows = [], [], 0
     if handles:
         matrices, places = sink.rows_of([vectors[i] for i in handles])
-        device_blocks = [_abs_min_column(matrix.to(host_float), sink.abs_min) for matrix in matrices]
-        order = [None] * sum(len(matrix) for matrix in matrices)
+        blocks = [matrix.to(host_float) for matrix in matrices]
+        sink_rows = sum(len(matrix) for matrix in matrices)
+        order = [None] * sink_rows
         for index, place in zip(handles, places):
             order[place] = index  # (rows no handle here asked for stay None: not read out)
-    for device_rows in (True, False):  # device rows first, to turn into host rows together
+    device_rows = sink_rows
+    for device_kind in (True, False):  # device rows first, to turn into host rows together
         for (kind, _), indices in groups.items():
-            if kind is device_rows:
+            if kind is device_kind:
                 # (a row of mixed dtypes is promoted exactly, as the rows of mixed groups are)
                 block = torch.stack([x for i in indices for x in vectors[i]]).to(host_float)
-                (device_blocks if device_rows else other_blocks).append(block.view(-1, width))
+                blocks.append(block.view(-1, width))
                 order += indices
-    blocks = other_blocks
-    if device_blocks:  # turned into host rows on the device: a few kernels a pass
-        blocks = [_host_rows(_joined(device_blocks))] + other_blocks
+                device_rows += len(indices) if device_kind else 0
+    raw = _joined(blocks).cpu().numpy()
+    if device_rows:
+        made = _abs_min_column(raw[:sink_rows], sink.abs_min) if sink_rows else raw[:0]
+        raw = np.concatenate([_host_rows(np.concatenate([made, raw[sink_rows:device_rows]])),
+                              raw[device_rows:]])
     # tuples of floats, which the garbage collector stops tracking (lists it tracks for good)
-    rows = list(map(tuple, _joined(blocks).cpu().tolist()))
+    rows = list(map(tuple, raw.tolist()))
     if not handles and len(groups) == 1:
         return rows
     values: list = [None] * len(vectors)
@@ -553,29 +560,30 @@ def _joined(blocks: list) -> torch.Tensor:
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _abs_min_column(rows: torch.Tensor, measured: bool) -> torch.Tensor:
+def _abs_min_column(rows: np.ndarray, measured: bool) -> np.ndarray:
     """`rows` (abs min, min, max, ...) whose abs min column was not written unless `measured`,
     with one: exact for a tensor of one sign, `UNMEASURED` for one of both."""
     if measured:
         return rows
     low, high = rows[:, 1], rows[:, 2]
-    derived = torch.where(low >= 0, low, torch.where(high <= 0, -high, UNMEASURED)).add_(0.0)
-    return torch.cat([derived[:, None], rows[:, 1:]], dim=1)  # (add_: -0.0 made 0.0)
+    derived = np.where(low >= 0, low, np.where(high <= 0, -high, UNMEASURED)) + 0.0  # (-0.0 made 0.0)
+    return np.concatenate([derived[:, None], rows[:, 1:]], axis=1)
 
 
-def _host_rows(rows: torch.Tensor, abs_min_measured: bool = True) -> torch.Tensor:
+def _host_rows(rows: np.ndarray, abs_min_measured: bool = True) -> np.ndarray:
     """A matrix of `DeviceRow` values, (abs min, min, max, ...), as host rows, (abs min, abs max,
-    signs, ...), on its device. Beside a nan, the infinities are unknown (signs nan). Rows whose
-    abs min was not `abs_min_measured` get one (`_abs_min_column`)."""
+    signs, ...). Beside a nan, the infinities are unknown (signs nan). Rows whose abs min was not
+    `abs_min_measured` get one (`_abs_min_column`). (A new array: `rows` may share a sink's
+    block, which later passes write over.)"""
     rows = _abs_min_column(rows, abs_min_measured)
     low, high = rows[:, 1], rows[:, 2]
-    abs_max = torch.maximum(-low, high).add_(0.0)  # nan where either is; -0.0 made 0.0
+    abs_max = np.maximum(-low, high) + 0.0  # nan where either is; -0.0 made 0.0
     positive, negative = high == _INF, low == -_INF
-    signs = torch.where(positive & negative, math.nan,
-                        torch.where(positive, _INF, torch.where(negative, -_INF, 0.0)))
-    unknown = abs_max.isnan()
-    columns = [rows[:, 0].masked_fill(unknown, math.nan), abs_max, signs.masked_fill(unknown, math.nan)]
-    return torch.stack(columns + [rows[:, i] for i in range(3, rows.shape[1])], dim=1)
+    signs = np.where(positive & negative, math.nan,
+                     np.where(positive, _INF, np.where(negative, -_INF, 0.0)))
+    unknown = np.isnan(abs_max)
+    columns = [np.where(unknown, math.nan, rows[:, 0]), abs_max, np.where(unknown, math.nan, signs)]
+    return np.stack(columns + [rows[:, i] for i in range(3, rows.shape[1])], axis=1).astype(rows.dtype, copy=False)
 
 
 def to_host(vectors: list, sink: Optional[RowSink] = None) -> list:

@@ -568,3 +568,14 @@ def test_abs_min_left_unmeasured_is_measured_for_the_tensors_given(monkeypatch):
         assert stats.smallest_magnitudes(tensors) == [(0.5, 3.0), (0.25, 1.0), (0.0, 4.0)]
     assert torch.is_autocast_enabled("cpu") is False
     assert stats.smallest_magnitudes([torch.ones(2), torch.empty(2, device="meta")]) == [(1.0, 1.0), None]
+
+
+@pytest.mark.parametrize("abs_min", [True, False])
+def test_negative_zeros_read_back_as_zeros_a_report_prints_without_a_sign(deferred_on_host, abs_min):
+    sink = row_sink.RowSink(abs_min)
+    handles = [stats.device_stats(t, sink=sink) for t in (torch.tensor([-0.0, -0.0]), torch.tensor([-0.0, 2.0]))]
+    rows = stats.to_host(handles, sink)
+    for row in rows:
+        assert math.copysign(1.0, stats.decode(row)[0]) == 1.0, row  # abs min
+    assert math.copysign(1.0, stats.decode(rows[0])[1]) == 1.0, rows[0]  # abs max
+    assert stats.decode(rows[1])[1] == 2.0
