@@ -31,6 +31,9 @@ check. The variants:
   pass's weights and parameter gradients were summarised together (`RowSink.write_many`): that
   change's gain.
 - `full-forward-only`: `backward=False`.
+- `full-lean-floor`: not the Guard but `lean_floor.LeanFloor`, hooks that keep only a compact
+  log of a pass (a row per value, one read a pass, no calls, slots or report): the floor a
+  rework of full mode's records could reach.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ sys.path.insert(0, HERE)
 VARIANTS = ("sentinel", "sentinel-nested-hooked", "sentinel-put-back-each-call", "sentinel-model-only",
             "sentinel-no-gradient-flag",
             "sentinel-no-output-flag", "sentinel-no-flags", "full", "full-abs-min", "full-no-statistics",
-            "full-no-weights", "full-rows-one-at-a-time", "full-forward-only")
+            "full-no-weights", "full-rows-one-at-a-time", "full-forward-only", "full-lean-floor")
 
 
 def parts_switched_off() -> list:
@@ -104,7 +107,12 @@ def run_variant(model_name: str, variant: str, device: torch.device, steps: int,
     model.eval()  # no dropout: every configuration computes the same thing
     guarded = copy.deepcopy(model)
     runs = {"none": model, "copy": copy.deepcopy(model), variant: guarded}
-    Guard(guarded, **options).attach()
+    if variant == "full-lean-floor":
+        from lean_floor import LeanFloor
+
+        LeanFloor(guarded)
+    else:
+        Guard(guarded, **options).attach()
     cuda = device.type == "cuda"
     optimizers = {key: torch.optim.AdamW(m.parameters(), lr=0.0, **({"fused": True} if cuda else {}))
                   for key, m in runs.items()}

@@ -18,7 +18,8 @@ def test_every_part_an_attribution_variant_switches_off_is_still_there():
     assert all(hasattr(owner, name) for _, owner, name, _ in parts)
     named = {variant for variants, *_ in parts for variant in variants}
     assert named <= set(attribute.VARIANTS)
-    assert set(attribute.VARIANTS) - named == {"sentinel", "full", "full-forward-only"}
+    assert set(attribute.VARIANTS) - named == {"sentinel", "full", "full-forward-only",
+                                               "full-lean-floor"}
 
 
 GPU_CHECKS = Path(__file__).resolve().parents[1] / "scripts" / "gpu_checks.sh"
@@ -78,3 +79,22 @@ def test_the_gpu_checks_run_every_benchmark_with_arguments_it_takes(monkeypatch)
         if name == "attribute":
             assert options.model in overhead.BUILDERS
             assert set(options.variants.split(",")) <= set(attribute.VARIANTS), options.variants
+
+
+def test_the_lean_floor_reads_each_pass_once_and_sees_a_nan_made_in_it():
+    # A floor that skipped its work would make any rework of full mode look free: it writes and
+    # reads its rows, each pass once, and a nan a weight puts in a pass reaches its scan.
+    import torch
+    from lean_floor import LeanFloor
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    floor = LeanFloor(model)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    assert (floor.passes_read, floor.nonfinite_passes) == (2, 0)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    model(x).sum().backward()
+    assert (floor.passes_read, floor.nonfinite_passes) == (4, 2)
+    floor.detach()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
