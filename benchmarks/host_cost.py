@@ -10,7 +10,9 @@ CPU: models of realistic depth made small (GPT-2's and a Llama-style model's 12 
 the host (device rows stacked and read once per pass, the sentinel's flags read later). Each
 configuration is attached once to its own copy; configurations take turns, `--block` steps each
 (the first of a block, after another model's steps, not counted); the figure is the median of
-per-step differences to the unguarded step of the same round, in ms and per module call.
+per-step differences to the unguarded step of the same round, in ms and per module call. The
+configuration `lean floor` is not the Guard but `lean_floor.LeanFloor`: hooks that keep only a
+compact log of a pass, the floor a leaner full-mode record could reach.
 
 Timing on a shared machine moves by a few tenths of a millisecond from run to run; beside it each
 configuration's Python function calls a step are counted (cProfile, 10 steps): a count that does
@@ -85,7 +87,17 @@ def build_stack_small():
 
 BUILDERS = {"gpt2-small": build_gpt2_small, "llama-small": build_llama_small,
             "stack194-small": build_stack_small}
-CONFIGS = {"full": {}, "full fwd only": {"backward": False}, "sentinel": {"mode": "sentinel"}}
+CONFIGS = {"full": {}, "full fwd only": {"backward": False}, "sentinel": {"mode": "sentinel"},
+           "lean floor": None}  # (not a Guard: `lean_floor.LeanFloor`, a leaner record's floor)
+
+
+def attach(model, options):
+    """The configuration's detector on `model` (its `detach()` takes it off)."""
+    if options is None:
+        from lean_floor import LeanFloor
+
+        return LeanFloor(model)
+    return Guard(model, **options).attach()
 
 
 def step(model, loss_of, optimizer) -> float:
@@ -107,10 +119,10 @@ def bench(name: str, steps: int, gc_steps: int, block: int) -> None:
     for config, options in CONFIGS.items():
         copy_ = copy.deepcopy(model)
         runs[config] = (copy_, torch.optim.AdamW(copy_.parameters(), lr=0.0))
-        guard = Guard(copy_, **options).attach()  # (counted alone: torch's global hooks are shared)
+        guard = attach(copy_, options)  # (counted alone: torch's global hooks are shared)
         python[config] = python_calls(copy_, loss_of, runs[config][1])
         guard.detach()
-    guards = [Guard(runs[config][0], **options).attach() for config, options in CONFIGS.items()]
+    guards = [attach(runs[config][0], options) for config, options in CONFIGS.items()]
     times = {config: [] for config in runs}
     counted = max(block - 1, 1)  # (a block's first step, after another model's, is not counted)
     for round_ in range(-(-steps // counted) + 5):
