@@ -140,7 +140,9 @@ def _copy(t: torch.Tensor, path) -> torch.Tensor:
 
 
 def _versions(value) -> tuple:
-    return tuple(-1 if t.is_inference() else t._version for t in _tree.tensors(value))
+    args, kwargs = value  # (tensors given as they are, the common call, without the walk)
+    tensors = args if not kwargs and all(type(t) is torch.Tensor for t in args) else _tree.tensors(value)
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 def _remove_all(handles: list) -> None:
