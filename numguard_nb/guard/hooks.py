@@ -417,8 +417,10 @@ class ModuleHooks:
             module = self.modules.get(module_id)
             if module is None:
                 return []
+            # (those holding none now are left out: one given a weight later has it summarised
+            # at its own call, as a weight the pass's start missed always is)
             modules = self._modules_under[module_id] = [
-                m for m in module.modules() if id(m) in self.modules]
+                m for m in module.modules() if id(m) in self.modules and (m._parameters or m._buffers)]
         if stats.CPU_READS_AT_ONCE:  # a CPU model's values are read at once: nothing to gather
             first = next((t for m in modules for t in m._parameters.values() if t is not None), None)
             if first is not None and first.is_cpu:
