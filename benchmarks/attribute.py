@@ -80,7 +80,7 @@ def parts_switched_off() -> list:
         (("full-no-weights",), passes.PassRecord, "weight_slot", no_weight_row),
         (("full-rows-one-at-a-time", "full-no-weights"), passes.PassRecord, "summarise_weights",
          lambda self, tensors, nonzero_min: None),
-        (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner, grad: None),
+        (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner, grad, pass_: None),
     ]
 
 

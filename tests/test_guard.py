@@ -568,6 +568,32 @@ def test_the_report_reaches_back_across_earlier_batches_up_to_max_frames():
     assert report.frames[-1] is report.first_nonfinite
 
 
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_report_shows_the_backward_before_it_with_each_gradient_where_it_came(path, request):
+    # A healthy backward's calls and slots are made only when a report reads them as context:
+    # they must come out as the gradients came (parameters' gradients, and the rows a GPU
+    # writes together at the backward's end, included).
+    if path == "device":
+        request.getfixturevalue("deferred_on_host")
+    model = mlp()
+    with pytest.raises(NonFiniteError) as caught, Guard(model, max_frames=30):
+        model(torch.randn(3, 4)).sum().backward()
+        model(torch.full((3, 4), float("nan")))
+    frames = caught.value.report.frames
+    backward = [(f.batch_number, f.module_name, [row.role for row in f.rows])
+                for f in frames if f.phase == "backward"]
+    assert backward == [
+        (0, "", ["grad_output"]),
+        (0, "2", ["grad_output", "bias.grad", "weight.grad", "grad_input[0]"]),
+        (0, "1", ["grad_output", "grad_input[0]"]),
+        (0, "0", ["grad_output", "bias.grad", "weight.grad"]),
+    ]
+    weight_grad = next(row for f in frames if f.phase == "backward" and f.module_name == "0"
+                       for row in f.rows if row.role == "weight.grad")
+    assert 0 < weight_grad.abs_max < float("inf")
+    assert [f.phase for f in frames].index("backward") == 4  # after batch 0's forward
+
 # ---- in-place, shared and frozen modules in backward --------------------------------------
 def test_inplace_relu_works_forward_and_backward():
     torch.manual_seed(0)

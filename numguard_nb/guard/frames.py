@@ -465,7 +465,7 @@ _SEQ = operator.attrgetter("seq")
 
 
 class RecentPasses:
-    """The last passes, kept as (pass, its last calls) and turned into frames only when a report
+    """The last passes, kept whole and turned into frames only when a report
     needs them as context."""
 
     def __init__(self):
@@ -473,18 +473,20 @@ class RecentPasses:
         self._lock = threading.Lock()  # passes of several threads end at once
 
     def remember(self, pass_: PassRecord, max_frames: int) -> None:
-        """Keep the pass's last calls (it has been read back) as context for a later report."""
+        """Keep the pass (it has been read back) as context for a later report."""
         pass_.release()
-        calls = sorted(pass_.calls, key=_SEQ)[-max_frames:]
         with self._lock:
-            self.passes.append((pass_, calls))
-            # Keep just enough passes to fill max_frames frames of context.
-            while len(self.passes) > 1 and sum(len(c) for _, c in list(self.passes)[1:]) >= max_frames:
+            self.passes.append(pass_)
+            # Keep just enough passes to fill max_frames frames of context (a backward's calls
+            # are counted without making its gradients' slots: at least one, maybe more kept).
+            while len(self.passes) > 1 and sum(
+                    p.calls_at_least() for p in list(self.passes)[1:]) >= max_frames:
                 self.passes.popleft()
 
     def frames(self, options) -> list:
         """The last `options.max_frames` frames of the kept passes."""
         with self._lock:
             kept = list(self.passes)
-        frames = [build_frame(p, c, options) for p, calls in kept for c in calls]
+        frames = [build_frame(p, c, options) for p in kept
+                  for c in sorted(p.calls, key=_SEQ)[-options.max_frames:]]
         return frames[-options.max_frames:]

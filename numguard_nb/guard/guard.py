@@ -529,8 +529,9 @@ class Guard:
     def _on_param_grad(self, hook: ParamHook, grad):
         if not self._attached or self.paused or grad is None or is_dynamo_compiling():
             return None
-        forward_call = hook.forward_call(self.threads.state, self)
-        self._record_grad((forward_call, hook.role, GRAD_PARAM), grad, hook.grad_as_is(self, grad))
+        pass_ = self._backward_passes.get(graph_task_id()) or self._backward_state()
+        targets = (hook.forward_call(self.threads.state, self), hook.role, GRAD_PARAM)
+        self._record_grad(targets, grad, hook.grad_as_is(self, grad, pass_))
         if hook.input_targets:  # the calls it was an input of
             self._on_leaf_grad(hook.input_targets, grad)
         return None
@@ -541,19 +542,15 @@ class Guard:
         pass_ = self._backward_passes.get(graph_task_id()) or self._backward_state()  # (no call once open)
         site = (targets[0].module_id, targets[1]) if targets else None
         entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints, later=later)
-        index, shape, kind = entry[ENTRY_INDEX], entry[ENTRY_SHAPE], entry[ENTRY_KIND]
-        # Targets were registered in forward order; backward reaches them in reverse (a tensor
-        # that is A's output and B's input is B's input gradient before it is A's output's).
-        for position in range(len(targets) - 3, -1, -3):
-            forward_call, role, category = targets[position:position + 3]
-            call = pass_.backward_calls.get(id(forward_call)) or pass_.backward_call(forward_call)
-            slot = (role, category, kind, grad.dtype, shape, index, next(pass_.seq))
-            call.slots.append(slot)
-            if self.synchronous and not self.tracing:
-                pass_.read_back()
-                culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
-                if culprit is not None and not self.scaling.excuses(self.options, pass_, *culprit):
-                    self._detect(pass_, BACKWARD, *culprit)
+        if not self.synchronous or self.tracing:
+            pass_.log_gradient(targets, entry, grad.dtype)  # slots made when the pass is read
+            return
+        for slot, call in pass_.slots_of(targets, entry[ENTRY_INDEX], entry[ENTRY_KIND], grad.dtype,
+                                         entry[ENTRY_SHAPE]):
+            pass_.read_back()
+            culprit = detect.backward_culprit(pass_, [slot], {id(slot): call}, self.options.stop_rules)
+            if culprit is not None and not self.scaling.excuses(self.options, pass_, *culprit):
+                self._detect(pass_, BACKWARD, *culprit)
 
     def _end_backward(self, task) -> None:
         pass_ = self._backward_passes.pop(task, None)

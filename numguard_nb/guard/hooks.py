@@ -35,7 +35,7 @@ from .. import rerun, stats
 from .._schema import BUFFER, FORWARD, PARAM
 from .._util import LiveHandles, WeakHook, compiled_original, qualified_name
 from . import copies
-from .passes import CallRecord, Holding
+from .passes import CallRecord, Holding, PassRecord
 
 __all__ = [
     "GradHook", "ParamHook", "ModuleHooks", "GradHooks", "inert_context", "running_calls",
@@ -249,19 +249,21 @@ class ParamHook:
     def __call__(self, grad):
         return self.guard._on_param_grad(self, grad)
 
-    def grad_as_is(self, guard, grad) -> Optional[torch.Tensor]:
+    def grad_as_is(self, guard, grad, pass_: PassRecord) -> Optional[torch.Tensor]:
         """The parameter, where the gradient its hook is given now becomes its `.grad` as it is
         and stays so until the backward ends: it has no gradient yet, no hook but this one, no
         call took it as an input, no process group reduces it (DDP writes `.grad` in place), and
-        the guard does not read each gradient at once (sync)."""
+        the guard does not read each gradient at once (sync). `pass_`: the backward running."""
         param = self.param
         if grad.is_cpu and stats.CPU_READS_AT_ONCE:
             return None  # (read at once)
         if param.grad is None and not self.input_targets and not guard.synchronous \
                 and len(param._backward_hooks) == 1 \
-                and not getattr(param, "_post_accumulate_grad_hooks", None) \
-                and not _distributed_initialised() and _accumulating():
-            return param
+                and not getattr(param, "_post_accumulate_grad_hooks", None):
+            writes = pass_.writes_grads
+            if writes is None:  # (asked once a backward: `backward()` or `autograd.grad()`)
+                writes = pass_.writes_grads = not _distributed_initialised() and _accumulating()
+            return param if writes else None
         return None
 
     def forward_call(self, state, guard) -> CallRecord:

@@ -6,7 +6,8 @@ Contract: a `CallRecord` is one module call in one phase; its slots are plain tu
 None, arrival order). A `PassRecord` summarises each tensor once per pass (`summarise`,
 `weight_slot`) into a cache entry, a list indexed by `ENTRY_REF` ... `ENTRY_KIND`: [reference,
 version, stats index or None, gradient targets or None, shape, value kind]; `read_back()` is the
-pass's one read-back. On a device a pass writes its weights' and its parameter gradients' rows
+pass's one read-back. A backward logs its gradients (`log_gradient`) and makes their calls and
+slots only when its `calls` are read. On a device a pass writes its weights' and its parameter gradients' rows
 together (`summarise_weights`, `summarise`'s `later`; `Holding`: what its guard's backwards
 learnt of where it cannot). `PassState`: one thread's place in a forward pass (its open calls, its pass,
 its batch; one per thread, `ThreadPasses`); `BackwardPasses`: the backward passes in progress.
@@ -122,12 +123,17 @@ def _is_entry_of(entry: list, t: torch.Tensor) -> bool:
 class PassRecord:
     """One forward or backward pass: its calls, its tensor cache and its pending statistics."""
 
-    __slots__ = ("calls", "children", "vectors", "values", "cache", "seq", "received",
+    __slots__ = ("_calls", "children", "vectors", "values", "cache", "seq", "received",
                  "received_by_module", "thread", "delivered", "backward_calls", "sink",
-                 "grads_later", "holding", "grads_checked", "weight_ptrs")
+                 "grads_later", "holding", "grads_checked", "weight_ptrs", "gradients",
+                 "writes_grads")
 
     def __init__(self, abs_min: bool = True, holding: Optional["Holding"] = None):
-        self.calls: list = []
+        self._calls: list = []  # (`calls`: with the gradients logged made into slots first)
+        # backward: (targets, stats index, value kind, dtype, shape) of each gradient in arrival
+        # order, made into its calls' slots only when the pass's calls are read (`calls`): a
+        # backward's hooks do no more than this, and a healthy pass nobody reports on never does
+        self.gradients: list = []
         self.children: Dict[int, list] = {}  # forward: id(call) -> its direct children, closed
         self.vectors: list = []  # stats vectors still on the device (or their handles in `sink`)
         # where device rows are written; without `abs_min`, one reduction a row (`stats.RowSink`)
@@ -155,6 +161,9 @@ class PassRecord:
         # gradients its hooks saw, to find `.grad` the same at its read
         self.grads_checked: Optional[list] = [] if holding is not None and holding.learns() else None
         self.weight_ptrs: dict = {}  # id -> data pointer of the weights summarised at its start
+        # backward: whether it writes its leaves' gradients into `.grad` with no process group
+        # reducing them (`hooks.ParamHook.grad_as_is`), once asked: the same for all its leaves
+        self.writes_grads: Optional[bool] = None
 
     def summarise(self, t: torch.Tensor, site, nonzero_min: bool, sign_hints: dict,
                   held: bool = False, later=None) -> list:
@@ -283,10 +292,46 @@ class PassRecord:
         if written and recorder is not None:
             recorder.note_written(module, written)
 
+    @property
+    def calls(self) -> list:
+        """The pass's calls, forward in closing order, backward in the order their first
+        gradient came (the gradients logged made into slots first: `slots_of`)."""
+        if self.gradients:
+            self._slot_gradients()
+        return self._calls
+
+    def calls_at_least(self) -> int:
+        """How many calls the pass has at least, without making the logged gradients' slots."""
+        return len(self._calls) + bool(self.gradients)
+
+    def log_gradient(self, targets, entry: list, dtype) -> None:
+        """A gradient has come for `targets` (forward call, role, category, one after another),
+        summarised as `entry`: its slots are made when the calls are read."""
+        self.gradients.append((targets, entry[ENTRY_INDEX], entry[ENTRY_KIND], dtype, entry[ENTRY_SHAPE]))
+
+    def _slot_gradients(self) -> None:
+        logged, self.gradients = self.gradients, []
+        for gradient in logged:
+            for _ in self.slots_of(*gradient):
+                pass
+
+    def slots_of(self, targets, index, kind, dtype, shape):
+        """Make the slots of one gradient in its backward calls, yielding (slot, call) each.
+        Targets were registered in forward order; backward reaches them in reverse (a tensor
+        that is A's output and B's input is B's input gradient before it is A's output's)."""
+        if self.gradients:  # (those logged before come first)
+            self._slot_gradients()
+        for position in range(len(targets) - 3, -1, -3):
+            forward_call, role, category = targets[position:position + 3]
+            call = self.backward_calls.get(id(forward_call)) or self.backward_call(forward_call)
+            slot = (role, category, kind, dtype, shape, index, next(self.seq))
+            call.slots.append(slot)
+            yield slot, call
+
     def close(self, call: CallRecord) -> None:
         """A forward call has closed: next in the pass's order, and among its parent's children."""
         call.seq = next(self.seq)
-        self.calls.append(call)
+        self._calls.append(call)
         if call.parent is not None:
             self.children.setdefault(id(call.parent), []).append(call)
 
@@ -304,7 +349,7 @@ class PassRecord:
         call.forward = forward_call
         self.backward_calls[id(forward_call)] = call
         call.seq = next(self.seq)
-        self.calls.append(call)
+        self._calls.append(call)
         return call
 
     def note_received(self, forward_call: Optional[CallRecord], kinds) -> None:
