@@ -30,6 +30,8 @@ check. The variants:
 - `full-rows-one-at-a-time`: every row summarised as it comes (a launch each), as before a
   pass's weights and parameter gradients were summarised together (`RowSink.write_many`): that
   change's gain.
+- `full-backward-slots-as-they-come`: each gradient's slots made in its calls as it comes, as
+  before a backward's hooks only logged them (`PassRecord.log_gradient`): that change's gain.
 - `full-forward-only`: `backward=False`.
 - `full-lean-floor`: not the Guard but `lean_floor.LeanFloor`, hooks that keep only a compact
   log of a pass (a row per value, one read a pass, no calls, slots or report): the floor a
@@ -55,7 +57,8 @@ sys.path.insert(0, HERE)
 VARIANTS = ("sentinel", "sentinel-nested-hooked", "sentinel-put-back-each-call", "sentinel-model-only",
             "sentinel-no-gradient-flag",
             "sentinel-no-output-flag", "sentinel-no-flags", "full", "full-abs-min", "full-no-statistics",
-            "full-no-weights", "full-rows-one-at-a-time", "full-forward-only", "full-lean-floor")
+            "full-no-weights", "full-rows-one-at-a-time", "full-backward-slots-as-they-come",
+            "full-forward-only", "full-lean-floor")
 
 
 def parts_switched_off() -> list:
@@ -65,6 +68,12 @@ def parts_switched_off() -> list:
 
     def no_weight_row(self, t, role, category, site, nonzero_min, sign_hints):
         return (role, category, passes.VALUE_UNSUPPORTED, t.dtype, tuple(t.shape), None, 0)
+
+    log_gradient = passes.PassRecord.log_gradient
+
+    def slots_as_they_come(self, targets, entry, dtype):
+        log_gradient(self, targets, entry, dtype)
+        return self.calls  # (reading them makes the slots logged)
 
     return [
         (("sentinel-nested-hooked",), set_aside.SetAside, "take", lambda self, modules: None),
@@ -81,6 +90,7 @@ def parts_switched_off() -> list:
         (("full-rows-one-at-a-time", "full-no-weights"), passes.PassRecord, "summarise_weights",
          lambda self, tensors, nonzero_min: None),
         (("full-rows-one-at-a-time",), hooks.ParamHook, "grad_as_is", lambda self, owner, grad, pass_: None),
+        (("full-backward-slots-as-they-come",), passes.PassRecord, "log_gradient", slots_as_they_come),
     ]
 
 

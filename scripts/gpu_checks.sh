@@ -79,12 +79,12 @@ PY
 section "where the time goes: variants with a part switched off, in pairs"
 { in_time 90 "attribution, stack194 sentinel" && timeout 90 python benchmarks/attribute.py \
     --device cuda --model stack194 --steps 30 --variants sentinel,sentinel-put-back-each-call,sentinel-no-flags
-  in_time 90 "attribution, stack194 full" && timeout 90 python benchmarks/attribute.py \
-    --device cuda --model stack194 --steps 14 --variants full,full-rows-one-at-a-time,full-lean-floor
+  in_time 110 "attribution, stack194 full" && timeout 110 python benchmarks/attribute.py \
+    --device cuda --model stack194 --steps 14 --variants full,full-rows-one-at-a-time,full-backward-slots-as-they-come,full-lean-floor
   in_time 150 "attribution, GPT-2 full" && timeout 150 python benchmarks/attribute.py \
     --device cuda --model gpt2-124m --steps 14 --variants full,full-rows-one-at-a-time,full-no-statistics,full-lean-floor
-  in_time 120 "attribution, Llama full" && timeout 120 python benchmarks/attribute.py \
-    --device cuda --model llama-125m --steps 14 --variants full,full-lean-floor
+  in_time 150 "attribution, Llama full" && timeout 150 python benchmarks/attribute.py \
+    --device cuda --model llama-125m --steps 14 --variants full,full-backward-slots-as-they-come,full-lean-floor
 } 2>&1 | tee "$out/attribution.md"
 
 in_time 60 "row cost" && { section "host time per row of full mode's statistics: 0-d rows stacked, rows written in place"
