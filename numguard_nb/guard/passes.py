@@ -306,8 +306,10 @@ class PassRecord:
 
     def log_gradient(self, targets, entry: list, dtype) -> None:
         """A gradient has come for `targets` (forward call, role, category, one after another),
-        summarised as `entry`: its slots are made when the calls are read."""
-        self.gradients.append((targets, entry[ENTRY_INDEX], entry[ENTRY_KIND], dtype, entry[ENTRY_SHAPE]))
+        summarised as `entry`: its slots are made when the calls are read, for the targets it
+        had when it came (a tuple: a list of targets a forward still open adds to is copied)."""
+        self.gradients.append((tuple(targets), entry[ENTRY_INDEX], entry[ENTRY_KIND], dtype,
+                               entry[ENTRY_SHAPE]))
 
     def _slot_gradients(self) -> None:
         logged, self.gradients = self.gradients, []
