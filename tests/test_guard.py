@@ -594,6 +594,38 @@ def test_a_report_shows_the_backward_before_it_with_each_gradient_where_it_came(
     assert 0 < weight_grad.abs_max < float("inf")
     assert [f.phase for f in frames].index("backward") == 4  # after batch 0's forward
 
+
+def test_two_threads_reading_the_report_at_once_see_the_same_frames():
+    # A healthy backward's slots are made when a report first reads them: two threads asking
+    # at once (a notebook's display beside a training thread) must not each make half of them.
+    import sys
+    import threading
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
+    x = torch.randn(2, 8)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: a race shows within a few steps
+    try:
+        with Guard(model, max_frames=21) as guard:
+            for _ in range(40):
+                model(x).sum().backward()
+                start, seen = threading.Barrier(2), []
+
+                def read():
+                    start.wait()
+                    seen.append([(f.phase, f.module_name, [r.role for r in f.rows])
+                                 for f in guard.report.frames])
+
+                threads = [threading.Thread(target=read) for _ in range(2)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                assert seen[0] == seen[1]
+                assert [phase for phase, _, _ in seen[0]] == ["backward"] * 21
+    finally:
+        sys.setswitchinterval(interval)
+
 # ---- in-place, shared and frozen modules in backward --------------------------------------
 def test_inplace_relu_works_forward_and_backward():
     torch.manual_seed(0)

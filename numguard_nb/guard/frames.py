@@ -478,15 +478,14 @@ class RecentPasses:
         with self._lock:
             self.passes.append(pass_)
             # Keep just enough passes to fill max_frames frames of context (a backward's calls
-            # are counted without making its gradients' slots: at least one, maybe more kept).
+            # counted without making its gradients' slots).
             while len(self.passes) > 1 and sum(
-                    p.calls_at_least() for p in list(self.passes)[1:]) >= max_frames:
+                    p.count_calls(max_frames) for p in list(self.passes)[1:]) >= max_frames:
                 self.passes.popleft()
 
     def frames(self, options) -> list:
         """The last `options.max_frames` frames of the kept passes."""
-        with self._lock:
-            kept = list(self.passes)
-        frames = [build_frame(p, c, options) for p in kept
-                  for c in sorted(p.calls, key=_SEQ)[-options.max_frames:]]
+        with self._lock:  # (reading a backward's calls makes its slots: one thread at a time)
+            kept = [(p, sorted(p.calls, key=_SEQ)[-options.max_frames:]) for p in self.passes]
+        frames = [build_frame(p, c, options) for p, calls in kept for c in calls]
         return frames[-options.max_frames:]

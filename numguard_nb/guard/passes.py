@@ -300,9 +300,18 @@ class PassRecord:
             self._slot_gradients()
         return self._calls
 
-    def calls_at_least(self) -> int:
-        """How many calls the pass has at least, without making the logged gradients' slots."""
-        return len(self._calls) + bool(self.gradients)
+    def count_calls(self, up_to: int) -> int:
+        """How many calls the pass has, counted no further than `up_to`, without making the
+        logged gradients' slots (a backward call for each forward call a gradient targets)."""
+        if not self.gradients:
+            return min(len(self._calls), up_to)
+        forward_calls = set(self.backward_calls)  # (ids of the forward calls of those made)
+        for targets, *_ in self.gradients:
+            for position in range(0, len(targets), 3):
+                forward_calls.add(id(targets[position]))
+            if len(forward_calls) >= up_to:
+                return up_to
+        return len(forward_calls)
 
     def log_gradient(self, targets, entry: list, dtype) -> None:
         """A gradient has come for `targets` (forward call, role, category, one after another),
