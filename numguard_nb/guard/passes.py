@@ -51,6 +51,9 @@ ENTRY_REF, ENTRY_VERSION, ENTRY_INDEX, ENTRY_TARGETS, ENTRY_SHAPE, ENTRY_KIND = 
 FINE = frozenset()
 
 _LATER = -1  # in `PassRecord.vectors`: a gradient's row, written at the pass's read
+_MAKING_SLOTS = threading.Lock()  # a backward's logged gradients made into slots (`calls`)
+
+
 def _same_gradient(param, ptr: int, version: int) -> bool:
     """Whether `param.grad` is still the gradient its hook saw (`ptr`, `version`)."""
     grad = param.grad
@@ -321,17 +324,25 @@ class PassRecord:
                                entry[ENTRY_SHAPE]))
 
     def _slot_gradients(self) -> None:
-        logged, self.gradients = self.gradients, []
-        for gradient in logged:
-            for _ in self.slots_of(*gradient):
-                pass
+        # One thread at a time; the log emptied once its slots are all made, so that a reader
+        # finding it empty finds every slot made (threads reading one pass: `RecentPasses`).
+        with _MAKING_SLOTS:
+            logged = self.gradients
+            for gradient in logged:
+                for _ in self._make_slots(*gradient):
+                    pass
+            self.gradients = []
 
     def slots_of(self, targets, index, kind, dtype, shape):
-        """Make the slots of one gradient in its backward calls, yielding (slot, call) each.
-        Targets were registered in forward order; backward reaches them in reverse (a tensor
-        that is A's output and B's input is B's input gradient before it is A's output's)."""
-        if self.gradients:  # (those logged before come first)
+        """Make the slots of one gradient in its backward calls (those logged before it made
+        first): an iterator of (slot, call), each made as it is asked for."""
+        if self.gradients:
             self._slot_gradients()
+        return self._make_slots(targets, index, kind, dtype, shape)
+
+    def _make_slots(self, targets, index, kind, dtype, shape):
+        # Targets were registered in forward order; backward reaches them in reverse (a tensor
+        # that is A's output and B's input is B's input gradient before it is A's output's).
         for position in range(len(targets) - 3, -1, -3):
             forward_call, role, category = targets[position:position + 3]
             call = self.backward_calls.get(id(forward_call)) or self.backward_call(forward_call)
