@@ -531,15 +531,15 @@ class Guard:
             return None
         pass_ = self._backward_passes.get(graph_task_id()) or self._backward_state()
         targets = (hook.forward_call(self.threads.state, self), hook.role, GRAD_PARAM)
-        self._record_grad(targets, grad, hook.grad_as_is(self, grad, pass_))
+        self._record_grad(targets, grad, hook.grad_as_is(self, grad, pass_), pass_)
         if hook.input_targets:  # the calls it was an input of
             self._on_leaf_grad(hook.input_targets, grad)
         return None
 
-    def _record_grad(self, targets, grad, later=None) -> None:
-        """Summarise one gradient once and add it to every call it belongs to (`targets`: forward
-        call, role, category, one after another)."""
-        pass_ = self._backward_passes.get(graph_task_id()) or self._backward_state()  # (no call once open)
+    def _record_grad(self, targets, grad, later=None, pass_=None) -> None:
+        """Summarise one gradient once and log it for every call it belongs to (`targets`: forward
+        call, role, category, one after another; `pass_`: its backward, where known)."""
+        pass_ = pass_ or self._backward_passes.get(graph_task_id()) or self._backward_state()  # (no call once open)
         site = (targets[0].module_id, targets[1]) if targets else None
         entry = pass_.summarise(grad, site, self._nonzero_min, self._sign_hints, later=later)
         if not self.synchronous or self.tracing:

@@ -7,9 +7,9 @@ None, arrival order). A `PassRecord` summarises each tensor once per pass (`summ
 `weight_slot`) into a cache entry, a list indexed by `ENTRY_REF` ... `ENTRY_KIND`: [reference,
 version, stats index or None, gradient targets or None, shape, value kind]; `read_back()` is the
 pass's one read-back. A backward logs its gradients (`log_gradient`) and makes their calls and
-slots only when its `calls` are read. On a device a pass writes its weights' and its parameter gradients' rows
-together (`summarise_weights`, `summarise`'s `later`; `Holding`: what its guard's backwards
-learnt of where it cannot). `PassState`: one thread's place in a forward pass (its open calls, its pass,
+slots only when its `calls` are read. On a device a pass writes its weights' and its parameter
+gradients' rows together (`summarise_weights`, `summarise`'s `later`; `Holding`: what its
+guard's backwards learnt of where it cannot). `PassState`: one thread's place in a forward pass (its open calls, its pass,
 its batch; one per thread, `ThreadPasses`); `BackwardPasses`: the backward passes in progress.
 
 Limits: the reference is weak for values, the tensor itself for weights and buffers (their module
